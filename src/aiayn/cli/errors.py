@@ -1,0 +1,15 @@
+"""Errors the command line reports as one line, without a traceback."""
+
+from __future__ import annotations
+
+
+class CLIError(Exception):
+    """A command-line usage problem (bad option combination, missing argument)."""
+
+
+class UserError(Exception):
+    """Bad input from the user's side: a missing or malformed file, an unwritable directory.
+
+    Library code raises it (or a subclass) with a message that names the file and, where it
+    applies, the line; the command line prints the message alone and exits with status 2.
+    """

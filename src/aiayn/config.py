@@ -1,0 +1,307 @@
+"""Typed, frozen configuration: one TOML file plus dotted ``key=value`` overrides.
+
+A run is described by a :class:`RunConfig` made of four sections (``model``, ``data``,
+``train``, ``decode``). Defaults are the paper's (Vaswani et al., 2017); presets in
+:mod:`aiayn.presets` are plain dictionaries of overrides on top of them.
+
+Unknown keys are an error that lists the valid ones. No registries, no strings that resolve
+to code: every field is plain data, so a config round-trips through a dict (and through a
+checkpoint) without pickling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+CONFIG_FORMAT_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be built: unknown key, wrong type or inconsistent values."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, named with the paper's symbols."""
+
+    vocab_size: int = 37000
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8
+    # d_k (queries/keys) and d_v (values) per head; None means d_model / n_heads (§3.2.2).
+    d_k: int | None = None
+    d_v: int | None = None
+    n_layers: int = 6
+    # Residual dropout P_drop: each sub-layer output before the residual add, and the
+    # embedding + positional-encoding sums (§5.4).
+    dropout: float = 0.1
+    # Not in the paper; options, off by default.
+    attention_dropout: float = 0.0
+    relu_dropout: float = 0.0
+    # Biases on the attention projections W^Q, W^K, W^V, W^O (see MultiHeadAttention).
+    attention_bias: bool = True
+    # "sinusoidal" (§3.5) or "learned" (Table 3 row E).
+    positional: Literal["sinusoidal", "learned"] = "sinusoidal"
+    max_positions: int = 1024
+    # One matrix for source embedding, target embedding and pre-softmax projection (§3.4).
+    share_embeddings: bool = True
+    # Post-norm LayerNorm(x + Dropout(Sublayer(x))) is the paper's (§3.1); pre-norm is an option.
+    pre_norm: bool = False
+    layer_norm_eps: float = 1e-6
+
+    @property
+    def head_dim_k(self) -> int:
+        return self.d_k if self.d_k is not None else self.d_model // self.n_heads
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.d_v if self.d_v is not None else self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        if self.d_k is None or self.d_v is None:
+            if self.d_model % self.n_heads != 0:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "set d_k and d_v explicitly"
+                )
+        for name in ("vocab_size", "d_model", "d_ff", "n_heads", "n_layers", "max_positions"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        for name in ("dropout", "attention_dropout", "relu_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {value}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How training pairs are read and batched."""
+
+    # Padded tokens per side of one batch (per device).
+    max_tokens: int = 4096
+    # Pairs with more tokens than this on either side are dropped (and counted).
+    max_len: int = 256
+    # Pairs whose length ratio (longer / shorter) exceeds this are dropped (and counted).
+    max_len_ratio: float = 3.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The paper's training recipe (§5) and the run's bookkeeping."""
+
+    seed: int = 1
+    # Adam (§5.3).
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    # Eq. 3: lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5).
+    warmup_steps: int = 4000
+    lr_scale: float = 1.0
+    weight_decay: float = 0.0
+    # Label smoothing epsilon_ls (§5.4).
+    label_smoothing: float = 0.1
+    # Target tokens one optimizer update should see, summed over devices and accumulation
+    # steps (§5.1: about 25,000 source and 25,000 target tokens).
+    update_tokens: int = 25000
+    clip_norm: float = 0.0
+    max_steps: int = 100000
+    max_epochs: int = 0
+    max_minutes: float = 0.0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False
+    log_interval: int = 100
+    valid_interval: int = 1000
+    valid_bleu: bool = True
+    save_interval_steps: int = 1000
+    # §6.1: checkpoints written at 10-minute intervals.
+    save_interval_minutes: float = 10.0
+    keep_last: int = 5
+    # Checkpoints averaged at the end of training (§6.1: 5 for base, 20 for big); 0 = none.
+    average_last: int = 5
+    patience: int = 0
+    max_bad_steps: int = 10
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Inference settings (§6.1)."""
+
+    beam_size: int = 4
+    alpha: float = 0.6
+    # Maximum output length = max_len_a * source_length + max_len_b (paper: input + 50).
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    batch_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, in four sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    preset: str = "base"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self)
+        out["format_version"] = CONFIG_FORMAT_VERSION
+        return out
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "decode": DecodeConfig,
+}
+
+T = TypeVar("T")
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check (and, for strings from the command line, convert) ``value`` against a type hint."""
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    if args and type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {annotation!r}")  # pragma: no cover
+
+
+def build_section(cls: type[T], values: Mapping[str, Any], prefix: str) -> T:
+    """Build one frozen dataclass from a mapping, rejecting unknown keys."""
+    hints = get_type_hints(cls)
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(f'{prefix}.{k}' for k in unknown)}; "
+            f"valid keys in [{prefix}]: {', '.join(names)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["model.dropout=0.3", "train.max_steps=10"]`` into a nested dict of strings."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        dotted, value = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if len(parts) == 1 and parts[0] == "preset":
+            nested["preset"] = value.strip()
+            continue
+        if len(parts) != 2 or parts[0] not in _SECTIONS:
+            raise ConfigError(
+                f"override {item!r}: key must be section.key with section one of "
+                f"{', '.join(_SECTIONS)} (or 'preset')"
+            )
+        nested.setdefault(parts[0], {})[parts[1]] = value.strip()
+    return nested
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
+    """Build a :class:`RunConfig` from a nested dict: ``preset`` first, then the sections."""
+    from aiayn.presets import preset_overrides
+
+    raw = dict(raw)
+    raw.pop("format_version", None)
+    preset = raw.pop("preset", "base")
+    if not isinstance(preset, str):
+        raise ConfigError(f"preset must be a string, got {preset!r}")
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown section(s) {', '.join(unknown)}; valid: preset, {', '.join(_SECTIONS)}"
+        )
+    merged = _merge(preset_overrides(preset), raw)
+    sections = {
+        name: build_section(cls, merged.get(name, {}), name) for name, cls in _SECTIONS.items()
+    }
+    config = RunConfig(preset=preset, **sections)
+    config.model.validate()
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML run file (optional) and apply dotted overrides on top of it."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            with path.open("rb") as handle:
+                raw = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    return config_from_dict(_merge(raw, parse_overrides(overrides or [])))
+
+
+def replace(config: T, **changes: Any) -> T:
+    """``dataclasses.replace`` re-exported for frozen configs."""
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]

@@ -1,0 +1,1 @@
+"""Everything between text files and the training loop: vocabulary, binarised corpus, batches."""

@@ -1,0 +1,1 @@
+"""Scoring translations: sacreBLEU and chrF with their signatures."""

@@ -1,0 +1,1 @@
+"""From a trained model to text: model-agnostic search and the text-in, text-out translator."""

@@ -1,0 +1,72 @@
+"""Token embeddings scaled by √d_model (§3.4) plus positional encodings (§3.5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    Interleaved: even dimensions hold sines, odd dimensions cosines, as §3.5 writes it
+    (tensor2tensor and fairseq concatenate the two halves instead). Computed in float64.
+    """
+    if d_model % 2 != 0:
+        raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
+    position = torch.arange(n_positions, dtype=torch.float64)[:, None]  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
+    angle = position / torch.pow(10000.0, two_i / d_model)  # (P, d/2)
+    table = torch.empty(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle)
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """Positions 0..P-1 as fixed sinusoids (default) or learned vectors (Table 3 row E)."""
+
+    def __init__(self, max_positions: int, d_model: int, learned: bool) -> None:
+        super().__init__()
+        self.max_positions = max_positions
+        self.learned: nn.Parameter | None
+        if learned:
+            # Deviation: the paper does not say how learned positions are initialised;
+            # normal(0, d_model^-0.5) like the token embeddings.
+            self.learned = nn.Parameter(torch.randn(max_positions, d_model) * d_model**-0.5)
+            self.register_buffer("table", None, persistent=False)
+        else:
+            self.learned = None
+            self.register_buffer("table", sinusoid_table(max_positions, d_model), persistent=False)
+
+    def forward(self, length: int, offset: int = 0) -> Tensor:
+        """Encodings of positions offset .. offset+length-1: (length, d_model)."""
+        if offset + length > self.max_positions:
+            raise ValueError(
+                f"sequence of {offset + length} positions exceeds model.max_positions="
+                f"{self.max_positions}"
+            )
+        table = self.learned if self.learned is not None else self.table
+        return table[offset : offset + length]
+
+
+class Embeddings(nn.Module):
+    """Dropout(Embedding(ids) · √d_model + PE): the input of both stacks (§3.4, §3.5, §5.4).
+
+    ``token`` may be shared with the other stack and the pre-softmax projection.
+    """
+
+    def __init__(self, token: nn.Embedding, positions: PositionalEncoding, dropout: float) -> None:
+        super().__init__()
+        self.token = token
+        self.positions = positions
+        self.scale = math.sqrt(token.embedding_dim)
+        self.dropout = dropout
+
+    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
+        x = self.token(ids) * self.scale  # (B, T, d_model)
+        x = x + self.positions(ids.size(1), offset).to(x.dtype)
+        return F.dropout(x, self.dropout, self.training)

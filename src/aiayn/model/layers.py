@@ -1,0 +1,114 @@
+"""Encoder and decoder layers (§3.1): three (decoder) or two (encoder) sub-layers, each
+wrapped as ``LayerNorm(x + Dropout(Sublayer(x)))`` (post-norm, the paper's) or, as an option,
+``x + Dropout(Sublayer(LayerNorm(x)))`` (pre-norm)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.attention import MultiHeadAttention
+from aiayn.model.cache import LayerCache
+from aiayn.model.feedforward import PositionwiseFeedForward
+
+
+def _residual(
+    x: Tensor,
+    sublayer: Callable[[Tensor], Tensor],
+    norm: nn.LayerNorm,
+    dropout: float,
+    training: bool,
+    pre_norm: bool,
+) -> Tensor:
+    if pre_norm:
+        return x + F.dropout(sublayer(norm(x)), dropout, training)
+    return norm(x + F.dropout(sublayer(x), dropout, training))
+
+
+def _attention(config: ModelConfig, self_attention: bool) -> MultiHeadAttention:
+    return MultiHeadAttention(
+        config.d_model,
+        config.n_heads,
+        config.head_dim_k,
+        config.head_dim_v,
+        self_attention=self_attention,
+        dropout=config.attention_dropout,
+        bias=config.attention_bias,
+    )
+
+
+class EncoderLayer(nn.Module):
+    """Multi-head self-attention, then the position-wise feed-forward network."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = _attention(config, self_attention=True)
+        self.ffn = PositionwiseFeedForward(config.d_model, config.d_ff, config.relu_dropout)
+        self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = config.dropout
+        self.pre_norm = config.pre_norm
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        x = _residual(
+            x,
+            lambda h: self.self_attn(h, mask=mask),
+            self.self_attn_norm,
+            self.dropout,
+            self.training,
+            self.pre_norm,
+        )
+        return _residual(x, self.ffn, self.ffn_norm, self.dropout, self.training, self.pre_norm)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, attention over the encoder output, then the feed-forward network."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = _attention(config, self_attention=True)
+        self.cross_attn = _attention(config, self_attention=False)
+        self.ffn = PositionwiseFeedForward(config.d_model, config.d_ff, config.relu_dropout)
+        self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.cross_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = config.dropout
+        self.pre_norm = config.pre_norm
+
+    def forward(self, x: Tensor, memory: Tensor, cross_mask: Tensor | None) -> Tensor:
+        """Teacher forcing over all target positions at once (causal self-attention)."""
+        x = self._sublayer(x, lambda h: self.self_attn(h, causal=True), self.self_attn_norm)
+        x = self._sublayer(
+            x, lambda h: self.cross_attn(h, memory, mask=cross_mask), self.cross_attn_norm
+        )
+        return self._sublayer(x, self.ffn, self.ffn_norm)
+
+    def step(
+        self, x: Tensor, cache: LayerCache, position: int, cross_mask: Tensor | None
+    ) -> Tensor:
+        """One new position x (B, 1, d_model): writes its K/V into the cache at ``position``
+        and attends over positions 0..position."""
+
+        def self_attention(h: Tensor) -> Tensor:
+            q, k, v = self.self_attn.project_qkv(h)  # (B, H, 1, Dh) each
+            cache.self_k[:, :, position : position + 1] = k
+            cache.self_v[:, :, position : position + 1] = v
+            keys = cache.self_k[:, :, : position + 1]  # (B, H, t+1, Dk)
+            values = cache.self_v[:, :, : position + 1]  # (B, H, t+1, Dv)
+            return self.self_attn.attend(q, keys, values, None)
+
+        def cross_attention(h: Tensor) -> Tensor:
+            q = self.cross_attn.project_q(h)  # (B, H, 1, Dk)
+            return self.cross_attn.attend(q, cache.cross_k, cache.cross_v, cross_mask)
+
+        x = self._sublayer(x, self_attention, self.self_attn_norm)
+        x = self._sublayer(x, cross_attention, self.cross_attn_norm)
+        return self._sublayer(x, self.ffn, self.ffn_norm)
+
+    def _sublayer(
+        self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.LayerNorm
+    ) -> Tensor:
+        return _residual(x, sublayer, norm, self.dropout, self.training, self.pre_norm)

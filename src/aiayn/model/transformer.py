@@ -1,0 +1,157 @@
+"""The encoder-decoder Transformer (§3) with teacher-forced and incremental decoding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.attention import attention_mask
+from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
+from aiayn.model.embedding import Embeddings, PositionalEncoding
+from aiayn.model.layers import DecoderLayer, EncoderLayer
+
+
+class Encoder(nn.Module):
+    """A stack of N encoder layers. Post-norm has no final LayerNorm; pre-norm needs one."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        self.final_norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
+        )
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Decoder(nn.Module):
+    """A stack of N decoder layers. Post-norm has no final LayerNorm; pre-norm needs one."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.final_norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
+        )
+
+    def forward(self, x: Tensor, memory: Tensor, cross_mask: Tensor | None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, memory, cross_mask)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+    def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x = layer.step(x, layer_cache, cache.length, cache.cross_mask)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Transformer(nn.Module):
+    """The paper's encoder-decoder.
+
+    Tensors by role: ``src_ids`` (B, S) token ids; ``src_pad`` (B, S) bool, True at padding;
+    ``tgt_in`` (B, T) = BOS + y; ``memory`` (B, S, d_model) encoder output; ``logits`` (B, T, V).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        d = config.d_model
+        learned = config.positional == "learned"
+        src_token = nn.Embedding(config.vocab_size, d)
+        # Deviation: the paper does not state an initialisation; embeddings are normal with
+        # standard deviation d_model^-0.5 (tensor2tensor's choice), so that after the √d_model
+        # scale of §3.4 the inputs have unit variance.
+        nn.init.normal_(src_token.weight, mean=0.0, std=d**-0.5)
+        if config.share_embeddings:
+            tgt_token = src_token
+        else:
+            tgt_token = nn.Embedding(config.vocab_size, d)
+            nn.init.normal_(tgt_token.weight, mean=0.0, std=d**-0.5)
+        self.src_embed = Embeddings(
+            src_token, PositionalEncoding(config.max_positions, d, learned), config.dropout
+        )
+        self.tgt_embed = Embeddings(
+            tgt_token, PositionalEncoding(config.max_positions, d, learned), config.dropout
+        )
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+        # Pre-softmax linear transformation (§3.4): no bias; with shared embeddings its weight
+        # is the very same Parameter as both embedding matrices.
+        self.out_proj = nn.Linear(d, config.vocab_size, bias=False)
+        if config.share_embeddings:
+            self.out_proj.weight = tgt_token.weight
+        else:
+            nn.init.normal_(self.out_proj.weight, mean=0.0, std=d**-0.5)
+
+    # -- teacher forcing -------------------------------------------------------------------
+
+    def encode(self, src_ids: Tensor, src_pad: Tensor | None) -> Tensor:
+        """Encoder output ``memory`` (B, S, d_model)."""
+        return self.encoder(self.src_embed(src_ids), attention_mask(src_pad))
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
+        """Decoder hidden states (B, T, d_model) for all target positions (causal)."""
+        return self.decoder(self.tgt_embed(tgt_in), memory, attention_mask(src_pad))
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Pre-softmax projection to vocabulary logits."""
+        return self.out_proj(hidden)
+
+    def forward(self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced logits (B, T, V)."""
+        memory = self.encode(src_ids, src_pad)
+        return self.project(self.decode(tgt_in, memory, src_pad))
+
+    # -- incremental decoding --------------------------------------------------------------
+
+    def init_cache(self, memory: Tensor, src_pad: Tensor | None, max_len: int) -> DecoderCache:
+        """A cache for up to ``max_len`` decoder positions; projects the memory once per layer."""
+        if max_len > self.config.max_positions:
+            raise ValueError(
+                f"max_len={max_len} exceeds model.max_positions={self.config.max_positions}"
+            )
+        batch = memory.size(0)
+        layers = []
+        for layer in self.decoder.layers:
+            cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
+            self_k, self_v = empty_self_kv(
+                batch, self.config.n_heads, max_len, cross_k.size(-1), cross_v.size(-1), memory
+            )
+            layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
+        return DecoderCache(layers, attention_mask(src_pad), length=0, max_len=max_len)
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Logits (B, V) for the next position, given the tokens (B,) at position
+        ``cache.length``; appends their keys and values to the cache."""
+        if cache.length >= cache.max_len:
+            raise ValueError(f"cache is full ({cache.max_len} positions)")
+        x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, d_model)
+        hidden = self.decoder.step(x, cache)
+        cache.length += 1
+        return self.project(hidden[:, 0])
+
+    def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search."""
+        return F.log_softmax(self.decode_step(tokens, cache).float(), dim=-1)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (a shared matrix counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel()
+    return total
+
+
+def build_model(config: ModelConfig, device: torch.device | str | None = None) -> Transformer:
+    """A freshly initialised Transformer on ``device``."""
+    return Transformer(config).to(device) if device is not None else Transformer(config)

@@ -1,0 +1,122 @@
+"""Presets: the paper's models as plain data (Vaswani et al., 2017, Table 3).
+
+Each preset is a nested dict of overrides on top of the defaults in :mod:`aiayn.config`
+(which are the base model's). Names say which row of Table 3 they reproduce:
+``a_h4_dk128`` is row (A) with h = 4 and d_k = d_v = 128, ``c_n2`` is row (C) with N = 2, and so on.
+
+``PAPER_PARAMS_M`` holds the parameter counts (millions) printed in Table 3, for the rows that
+have one; ``docs/faithfulness.md`` compares them with ours (``scripts/param_table.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiayn.config import ConfigError
+
+Preset = dict[str, dict[str, Any]]
+
+# Table 3, "base": N=6, d_model=512, d_ff=2048, h=8, d_k=d_v=64, P_drop=0.1, eps_ls=0.1, 100K steps.
+_BASE: Preset = {"model": {}, "train": {"max_steps": 100000, "average_last": 5}}
+
+PRESETS: dict[str, Preset] = {
+    "base": _BASE,
+    # Table 3, "big": N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3, 300K steps; §6.1 averages
+    # the last 20 checkpoints.
+    "big": {
+        "model": {"d_model": 1024, "d_ff": 4096, "n_heads": 16, "dropout": 0.3},
+        "train": {"max_steps": 300000, "average_last": 20},
+    },
+    # §6.1: the big model for English-French used P_drop = 0.1 instead of 0.3.
+    "big_enfr": {
+        "model": {"d_model": 1024, "d_ff": 4096, "n_heads": 16, "dropout": 0.1},
+        "train": {"max_steps": 300000, "average_last": 20},
+    },
+    # Row (A): number of heads, with d_k = d_v = d_model / h keeping computation constant.
+    "a_h1_dk512": {"model": {"n_heads": 1, "d_k": 512, "d_v": 512}},
+    "a_h4_dk128": {"model": {"n_heads": 4, "d_k": 128, "d_v": 128}},
+    "a_h16_dk32": {"model": {"n_heads": 16, "d_k": 32, "d_v": 32}},
+    "a_h32_dk16": {"model": {"n_heads": 32, "d_k": 16, "d_v": 16}},
+    # Row (B): attention key size d_k alone (d_v stays 64).
+    "b_dk16": {"model": {"d_k": 16, "d_v": 64}},
+    "b_dk32": {"model": {"d_k": 32, "d_v": 64}},
+    # Row (C): depth, width and feed-forward size.
+    "c_n2": {"model": {"n_layers": 2}},
+    "c_n4": {"model": {"n_layers": 4}},
+    "c_n8": {"model": {"n_layers": 8}},
+    "c_dmodel256": {"model": {"d_model": 256, "d_k": 32, "d_v": 32}},
+    "c_dmodel1024": {"model": {"d_model": 1024, "d_k": 128, "d_v": 128}},
+    "c_dff1024": {"model": {"d_ff": 1024}},
+    "c_dff4096": {"model": {"d_ff": 4096}},
+    # Row (D): residual dropout and label smoothing.
+    "d_dropout0": {"model": {"dropout": 0.0}},
+    "d_dropout0_2": {"model": {"dropout": 0.2}},
+    "d_ls0": {"train": {"label_smoothing": 0.0}},
+    "d_ls0_2": {"train": {"label_smoothing": 0.2}},
+    # Row (E): learned positional embeddings instead of sinusoids.
+    "e_learned_pos": {"model": {"positional": "learned"}},
+    # Not in the paper: sizes for CPUs and tests.
+    # "small": the 256-wide 3+3 model of the benchmarks and the CPU demo.
+    "small": {
+        "model": {"d_model": 256, "d_ff": 1024, "n_heads": 4, "n_layers": 3},
+        "train": {"average_last": 5},
+    },
+    # "tiny": for unit tests and smoke runs only.
+    "tiny": {
+        "model": {
+            "vocab_size": 64,
+            "d_model": 32,
+            "d_ff": 64,
+            "n_heads": 4,
+            "n_layers": 2,
+            "max_positions": 256,
+        },
+        "train": {"warmup_steps": 100, "max_steps": 200, "average_last": 2},
+    },
+}
+
+# Parameter counts in millions as printed in Table 3 (rows without a figure are absent).
+PAPER_PARAMS_M: dict[str, float] = {
+    "base": 65,
+    "b_dk16": 58,
+    "b_dk32": 60,
+    "c_n2": 36,
+    "c_n4": 50,
+    "c_n8": 80,
+    "c_dmodel256": 28,
+    "c_dmodel1024": 168,
+    "c_dff1024": 53,
+    "c_dff4096": 90,
+    "big": 213,
+}
+
+# The rows of Table 3 in the paper's order, for reports.
+TABLE3_ROWS: list[str] = [
+    "base",
+    "a_h1_dk512",
+    "a_h4_dk128",
+    "a_h16_dk32",
+    "a_h32_dk16",
+    "b_dk16",
+    "b_dk32",
+    "c_n2",
+    "c_n4",
+    "c_n8",
+    "c_dmodel256",
+    "c_dmodel1024",
+    "c_dff1024",
+    "c_dff4096",
+    "d_dropout0",
+    "d_dropout0_2",
+    "d_ls0",
+    "d_ls0_2",
+    "e_learned_pos",
+    "big",
+]
+
+
+def preset_overrides(name: str) -> Preset:
+    """The overrides of preset ``name`` (a fresh copy), or a ConfigError listing the valid ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return {section: dict(values) for section, values in PRESETS[name].items()}

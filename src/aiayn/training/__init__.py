@@ -1,0 +1,1 @@
+"""The paper's training recipe: loss, optimizer and schedule, trainer, checkpoints, DDP."""
