@@ -9,15 +9,15 @@ demo: venv
 
 test: venv
 	.venv/bin/python -m pytest -q
-	.venv/bin/ruff check src tests benchmarks
-	.venv/bin/ruff format --check src tests benchmarks
+	.venv/bin/ruff check src tests benchmarks scripts
+	.venv/bin/ruff format --check src tests benchmarks scripts
 
 lint: venv
-	.venv/bin/ruff check src tests benchmarks
+	.venv/bin/ruff check src tests benchmarks scripts
 
 format: venv
-	.venv/bin/ruff format src tests benchmarks
-	.venv/bin/ruff check --fix src tests benchmarks
+	.venv/bin/ruff format src tests benchmarks scripts
+	.venv/bin/ruff check --fix src tests benchmarks scripts
 
 bench: venv
 	.venv/bin/python benchmarks/run_all.py
