@@ -1,0 +1,396 @@
+"""Model-agnostic decoding: beam search, greedy search and sampling.
+
+Search knows nothing of the model. It drives a ``step_fn(tokens, cache) -> log_probs``: given
+the last token of every row, (rows,), it returns next-token log-probabilities, (rows, V), and
+advances ``cache``, an object with two methods: ``reorder(rows)`` (row i becomes old row
+``rows[i]``, same number of rows) and ``keep(rows)`` (only the listed rows stay, in that order).
+:meth:`aiayn.model.transformer.Transformer.log_probs_step` with a
+:class:`aiayn.model.cache.DecoderCache` is one such pair.
+
+Every search is vectorised over sentences (and beams); a sentence that is done leaves the batch
+through ``cache.keep`` so the work shrinks as sentences finish. Each sentence is decoded on its
+own: its result does not depend on which other sentences share the batch.
+
+Beam search (§6.1 of the paper, after GNMT and tensor2tensor), for each sentence with beam
+size K:
+
+- Hypotheses are ranked by their summed log-probability. At each step every live hypothesis is
+  extended by every token; of these candidates, those among the best K that end in EOS are
+  *finished*; the next live beam is the best K candidates that do not end in EOS.
+- A finished hypothesis Y is scored ``log P(Y) / lp(|Y|)`` with the GNMT length penalty
+  ``lp(n) = ((5 + n) / 6) ** alpha``; ``|Y|`` counts the output tokens and the final EOS.
+- The sentence is done as soon as (a) K hypotheses have finished (the beam is spent), or (b) its
+  n-best list is full and no live hypothesis can beat the worst entry even at the most
+  favourable length (log-probabilities only decrease, so the best it can do is its current
+  log-probability divided by the largest length penalty it can still reach), or (c) its
+  maximum output length is reached: the step after ``max_len`` output tokens allows EOS only.
+
+With K = 1 this is greedy search exactly: the first time EOS is the best token, the beam is spent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from aiayn.data.collate import BOS_ID, EOS_ID
+
+
+class SearchCache(Protocol):
+    """What search needs of a decoder state."""
+
+    def reorder(self, rows: Tensor) -> None: ...
+
+    def keep(self, rows: Tensor) -> None: ...
+
+
+CacheT = TypeVar("CacheT", bound=SearchCache)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One output sequence.
+
+    ``tokens`` are the output tokens without BOS and EOS; ``log_prob`` is the summed
+    log-probability of the tokens and the final EOS; ``score`` is ``log_prob`` divided by the
+    length penalty of ``len(tokens) + 1`` positions (what beam search ranks by).
+    """
+
+    tokens: list[int]
+    score: float
+    log_prob: float
+
+
+def gnmt_length_penalty(length: float | Tensor, alpha: float) -> float | Tensor:
+    """GNMT's length penalty ``lp(|Y|) = ((5 + |Y|) / 6) ** alpha`` (Wu et al., 2016, Eq. 14)."""
+    return ((5 + length) / 6) ** alpha
+
+
+def max_output_lengths(src_lengths: Tensor, a: float, b: int, limit: int | None = None) -> Tensor:
+    """Per-sentence output limits ``floor(a * src_len + b)``, capped at ``limit`` when given."""
+    lengths = torch.floor(src_lengths.double() * a + b).long().clamp(min=0)
+    return lengths.clamp(max=limit) if limit is not None else lengths
+
+
+def _limits(max_len: int | Tensor, batch_size: int, device: torch.device) -> Tensor:
+    if isinstance(max_len, Tensor):
+        if max_len.shape != (batch_size,):
+            raise ValueError(f"max_len must be an int or a ({batch_size},) tensor")
+        limits = max_len.to(device=device, dtype=torch.long)
+    else:
+        limits = torch.full((batch_size,), int(max_len), dtype=torch.long, device=device)
+    if batch_size and int(limits.min()) < 0:
+        raise ValueError("max_len must not be negative")
+    return limits
+
+
+def _device(device: torch.device | str | None, max_len: int | Tensor) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return max_len.device if isinstance(max_len, Tensor) else torch.device("cpu")
+
+
+def _force_eos(log_probs: Tensor, forced: Tensor, eos_id: int) -> Tensor:
+    """Rows where ``forced`` (broadcast over the leading dims) may only emit EOS."""
+    others = torch.ones(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
+    others[eos_id] = False
+    shape = forced.shape + (1,) * (log_probs.dim() - forced.dim())
+    return log_probs.masked_fill(forced.view(shape) & others, float("-inf"))
+
+
+def beam_search(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+    cache: CacheT,
+    batch_size: int,
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len: int | Tensor,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    nbest: int = 1,
+    device: torch.device | str | None = None,
+) -> list[list[Hypothesis]]:
+    """Beam search over ``batch_size`` sentences (the rules are in the module docstring).
+
+    ``cache`` holds ``batch_size * beam_size`` rows, the beams of sentence i in rows
+    ``i * beam_size .. (i + 1) * beam_size - 1`` (all alike at the start: repeat the encoder
+    output). ``max_len`` is the most output tokens (EOS not counted) per sentence: an int or a
+    (batch_size,) tensor; the cache must hold ``max_len + 1`` positions. Returns, per sentence
+    in input order, up to ``nbest`` hypotheses, best score first.
+    """
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    dev = _device(device, max_len)
+    limits = _limits(max_len, batch_size, dev)
+    if batch_size == 0:
+        return []
+    k, n_keep = beam_size, nbest
+    width = int(limits.max()) + 1
+    inf = float("-inf")
+
+    # State of the active sentences (b of them); ``ids`` maps them to the input order.
+    ids = torch.arange(batch_size, device=dev)
+    live_scores = torch.full((batch_size, k), inf, device=dev)  # (b, K)
+    live_scores[:, 0] = 0.0  # all beams start alike: only the first one is live
+    history = torch.zeros(batch_size * k, width, dtype=torch.long, device=dev)  # (b*K, L)
+    tokens = torch.full((batch_size * k,), bos_id, dtype=torch.long, device=dev)
+    n_finished = torch.zeros(batch_size, dtype=torch.long, device=dev)
+    # The n-best list of finished hypotheses of each active sentence.
+    pool_score = torch.full((batch_size, n_keep), inf, device=dev)  # (b, N)
+    pool_logp = torch.full((batch_size, n_keep), inf, device=dev)
+    pool_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
+    pool_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)  # (b, N, L)
+    # Results, by input position.
+    out_score = torch.full((batch_size, n_keep), inf, device=dev)
+    out_logp = torch.full((batch_size, n_keep), inf, device=dev)
+    out_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
+    out_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)
+
+    t = 0
+    while True:
+        b = ids.numel()
+        log_probs = step_fn(tokens, cache).float()  # (b*K, V)
+        vocab = log_probs.size(-1)
+        if vocab < 2:
+            raise ValueError("beam search needs a vocabulary of at least two tokens")
+        forced = limits <= t  # (b,): max_len output tokens so far, only EOS may follow
+        log_probs = _force_eos(log_probs.view(b, k, vocab), forced, eos_id)
+        candidates = (live_scores[:, :, None] + log_probs).view(b, k * vocab)  # (b, K*V)
+        # At most K candidates end in EOS, so the best 2K hold at least K that do not.
+        top_score, top_index = candidates.topk(2 * k, dim=1)  # (b, 2K), best first
+        top_beam = top_index // vocab
+        top_tok = top_index % vocab
+        top_eos = top_tok == eos_id
+
+        # Finished: EOS among the best K candidates.
+        finished = top_eos[:, :k] & (top_score[:, :k] > inf)  # (b, K)
+        fin_logp = top_score[:, :k].masked_fill(~finished, inf)
+        fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
+        # Next live beam: the best K candidates without EOS (stable sort keeps score order).
+        order = torch.sort(top_eos.to(torch.uint8), dim=1, stable=True).indices[:, :k]
+        live_scores = top_score.gather(1, order)  # (b, K)
+        live_tok = top_tok.gather(1, order)
+        row_base = torch.arange(b, device=dev)[:, None] * k
+        parents = row_base + top_beam.gather(1, order)  # (b, K) cache rows they extend
+
+        # Merge the newly finished hypotheses into the n-best lists (scores only, for now).
+        merged_score, pick = torch.cat([pool_score, fin_score], 1).topk(n_keep, dim=1)
+        n_finished += finished.sum(1)
+        # The best a live hypothesis can still reach: divide by the largest length penalty.
+        # A live hypothesis will hold between t + 2 and limit + 1 positions (EOS included).
+        lp_best = gnmt_length_penalty(limits + 1.0, alpha).clamp(
+            min=gnmt_length_penalty(t + 2.0, alpha)
+        )
+        bound = live_scores[:, 0] / lp_best
+        done = (n_finished >= k) | forced | (merged_score[:, -1] >= bound)  # (b,)
+        any_finished, any_done = torch.stack([finished.any(), done.any()]).tolist()
+
+        if any_finished:
+            fin_parents = (row_base + top_beam[:, :k]).view(-1)  # (b*K,)
+            fin_tok = history[fin_parents, : t + 1].view(b, k, t + 1)
+            fin_tok[:, :, t] = eos_id
+            pick_tok = pick[:, :, None].expand(-1, -1, t + 1)
+            pool_tok[:, :, : t + 1] = torch.cat([pool_tok[:, :, : t + 1], fin_tok], 1).gather(
+                1, pick_tok
+            )
+            pool_logp = torch.cat([pool_logp, fin_logp], 1).gather(1, pick)
+            fin_len = torch.full((b, k), t, dtype=torch.long, device=dev)
+            pool_len = torch.cat([pool_len, fin_len], 1).gather(1, pick)
+            pool_score = merged_score
+
+        if any_done:
+            gone = done.nonzero().squeeze(1)
+            where = ids[gone]
+            out_score[where] = pool_score[gone]
+            out_logp[where] = pool_logp[gone]
+            out_len[where] = pool_len[gone]
+            out_tok[where] = pool_tok[gone]
+            stay = (~done).nonzero().squeeze(1)
+            if stay.numel() == 0:
+                break
+            rows = parents[stay].view(-1)
+            cache.keep(rows)
+            ids, limits, n_finished = ids[stay], limits[stay], n_finished[stay]
+            pool_score, pool_logp = pool_score[stay], pool_logp[stay]
+            pool_len, pool_tok = pool_len[stay], pool_tok[stay]
+            live_scores, live_tok = live_scores[stay], live_tok[stay]
+        else:
+            rows = parents.view(-1)
+            cache.reorder(rows)
+        n_rows = rows.numel()
+        history[:n_rows, :t] = history[rows, :t]
+        history = history[:n_rows]
+        history[:, t] = live_tok.reshape(-1)
+        tokens = live_tok.reshape(-1)
+        t += 1
+
+    return _hypotheses(out_tok, out_len, out_score, out_logp)
+
+
+def _hypotheses(
+    out_tok: Tensor, out_len: Tensor, out_score: Tensor, out_logp: Tensor
+) -> list[list[Hypothesis]]:
+    """Host-side lists from the result tensors (one transfer)."""
+    toks = out_tok.cpu().tolist()
+    lens = out_len.cpu().tolist()
+    scores = out_score.cpu().tolist()
+    logps = out_logp.cpu().tolist()
+    results: list[list[Hypothesis]] = []
+    for i in range(len(toks)):
+        hyps = [
+            Hypothesis(toks[i][j][: lens[i][j]], scores[i][j], logps[i][j])
+            for j in range(len(scores[i]))
+            if scores[i][j] > -math.inf
+        ]
+        results.append(hyps)
+    return results
+
+
+def _one_token_search(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+    cache: CacheT,
+    batch_size: int,
+    choose: Callable[[Tensor], Tensor],
+    *,
+    alpha: float,
+    max_len: int | Tensor,
+    bos_id: int,
+    eos_id: int,
+    device: torch.device | str | None,
+) -> list[Hypothesis]:
+    """One hypothesis per sentence, one token chosen per step by ``choose(log_probs) -> (b,)``."""
+    dev = _device(device, max_len)
+    limits = _limits(max_len, batch_size, dev)
+    if batch_size == 0:
+        return []
+    width = int(limits.max()) + 1
+    ids = torch.arange(batch_size, device=dev)
+    history = torch.zeros(batch_size, width, dtype=torch.long, device=dev)  # (b, L)
+    log_prob = torch.zeros(batch_size, device=dev)
+    tokens = torch.full((batch_size,), bos_id, dtype=torch.long, device=dev)
+    out_tok = torch.zeros(batch_size, 1, width, dtype=torch.long, device=dev)
+    out_len = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
+    out_logp = torch.zeros(batch_size, 1, device=dev)
+    t = 0
+    while True:
+        log_probs = _force_eos(step_fn(tokens, cache).float(), limits <= t, eos_id)  # (b, V)
+        tokens = choose(log_probs)
+        log_prob += log_probs.gather(1, tokens[:, None]).squeeze(1)
+        history[:, t] = tokens
+        done = tokens == eos_id
+        if done.any():
+            gone = done.nonzero().squeeze(1)
+            where = ids[gone]
+            out_tok[where, 0] = history[gone]
+            out_len[where, 0] = t
+            out_logp[where, 0] = log_prob[gone]
+            stay = (~done).nonzero().squeeze(1)
+            if stay.numel() == 0:
+                break
+            cache.keep(stay)
+            ids, limits, history = ids[stay], limits[stay], history[stay]
+            log_prob, tokens = log_prob[stay], tokens[stay]
+        t += 1
+    out_score = out_logp / gnmt_length_penalty(out_len + 1.0, alpha)
+    return [hyps[0] for hyps in _hypotheses(out_tok, out_len, out_score, out_logp)]
+
+
+def greedy_search(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+    cache: CacheT,
+    batch_size: int,
+    *,
+    max_len: int | Tensor,
+    alpha: float = 0.0,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    device: torch.device | str | None = None,
+) -> list[Hypothesis]:
+    """The most probable token at each step, until EOS or ``max_len`` output tokens.
+
+    ``cache`` holds ``batch_size`` rows. ``alpha`` only sets how ``Hypothesis.score`` is
+    normalised (the choice of tokens ignores it). One hypothesis per sentence, in input order.
+    """
+
+    def choose(log_probs: Tensor) -> Tensor:
+        return log_probs.argmax(dim=-1)
+
+    return _one_token_search(
+        step_fn,
+        cache,
+        batch_size,
+        choose,
+        alpha=alpha,
+        max_len=max_len,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        device=device,
+    )
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Logits (rows, V) with all but the ``top_k`` best tokens (0: no limit) and all but the
+    smallest set whose probability reaches ``top_p`` (nucleus) set to -inf."""
+    if top_k > 0 and top_k < logits.size(-1):
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (rows, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach top_p (the best always stays).
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+    cache: CacheT,
+    batch_size: int,
+    *,
+    max_len: int | Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    alpha: float = 0.0,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    device: torch.device | str | None = None,
+) -> list[Hypothesis]:
+    """Ancestral sampling from ``softmax(log_probs / temperature)``, restricted to the
+    ``top_k`` best tokens and to the ``top_p`` nucleus; for non-translation uses.
+
+    ``Hypothesis.log_prob`` is the model's log-probability of the sample (temperature 1, no
+    filtering). Draws come from ``generator`` (on the search device) when given.
+    """
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be positive (use greedy_search), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+    def choose(log_probs: Tensor) -> Tensor:
+        logits = filter_logits(log_probs / temperature, top_k, top_p)
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+    return _one_token_search(
+        step_fn,
+        cache,
+        batch_size,
+        choose,
+        alpha=alpha,
+        max_len=max_len,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        device=device,
+    )

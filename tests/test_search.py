@@ -1,0 +1,330 @@
+"""Search driven by fixed log-probability tables, against hand-computed beams and scores and a
+plain per-sentence reference implementation of the documented rules."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from aiayn.inference.search import (
+    Hypothesis,
+    beam_search,
+    filter_logits,
+    gnmt_length_penalty,
+    greedy_search,
+    max_output_lengths,
+    sample,
+)
+
+BOS, EOS, A, B = 2, 3, 4, 5
+V = 6
+NEG = float("-inf")
+
+# A distribution over next tokens for one (sentence, prefix); prefix excludes BOS.
+LogProbFn = Callable[[int, tuple[int, ...]], list[float]]
+
+
+class PrefixCache:
+    """Stands in for the decoder cache: each row remembers its sentence and output prefix."""
+
+    def __init__(self, sentence_of_row: list[int]) -> None:
+        self.rows: list[tuple[int, tuple[int, ...] | None]] = [(s, None) for s in sentence_of_row]
+        self.batch_sizes: list[int] = []
+
+    def reorder(self, rows: Tensor) -> None:
+        assert rows.numel() == len(self.rows)
+        self.rows = [self.rows[i] for i in rows.tolist()]
+
+    def keep(self, rows: Tensor) -> None:
+        assert rows.numel() <= len(self.rows)
+        self.rows = [self.rows[i] for i in rows.tolist()]
+
+
+def step_fn(logp: LogProbFn) -> Callable[[Tensor, PrefixCache], Tensor]:
+    def step(tokens: Tensor, cache: PrefixCache) -> Tensor:
+        assert tokens.numel() == len(cache.rows)
+        cache.batch_sizes.append(len(cache.rows))
+        rows, out = [], []
+        for (sentence, prefix), token in zip(cache.rows, tokens.tolist(), strict=True):
+            if prefix is None:
+                assert token == BOS
+                prefix = ()
+            else:
+                prefix = (*prefix, token)
+            rows.append((sentence, prefix))
+            out.append(logp(sentence, prefix))
+        cache.rows = rows
+        return torch.tensor(out)
+
+    return step
+
+
+def table(entries: dict[tuple[int, ...], dict[int, float]], default: dict[int, float]) -> LogProbFn:
+    """Log-probabilities from per-prefix probability tables (absent tokens: probability 0)."""
+
+    def logp(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        probs = entries.get(prefix, default)
+        return [math.log(probs[v]) if probs.get(v, 0.0) > 0 else NEG for v in range(V)]
+
+    return logp
+
+
+def run_beam(logp: LogProbFn, n: int, k: int, **kwargs: object) -> tuple[list, PrefixCache]:
+    cache = PrefixCache([i for i in range(n) for _ in range(k)])
+    return beam_search(step_fn(logp), cache, n, beam_size=k, **kwargs), cache  # type: ignore[arg-type]
+
+
+def run_greedy(logp: LogProbFn, n: int, **kwargs: object) -> list[Hypothesis]:
+    return greedy_search(step_fn(logp), PrefixCache(list(range(n))), n, **kwargs)  # type: ignore[arg-type]
+
+
+def lp(n: int, alpha: float) -> float:
+    return ((5 + n) / 6) ** alpha
+
+
+# Step 0 prefers stopping at once; going on with A and then EOS is a little less probable but
+# one token longer, so a length penalty can make it the winner.
+SHORT_OR_LONG = table(
+    {
+        (): {EOS: 0.40, A: 0.38, B: 0.22},
+        (A,): {EOS: 0.98, A: 0.01, B: 0.01},
+        (B,): {EOS: 0.50, A: 0.25, B: 0.25},
+    },
+    default={EOS: 1.0},
+)
+
+
+def test_length_penalty_formula() -> None:
+    assert gnmt_length_penalty(1, 0.6) == 1.0
+    assert gnmt_length_penalty(7, 0.6) == pytest.approx(2.0**0.6)
+    assert gnmt_length_penalty(10, 0.0) == 1.0
+
+
+def test_without_length_penalty_the_short_hypothesis_wins() -> None:
+    [[best]], cache = run_beam(SHORT_OR_LONG, 1, 2, alpha=0.0, max_len=10)
+    assert best.tokens == []
+    assert best.log_prob == pytest.approx(math.log(0.40))
+    assert best.score == pytest.approx(math.log(0.40))
+    # Early termination: after step 0 the best live hypothesis (A, log 0.38) cannot beat the
+    # finished one (log 0.40) without a length penalty, so only one step runs.
+    assert cache.batch_sizes == [2]
+
+
+def test_length_penalty_changes_the_winner() -> None:
+    [[best]], cache = run_beam(SHORT_OR_LONG, 1, 2, alpha=0.6, max_len=10)
+    logp_long = math.log(0.38) + math.log(0.98)
+    assert best.tokens == [A]
+    assert best.log_prob == pytest.approx(logp_long, rel=1e-6)
+    assert best.score == pytest.approx(logp_long / lp(2, 0.6), rel=1e-6)
+    # The short one scores log(0.40) / lp(1) = log(0.40), worse than logp_long / lp(2).
+    assert math.log(0.40) / lp(1, 0.6) < best.score
+    # Step 1 finishes [A] and [B]: three finished hypotheses spend a beam of two.
+    assert cache.batch_sizes == [2, 2]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_nbest_lists_are_ordered_by_score(alpha: float) -> None:
+    [hyps], _ = run_beam(SHORT_OR_LONG, 1, 2, alpha=alpha, max_len=10, nbest=2)
+    expected = {
+        (): math.log(0.40) / lp(1, alpha),
+        (A,): (math.log(0.38) + math.log(0.98)) / lp(2, alpha),
+        (B,): (math.log(0.22) + math.log(0.50)) / lp(2, alpha),
+    }
+    best_two = sorted(expected, key=lambda y: -expected[y])[:2]
+    assert [tuple(h.tokens) for h in hyps] == best_two
+    assert [h.score for h in hyps] == pytest.approx([expected[y] for y in best_two], rel=1e-6)
+    assert hyps[0].score > hyps[1].score
+
+
+# Greedy takes A, then A (0.36 beats 0.34 and EOS 0.30); the beam also keeps B, whose EOS is
+# far more probable, and finds a better sentence.
+GREEDY_TRAP = table(
+    {
+        (): {A: 0.50, B: 0.40, EOS: 0.10},
+        (A,): {A: 0.36, B: 0.34, EOS: 0.30},
+        (B,): {EOS: 0.90, A: 0.05, B: 0.05},
+    },
+    default={EOS: 1.0},
+)
+
+
+def test_beam_finds_what_greedy_misses() -> None:
+    [greedy] = run_greedy(GREEDY_TRAP, 1, max_len=10)
+    assert greedy.tokens == [A, A]
+    assert greedy.log_prob == pytest.approx(math.log(0.50) + math.log(0.36))
+    [[beam]], _ = run_beam(GREEDY_TRAP, 1, 2, alpha=0.0, max_len=10)
+    assert beam.tokens == [B]
+    assert beam.log_prob == pytest.approx(math.log(0.40) + math.log(0.90))
+    [[one]], _ = run_beam(GREEDY_TRAP, 1, 1, alpha=0.0, max_len=10)
+    assert one.tokens == greedy.tokens
+
+
+# EOS is improbable everywhere: every hypothesis runs to its maximum length.
+ENDLESS = table({}, default={A: 0.7, B: 0.2999, EOS: 0.0001})
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_max_len_is_honoured_per_sentence(k: int) -> None:
+    limits = torch.tensor([0, 1, 3, 5])
+    results, cache = run_beam(ENDLESS, 4, k, alpha=0.6, max_len=limits)
+    for hyps, limit in zip(results, limits.tolist(), strict=True):
+        best = hyps[0]
+        assert best.tokens == [A] * limit
+        # The forced EOS keeps the model's log-probability (no renormalisation).
+        logp = limit * math.log(0.7) + math.log(0.0001)
+        assert best.log_prob == pytest.approx(logp, rel=1e-5)
+        assert best.score == pytest.approx(logp / lp(limit + 1, 0.6), rel=1e-5)
+    # Finished sentences leave the batch: limits 0, 1, 3, 5 end at steps 0, 1, 3, 5.
+    assert cache.batch_sizes == [4 * k, 3 * k, 2 * k, 2 * k, k, k]
+    greedy = run_greedy(ENDLESS, 4, max_len=limits)
+    assert [len(h.tokens) for h in greedy] == [0, 1, 3, 5]
+
+
+def test_max_output_lengths() -> None:
+    src = torch.tensor([0, 3, 10])
+    assert max_output_lengths(src, 1.0, 50).tolist() == [50, 53, 60]
+    assert max_output_lengths(src, 1.5, 2, limit=12).tolist() == [2, 6, 12]
+
+
+# -- against a plain reference implementation, on pseudo-random tables ----------------------
+
+
+def random_table(seed: int) -> LogProbFn:
+    """Prefix-dependent random distributions; EOS grows more likely with length."""
+
+    def logp(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        rng = random.Random(hash((seed, sentence, prefix)))
+        logits = [rng.gauss(0.0, 1.5) for _ in range(V)]
+        logits[EOS] += 0.4 * len(prefix) - 1.0
+        logits[BOS] = logits[0] = NEG
+        top = max(logits)
+        norm = top + math.log(sum(math.exp(x - top) for x in logits))
+        return [x - norm for x in logits]
+
+    return logp
+
+
+def reference_beam(
+    logp: LogProbFn, sentence: int, k: int, alpha: float, max_len: int, nbest: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """The rules of the search module, one sentence at a time, written plainly."""
+    live: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    finished: list[tuple[tuple[int, ...], float]] = []
+    n_finished = 0
+    t = 0
+    while True:
+        candidates = []
+        for prefix, score in live:
+            row = logp(sentence, prefix)
+            if t >= max_len:
+                row = [x if v == EOS else NEG for v, x in enumerate(row)]
+            candidates += [(score + x, prefix, v) for v, x in enumerate(row)]
+        candidates.sort(key=lambda c: -c[0])
+        top = candidates[: 2 * k]
+        for score, prefix, v in top[:k]:
+            if v == EOS and score > NEG:
+                finished.append((prefix, score / lp(t + 1, alpha)))
+                n_finished += 1
+        live = [((*prefix, v), score) for score, prefix, v in top if v != EOS][:k]
+        finished = sorted(finished, key=lambda h: -h[1])[:nbest]
+        worst = finished[-1][1] if len(finished) == nbest else NEG
+        bound = live[0][1] / max(lp(max_len + 1, alpha), lp(t + 2, alpha))
+        if n_finished >= k or t >= max_len or worst >= bound:
+            return finished
+        t += 1
+
+
+@pytest.mark.parametrize(("k", "alpha", "nbest"), [(1, 0.0, 1), (3, 0.6, 2), (4, 1.0, 4)])
+def test_batched_beam_matches_reference(k: int, alpha: float, nbest: int) -> None:
+    logp = random_table(seed=k)
+    limits = [4, 9, 1, 12, 7, 0, 12, 5]
+    n = len(limits)
+    results, cache = run_beam(logp, n, k, alpha=alpha, max_len=torch.tensor(limits), nbest=nbest)
+    assert cache.batch_sizes[0] == n * k and cache.batch_sizes[-1] < n * k
+    for i, hyps in enumerate(results):
+        expected = reference_beam(logp, i, k, alpha, limits[i], nbest)
+        assert [tuple(h.tokens) for h in hyps] == [y for y, _ in expected]
+        assert [h.score for h in hyps] == pytest.approx([s for _, s in expected], abs=1e-4)
+        for h in hyps:
+            assert len(h.tokens) <= limits[i]
+            logp_sum = sum(
+                logp(i, tuple(h.tokens[:j]))[([*h.tokens, EOS])[j]]
+                for j in range(len(h.tokens) + 1)
+            )
+            assert h.log_prob == pytest.approx(logp_sum, abs=1e-4)
+            assert h.score == pytest.approx(h.log_prob / lp(len(h.tokens) + 1, alpha), abs=1e-4)
+
+
+def test_results_do_not_depend_on_batch_composition() -> None:
+    logp = random_table(seed=7)
+    limits = torch.tensor([6, 2, 11, 8, 3])
+    together, _ = run_beam(logp, 5, 3, alpha=0.6, max_len=limits, nbest=3)
+    # Sentence i alone: a one-sentence table that answers for sentence i.
+    for i in range(5):
+
+        def alone(_: int, prefix: tuple[int, ...], i: int = i) -> list[float]:
+            return logp(i, prefix)
+
+        [single], _ = run_beam(alone, 1, 3, alpha=0.6, max_len=int(limits[i]), nbest=3)
+        assert single == together[i]
+
+
+def test_beam_size_one_equals_greedy() -> None:
+    logp = random_table(seed=11)
+    limits = torch.tensor([3, 10, 10, 0, 7, 10])
+    [*beams], _ = run_beam(logp, 6, 1, alpha=0.6, max_len=limits)
+    greedy = run_greedy(logp, 6, max_len=limits, alpha=0.6)
+    for [beam], g in zip(beams, greedy, strict=True):
+        assert beam.tokens == g.tokens
+        assert beam.log_prob == pytest.approx(g.log_prob, abs=1e-5)
+        assert beam.score == pytest.approx(g.score, abs=1e-5)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="nbest"):
+        run_beam(SHORT_OR_LONG, 1, 2, max_len=5, nbest=3)
+    with pytest.raises(ValueError, match="beam_size"):
+        run_beam(SHORT_OR_LONG, 1, 0, max_len=5)
+    assert run_beam(SHORT_OR_LONG, 0, 2, max_len=5)[0] == []
+
+
+# -- sampling ----------------------------------------------------------------------------------
+
+
+def test_filter_logits() -> None:
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True]]
+    # Nucleus 0.6: 0.5 alone falls short, 0.5 + 0.3 reaches it; the 0.2 token goes.
+    assert torch.isinf(filter_logits(logits, top_p=0.6)).tolist() == [[False, False, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[False, True, True]]
+    assert torch.equal(filter_logits(logits), logits)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    coin = table({(): {A: 0.7, B: 0.3}}, default={EOS: 1.0})
+    n = 2000
+    gen = torch.Generator().manual_seed(0)
+    hyps = sample(step_fn(coin), PrefixCache(list(range(n))), n, max_len=5, generator=gen)
+    share_a = sum(h.tokens == [A] for h in hyps) / n
+    # Binomial standard deviation sqrt(0.7 * 0.3 / 2000) ≈ 0.010: allow five of them.
+    assert abs(share_a - 0.7) < 0.05
+    assert all(h.tokens in ([A], [B]) for h in hyps)
+    for h in hyps:
+        assert h.log_prob == pytest.approx(math.log(0.7 if h.tokens == [A] else 0.3))
+
+
+def test_sampling_with_top_k_one_is_greedy() -> None:
+    logp = random_table(seed=3)
+    limits = torch.tensor([8, 8, 3, 8])
+    greedy = run_greedy(logp, 4, max_len=limits)
+    sampled = sample(
+        step_fn(logp), PrefixCache(list(range(4))), 4, max_len=limits, top_k=1, temperature=2.0
+    )
+    assert [h.tokens for h in sampled] == [h.tokens for h in greedy]
+    with pytest.raises(ValueError, match="temperature"):
+        sample(step_fn(logp), PrefixCache([0]), 1, max_len=3, temperature=0.0)
