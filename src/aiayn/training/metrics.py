@@ -1,0 +1,133 @@
+"""What a person and a plot read: ``metrics.jsonl``, TensorBoard events, a stderr progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def perplexity(nll_per_token: float) -> float:
+    """exp(NLL per token), capped to stay finite in JSON."""
+    return math.exp(min(nll_per_token, 100.0))
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``RUN_DIR/metrics.jsonl`` (and TensorBoard events
+    under ``RUN_DIR/tensorboard`` when the ``tensorboard`` package is installed).
+
+    Every record has ``kind`` (``"train"`` or ``"valid"``) and ``step``; numbers only besides.
+    On ranks other than 0 it writes nothing.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / METRICS_NAME
+        self._writer: Any = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                pass
+            else:
+                self._writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _plain(v) for k, v in record.items()}
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(clean, sort_keys=False) + "\n")
+        if self._writer is not None:
+            kind, step = clean.get("kind", "train"), int(clean.get("step", 0))
+            for key, value in clean.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float)):
+                    self._writer.add_scalar(f"{kind}/{key}", value, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf
+    return value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (a torn last line is skipped)."""
+    path = Path(run_dir) / METRICS_NAME
+    records = []
+    if not path.is_file():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A one-line progress display on stderr: a bar, loss, learning rate, tokens/s, ETA.
+
+    On a terminal the line is redrawn in place; otherwise (a log file) one line per call.
+    """
+
+    def __init__(
+        self, total_steps: int, stream: TextIO | None = None, enabled: bool = True
+    ) -> None:
+        self.total = total_steps
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self.start_step: int | None = None
+
+    def update(self, step: int, epoch: int, loss: float, nll: float, lr: float, tps: float) -> None:
+        if not self.enabled:
+            return
+        if self.start_step is None:
+            self.start_step = step - 1
+        elapsed = time.monotonic() - self.start
+        done = step - self.start_step
+        eta = elapsed / done * (self.total - step) if done > 0 and self.total > 0 else 0.0
+        frac = min(1.0, step / self.total) if self.total > 0 else 0.0
+        width = 20
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        line = (
+            f"[{bar}] {step}/{self.total} ep {epoch} | loss {loss:.3f} nll {nll:.3f} "
+            f"ppl {perplexity(nll):.1f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
+            f"{_clock(elapsed)} eta {_clock(eta)}"
+        )
+        self.write(line, transient=True)
+
+    def write(self, message: str, transient: bool = False) -> None:
+        """A line; a transient one is redrawn in place on a terminal."""
+        if not self.enabled:
+            return
+        if self.tty and transient:
+            self.stream.write("\r\033[K" + message)
+        elif self.tty:
+            self.stream.write("\r\033[K" + message + "\n")
+        else:
+            self.stream.write(message + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,52 @@
+"""Adam with the paper's hyper-parameters (§5.3) and the learning-rate schedule of Eq. 3."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from aiayn.config import TrainConfig
+
+
+def inverse_sqrt_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """Eq. 3: ``lrate = scale · d_model^-0.5 · min(step^-0.5, step · warmup_steps^-1.5)``.
+
+    ``step`` counts optimizer updates from 1 (the first update uses ``step = 1``). The formula
+    is undefined at ``step = 0``; its limit, 0, is returned there.
+    """
+    if warmup_steps <= 0:
+        raise ValueError(f"warmup_steps must be positive, got {warmup_steps}")
+    if step <= 0:
+        return 0.0
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Adam:
+    """Adam, β1 = 0.9, β2 = 0.98, ε = 1e-9 by default (§5.3).
+
+    The base learning rate is 1.0: the schedule's factor *is* the learning rate. A shared
+    embedding matrix appears once in ``model.parameters()``, so it gets one Adam state.
+    """
+    return torch.optim.Adam(
+        model.parameters(),
+        lr=1.0,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps,
+        weight_decay=train.weight_decay,
+    )
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, d_model: int, train: TrainConfig) -> LambdaLR:
+    """A LambdaLR whose ``last_epoch`` counts the updates done so far.
+
+    After ``k`` calls of ``schedule.step()`` the learning rate is ``inverse_sqrt_lr(k + 1)``:
+    the rate the (k+1)-th update uses. Its ``state_dict()`` is plain data (the lambda itself
+    is not saved), so a resumed run continues on exactly the same curve.
+    """
+    warmup, scale = train.warmup_steps, train.lr_scale
+
+    def factor(updates_done: int) -> float:
+        return inverse_sqrt_lr(updates_done + 1, d_model, warmup, scale)
+
+    return LambdaLR(optimizer, lr_lambda=factor)

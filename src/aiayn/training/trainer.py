@@ -1,0 +1,707 @@
+"""The training loop: token-budget updates with gradient accumulation, validation, checkpoints.
+
+One *update* (one optimizer step, one schedule step) sees about ``train.update_tokens`` target
+tokens summed over every device and accumulation step (§5.1). Before each micro-batch the
+ranks agree (one all-reduce of a scalar) on the global number of target tokens gathered so
+far, so every rank runs the same number of micro-batches and the last one is the only one
+whose backward synchronises gradients. The gradient is that of the summed loss divided by the
+global number of target tokens, whatever the device count.
+
+The loop knows nothing of files of text: it reads index batches from a *sampler* and tensors
+from a *corpus* (see the protocols below), so tests drive it with in-memory data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from aiayn.cli.errors import UserError
+from aiayn.config import ConfigError, RunConfig, config_from_dict
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, Batch
+from aiayn.model.transformer import Transformer
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.distributed import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+)
+from aiayn.training.loss import label_smoothed_nll
+from aiayn.training.metrics import MetricsLog, Progress, perplexity
+from aiayn.training.optim import build_optimizer, build_schedule
+
+
+class TrainingError(UserError):
+    """Training cannot go on (e.g. the loss stayed non-finite for ``max_bad_steps`` updates)."""
+
+
+class PairSource(Protocol):
+    """What the loop needs of a corpus: its size and padded batches by index."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Sequence[int]) -> Batch: ...
+
+
+class BatchSampler(Protocol):
+    """Index batches of one rank's shard; iteration resumes from the position in its state."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __iter__(self) -> Iterator[Sequence[int]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class ValidSet:
+    """The validation split: pairs by index, their source lengths, and what BLEU needs.
+
+    ``references[i]`` is the detokenized reference of pair ``i`` and ``detokenize`` turns
+    output ids into text; without references only loss and perplexity are computed.
+    """
+
+    corpus: PairSource
+    src_lengths: np.ndarray
+    references: list[str] | None = None
+    detokenize: Callable[[list[int]], str] | None = None
+
+
+@dataclass
+class TrainResult:
+    """How a call of :meth:`Trainer.train` ended."""
+
+    step: int
+    epoch: int
+    reason: str
+    interrupted: bool = False
+    checkpoint: Path | None = None
+    averaged: Path | None = None
+    best_value: float | None = None
+    best_step: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def valid_batches(
+    src_lengths: np.ndarray, indices: Sequence[int], max_tokens: int
+) -> list[list[int]]:
+    """Index batches sorted by source length with at most ``max_tokens`` padded source tokens."""
+    order = sorted(indices, key=lambda i: (int(src_lengths[i]), i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for index in order:
+        length = int(src_lengths[index]) + 1  # + EOS
+        if current and max(width, length) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, width = [], 0
+        current.append(index)
+        width = max(width, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: Transformer, src_ids: Tensor, src_pad: Tensor, max_len_a: float, max_len_b: int
+) -> list[list[int]]:
+    """Greedy decoding with the KV cache; output ids without BOS/EOS, one list per row."""
+    # TODO(search): switch to aiayn.inference.search.greedy_search once it lands.
+    memory = model.encode(src_ids, src_pad)
+    src_len = int((~src_pad).sum(-1).max())
+    max_len = min(model.config.max_positions, int(max_len_a * src_len + max_len_b) + 1)
+    cache = model.init_cache(memory, src_pad, max_len)
+    batch = src_ids.size(0)
+    tokens = torch.full((batch,), BOS_ID, dtype=torch.long, device=src_ids.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=src_ids.device)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    for _ in range(max_len):
+        tokens = model.decode_step(tokens, cache).argmax(-1)
+        for row in torch.nonzero(~done).flatten().tolist():
+            if int(tokens[row]) != EOS_ID:
+                out[row].append(int(tokens[row]))
+        done |= tokens == EOS_ID
+        if bool(done.all()):
+            break
+    return out
+
+
+class Trainer:
+    """Trains ``model`` on batches of ``corpus`` drawn by ``sampler`` into ``run_dir``.
+
+    Every rank builds its own Trainer (same config, its own sampler shard). ``tokenizer_bytes``
+    (the sentencepiece model) is stored in every checkpoint so that a checkpoint translates text
+    on its own.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        model: Transformer,
+        corpus: PairSource,
+        sampler: BatchSampler,
+        run_dir: str | Path,
+        *,
+        valid: ValidSet | None = None,
+        tokenizer_bytes: bytes = b"",
+        dist_info: DistInfo | None = None,
+        show_progress: bool = True,
+        tensorboard: bool = True,
+    ) -> None:
+        self.config = config
+        self.train_cfg = config.train
+        self.info = dist_info or DistInfo()
+        self.device = self.info.device
+        precision = self.train_cfg.precision
+        if precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError("train.precision=fp16 needs CUDA; use fp32 (or bf16) on the CPU")
+        if self.train_cfg.update_tokens <= 0:
+            raise ConfigError("train.update_tokens must be positive")
+        self.model = model.to(self.device)
+        self.corpus = corpus
+        self.sampler = sampler
+        self.valid = valid
+        self.run_dir = Path(run_dir)
+        self.tokenizer = ckpt.bytes_to_tensor(tokenizer_bytes)
+        self.optimizer = build_optimizer(self.model, self.train_cfg)
+        self.schedule = build_schedule(self.optimizer, config.model.d_model, self.train_cfg)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+        self.train_module: nn.Module = self.model
+        if self.info.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.train_module = DistributedDataParallel(self.model, device_ids=device_ids)
+        if self.train_cfg.compile:
+            self.train_module = torch.compile(self.train_module)  # type: ignore[assignment]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Progress, saved in every checkpoint.
+        self.step = 0
+        self.epoch = 0
+        self.best_value: float | None = None
+        self.best_step = 0
+        self.bad_evals = 0
+        self.skipped = 0
+        self.tokens_seen = 0
+        self.minutes_before = 0.0
+        self.last_metrics: dict[str, float] = {}
+        self._bad_in_row = 0
+        self._batches: Iterator[Sequence[int]] | None = None
+        self._fresh = True
+        self._signal: int | None = None
+        self._start = time.monotonic()
+        self._last_save_time = self._start
+        self._saved_step = -1
+        self._validated_step = -1
+        self.metrics = MetricsLog(self.run_dir, self.info.is_main, tensorboard)
+        self.progress = Progress(
+            self.train_cfg.max_steps, enabled=show_progress and self.info.is_main
+        )
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    @property
+    def minutes(self) -> float:
+        return self.minutes_before + (time.monotonic() - self._start) / 60.0
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _log(self, message: str) -> None:
+        if self.info.is_main:
+            self.progress.write(message)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        precision = self.train_cfg.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full resumable state (collective under DDP: every rank must call it)."""
+        rngs = all_gather_objects(ckpt.capture_rng(), self.info)
+        samplers = all_gather_objects(dict(self.sampler.state_dict()), self.info)
+        return {
+            "format": ckpt.CHECKPOINT_FORMAT,
+            "format_version": ckpt.CHECKPOINT_VERSION,
+            "kind": "train",
+            "config": self.config.to_dict(),
+            "model": ckpt.model_state(self.model),
+            "tokenizer": self.tokenizer,
+            "step": self.step,
+            "epoch": self.epoch,
+            "metrics": dict(self.last_metrics),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "sampler": samplers,
+            "rng": rngs,
+            "progress": {
+                "best_value": self.best_value,
+                "best_step": self.best_step,
+                "bad_evals": self.bad_evals,
+                "minutes": self.minutes,
+                "tokens": self.tokens_seen,
+                "skipped": self.skipped,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a train checkpoint; the model section of the config must match."""
+        if state.get("kind") != "train":
+            raise ckpt.CheckpointError("a model-only checkpoint cannot be resumed (no optimizer)")
+        saved = config_from_dict(state["config"])
+        if saved.model != self.config.model:
+            diffs = [
+                f"{name}: checkpoint {getattr(saved.model, name)!r} vs now "
+                f"{getattr(self.config.model, name)!r}"
+                for name in saved.model.__dataclass_fields__
+                if getattr(saved.model, name) != getattr(self.config.model, name)
+            ]
+            raise ConfigError("the model config differs from the checkpoint's: " + "; ".join(diffs))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.last_metrics = dict(state.get("metrics", {}))
+        progress = state["progress"]
+        self.best_value = progress["best_value"]
+        self.best_step = int(progress["best_step"])
+        self.bad_evals = int(progress["bad_evals"])
+        self.minutes_before = float(progress["minutes"])
+        self.tokens_seen = int(progress["tokens"])
+        self.skipped = int(progress["skipped"])
+        samplers, rngs = state["sampler"], state["rng"]
+        same_world = len(samplers) == self.info.world_size
+        if not same_world:
+            self._log(
+                f"note: checkpoint written by {len(samplers)} process(es), resuming with "
+                f"{self.info.world_size}: the data order restarts at epoch {self.epoch}"
+            )
+            self.sampler.set_epoch(self.epoch)
+        else:
+            self.sampler.load_state_dict(samplers[self.info.rank])
+        ckpt.restore_rng(rngs[self.info.rank] if same_world else rngs[0])
+        self._batches = None
+        self._fresh = False
+        self._saved_step = self._validated_step = self.step
+        self._start = self._last_save_time = time.monotonic()
+
+    def save(self) -> Path | None:
+        """Write a step checkpoint (rank 0) and prune old ones; collective under DDP."""
+        state = self.state_dict()
+        path = None
+        if self.info.is_main:
+            path = ckpt.step_checkpoint_path(self.run_dir, self.step)
+            ckpt.save_atomic(state, path)
+            keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
+            for old in ckpt.list_step_checkpoints(self.run_dir)[:-keep]:
+                old.unlink(missing_ok=True)
+        barrier(self.info)
+        self._saved_step = self.step
+        self._last_save_time = time.monotonic()
+        return path
+
+    # -- data ------------------------------------------------------------------------------
+
+    def _next_batch(self) -> Batch:
+        empty_epochs = 0
+        while True:
+            if self._batches is None:
+                if self._fresh:
+                    self.sampler.set_epoch(self.epoch)
+                    self._fresh = False
+                self._batches = iter(self.sampler)
+            try:
+                indices = next(self._batches)
+            except StopIteration:
+                empty_epochs += 1
+                if empty_epochs > 1:
+                    raise TrainingError("the training data yields no batches") from None
+                self.epoch += 1
+                self.sampler.set_epoch(self.epoch)
+                self._batches = iter(self.sampler)
+                continue
+            return self.corpus.batch(indices).to(self.device)
+
+    # -- one update ------------------------------------------------------------------------
+
+    def _update(self) -> dict[str, float]:
+        """One optimizer update over ~update_tokens global target tokens; returns its stats."""
+        cfg = self.train_cfg
+        self.train_module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        budget = float(cfg.update_tokens)
+        global_tokens = 0.0
+        local = torch.zeros(3, dtype=torch.float64)  # loss_sum, nll_sum, src tokens
+        while True:
+            batch = self._next_batch()
+            count = torch.tensor([float(batch.n_tgt_tokens)], dtype=torch.float64)
+            global_tokens += float(all_reduce_sum(count.to(self._reduce_device), self.info))
+            last = global_tokens >= budget
+            sync = contextlib.nullcontext()
+            if self.info.distributed and not last:
+                sync = self._no_sync()
+            with sync:
+                with self._autocast():
+                    logits = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in)
+                loss_sum, nll_sum = label_smoothed_nll(
+                    logits, batch.tgt_out, cfg.label_smoothing, PAD_ID
+                )
+                # Scaled by the (constant) budget for a well-ranged gradient; the exact global
+                # normalisation happens below, once the global token count is known.
+                self.scaler.scale(loss_sum / budget).backward()
+            local += torch.tensor(
+                [float(loss_sum.detach()), float(nll_sum.detach()), float(batch.n_src_tokens)],
+                dtype=torch.float64,
+            )
+            if last:
+                break
+        # One all-reduce for the update's statistics and the run-wide decisions.
+        flags = [
+            float(self._signal is not None),
+            float(self.info.is_main and self._time_to_save()),
+            float(self.info.is_main and self._out_of_time()),
+        ]
+        stats = torch.cat([local, torch.tensor(flags, dtype=torch.float64)])
+        stats = all_reduce_sum(stats.to(self._reduce_device), self.info).cpu()
+        loss_sum, nll_sum, src_tokens = (float(x) for x in stats[:3])
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        # DDP averaged the gradients over ranks: grad = Σ_ranks Σ_micro ∇loss / (budget · W).
+        factor = budget * self.info.world_size / global_tokens
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+        grad_norm = self._grad_norm()
+        finite = math.isfinite(loss_sum) and (self.scaler.is_enabled() or math.isfinite(grad_norm))
+        if finite:
+            if self.scaler.is_enabled():
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                stepped = self.scaler.get_scale() >= scale  # a lowered scale = skipped step
+            else:
+                self.optimizer.step()
+                stepped = True
+            if stepped:
+                self.schedule.step()
+                self.step += 1
+            self._bad_in_row = 0
+            self.tokens_seen += int(global_tokens)
+        else:
+            if self.scaler.is_enabled():
+                self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            self._bad_in_row += 1
+            self._log(
+                f"warning: non-finite loss or gradient after update {self.step}; update skipped "
+                f"({self._bad_in_row} in a row)"
+            )
+            if self._bad_in_row >= cfg.max_bad_steps:
+                raise TrainingError(
+                    f"the loss was NaN or infinite for {self._bad_in_row} updates in a row, after "
+                    f"update {self.step} (step {self.step + 1} never succeeded); stopping. Try a "
+                    "lower train.lr_scale, train.clip_norm > 0, or fp32 precision"
+                )
+        return {
+            "loss_sum": loss_sum,
+            "nll_sum": nll_sum,
+            "tgt_tokens": global_tokens,
+            "src_tokens": src_tokens,
+            "grad_norm": grad_norm,
+            "finite": float(finite),
+            "signal": float(stats[3]),
+            "save_due": float(stats[4]),
+            "out_of_time": float(stats[5]),
+        }
+
+    @property
+    def _reduce_device(self) -> torch.device:
+        # NCCL reduces CUDA tensors only; gloo and single processes use the CPU.
+        return (
+            self.device
+            if self.info.distributed and self.device.type == "cuda"
+            else torch.device("cpu")
+        )
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        module = self.train_module
+        module = getattr(module, "_orig_mod", module)  # torch.compile wrapper
+        return module.no_sync()  # type: ignore[operator]
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.train_cfg.clip_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.clip_norm))
+        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        return float(torch.linalg.vector_norm(norms))
+
+    def _time_to_save(self) -> bool:
+        minutes = self.train_cfg.save_interval_minutes
+        return minutes > 0 and (time.monotonic() - self._last_save_time) / 60.0 >= minutes
+
+    def _out_of_time(self) -> bool:
+        return self.train_cfg.max_minutes > 0 and self.minutes >= self.train_cfg.max_minutes
+
+    # -- validation ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self, model: Transformer | None = None) -> dict[str, float]:
+        """Loss, NLL, perplexity and (with references) greedy-decoding BLEU on the valid set.
+
+        Each rank takes every W-th sentence; sums are all-reduced, hypotheses gathered to
+        rank 0 for BLEU, and the result broadcast so that every rank decides alike.
+        """
+        if self.valid is None:
+            return {}
+        model = model if model is not None else self.model
+        was_training = model.training
+        model.eval()
+        valid = self.valid
+        mine = list(range(self.info.rank, len(valid.corpus), self.info.world_size))
+        want_bleu = (
+            self.train_cfg.valid_bleu
+            and valid.references is not None
+            and valid.detokenize is not None
+        )
+        sums = torch.zeros(3, dtype=torch.float64)
+        hypotheses: dict[int, list[int]] = {}
+        decode = self.config.decode
+        for chunk in valid_batches(valid.src_lengths, mine, self.config.data.max_tokens):
+            batch = valid.corpus.batch(chunk).to(self.device)
+            with self._autocast():
+                logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+            loss_sum, nll_sum = label_smoothed_nll(
+                logits, batch.tgt_out, self.train_cfg.label_smoothing, PAD_ID
+            )
+            sums += torch.tensor(
+                [float(loss_sum), float(nll_sum), float(batch.n_tgt_tokens)], dtype=torch.float64
+            )
+            if want_bleu:
+                with self._autocast():
+                    outputs = greedy_decode(
+                        model, batch.src_ids, batch.src_pad, decode.max_len_a, decode.max_len_b
+                    )
+                hypotheses.update(zip(chunk, outputs, strict=True))
+        sums = all_reduce_sum(sums.to(self._reduce_device), self.info).cpu()
+        loss_sum, nll_sum, tokens = (float(x) for x in sums)
+        tokens = max(tokens, 1.0)
+        metrics = {
+            "loss": loss_sum / tokens,
+            "nll": nll_sum / tokens,
+            "ppl": perplexity(nll_sum / tokens),
+        }
+        if want_bleu:
+            gathered = all_gather_objects(hypotheses, self.info)
+            bleu = None
+            if self.info.is_main:
+                import sacrebleu
+
+                merged: dict[int, list[int]] = {}
+                for part in gathered:
+                    merged.update(part)
+                assert valid.detokenize is not None and valid.references is not None
+                hyps = [valid.detokenize(merged[i]) for i in range(len(valid.corpus))]
+                bleu = float(sacrebleu.corpus_bleu(hyps, [valid.references]).score)
+            metrics["bleu"] = float(broadcast_object(bleu, self.info))
+        if was_training:
+            model.train()
+        return metrics
+
+    def _after_validation(self, metrics: dict[str, float]) -> bool:
+        """Record the metrics, keep the best model; True when patience has run out."""
+        self.last_metrics = metrics
+        self._validated_step = self.step
+        self.metrics.write({"kind": "valid", "step": self.step, "minutes": self.minutes, **metrics})
+        by_bleu = "bleu" in metrics
+        value = metrics["bleu"] if by_bleu else metrics["loss"]
+        better = self.best_value is None or (
+            value > self.best_value if by_bleu else value < self.best_value
+        )
+        text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        self._log(f"valid @ {self.step}: {text}" + (" (best)" if better else ""))
+        if better:
+            self.best_value, self.best_step, self.bad_evals = value, self.step, 0
+            if self.info.is_main:
+                ckpt.save_atomic(
+                    ckpt.model_checkpoint(
+                        self.config,
+                        ckpt.model_state(self.model),
+                        self.tokenizer,
+                        self.step,
+                        self.epoch,
+                        metrics,
+                    ),
+                    self.run_dir / ckpt.BEST_NAME,
+                )
+            barrier(self.info)
+            return False
+        self.bad_evals += 1
+        patience = self.train_cfg.patience
+        return patience > 0 and self.bad_evals >= patience
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _limit_reached(self) -> str | None:
+        cfg = self.train_cfg
+        if cfg.max_steps > 0 and self.step >= cfg.max_steps:
+            return f"reached train.max_steps={cfg.max_steps}"
+        if cfg.max_epochs > 0 and self.epoch >= cfg.max_epochs:
+            return f"reached train.max_epochs={cfg.max_epochs}"
+        return None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self._signal = signum
+        name = signal.Signals(signum).name
+        print(
+            f"\n{name} received: finishing the current update, then saving a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+        )
+
+    @contextlib.contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        """SIGINT and SIGTERM ask the loop to stop cleanly after the current update."""
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def train(self) -> TrainResult:
+        """Run updates until a limit, early stopping or a signal; save; average at the end."""
+        cfg = self.train_cfg
+        interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "time": time.monotonic()}
+        reason = self._limit_reached()
+        if self.step == 0 and self.info.is_main:
+            self._log(
+                f"training {self.config.preset} ({sum(p.numel() for p in self.params):,} "
+                f"parameters) on {self.info.world_size} × {self.device.type}, "
+                f"~{cfg.update_tokens:,} target tokens per update"
+            )
+        elif reason is None:
+            self._log(f"resuming at update {self.step} (epoch {self.epoch})")
+        interrupted = False
+        while reason is None:
+            stats = self._update()
+            interval["loss"] += stats["loss_sum"]
+            interval["nll"] += stats["nll_sum"]
+            interval["tokens"] += stats["tgt_tokens"]
+            if stats["finite"] and self.step % max(cfg.log_interval, 1) == 0:
+                self._log_train(interval, stats)
+            stop_early = False
+            if cfg.valid_interval > 0 and stats["finite"] and self.step % cfg.valid_interval == 0:
+                stop_early = self._after_validation(self.validate())
+            reason = self._limit_reached()
+            if stop_early:
+                reason = f"no improvement in {cfg.patience} validations (train.patience)"
+            elif stats["out_of_time"]:
+                reason = f"reached train.max_minutes={cfg.max_minutes:g}"
+            if stats["signal"] and reason is None:
+                name = signal.Signals(self._signal).name if self._signal else "a signal"
+                reason = f"stopped by {name}"
+                interrupted = True
+            due = cfg.save_interval_steps > 0 and self.step % cfg.save_interval_steps == 0
+            if reason is None and stats["finite"] and (due or stats["save_due"]):
+                self.save()
+        self.progress.close()
+        return self._finish(reason, interrupted)
+
+    def _log_train(self, interval: dict[str, float], stats: dict[str, float]) -> None:
+        now = time.monotonic()
+        tokens = max(interval["tokens"], 1.0)
+        loss, nll = interval["loss"] / tokens, interval["nll"] / tokens
+        tps = interval["tokens"] / max(now - interval["time"], 1e-9)
+        self.metrics.write(
+            {
+                "kind": "train",
+                "step": self.step,
+                "epoch": self.epoch,
+                "loss": loss,
+                "nll": nll,
+                "ppl": perplexity(nll),
+                "lr": self.lr,
+                "grad_norm": stats["grad_norm"],
+                "tgt_tokens_per_s": tps,
+                "tokens": self.tokens_seen,
+                "minutes": self.minutes,
+                "skipped": self.skipped,
+            }
+        )
+        self.progress.update(self.step, self.epoch, loss, nll, self.lr, tps)
+        interval.update(loss=0.0, nll=0.0, tokens=0.0, time=now)
+
+    def _finish(self, reason: str, interrupted: bool) -> TrainResult:
+        averaged = None
+        if not interrupted:
+            if self.valid is not None and self._validated_step != self.step and self.step > 0:
+                self._after_validation(self.validate())
+        path = self.save() if self._saved_step != self.step else None
+        if path is None and self.info.is_main:
+            path = ckpt.step_checkpoint_path(self.run_dir, self.step)
+        self._log(f"{reason} at update {self.step}, epoch {self.epoch}; checkpoint {path}")
+        if not interrupted and self.train_cfg.average_last > 0 and self.step > 0:
+            if self.info.is_main:
+                averaged = ckpt.average_run(self.run_dir, self.train_cfg.average_last)
+            averaged = broadcast_object(averaged, self.info)
+            if self.valid is not None:
+                # Rank 0 reads the file and sends the weights: no shared filesystem needed.
+                weights = None
+                if self.info.is_main:
+                    weights = ckpt.load_checkpoint(averaged)["model"]
+                model = Transformer(self.config.model).to(self.device)
+                model.load_state_dict(broadcast_object(weights, self.info))
+                metrics = self.validate(model)
+                self.metrics.write(
+                    {"kind": "averaged", "step": self.step, "minutes": self.minutes, **metrics}
+                )
+                text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+                self._log(f"averaged last {self.train_cfg.average_last}: {text} -> {averaged}")
+        self.metrics.close()
+        return TrainResult(
+            step=self.step,
+            epoch=self.epoch,
+            reason=reason,
+            interrupted=interrupted,
+            checkpoint=path,
+            averaged=averaged,
+            best_value=self.best_value,
+            best_step=self.best_step,
+            last_metrics=dict(self.last_metrics),
+        )

@@ -1,0 +1,166 @@
+import math
+
+import pytest
+import torch
+
+from aiayn.model.transformer import Transformer
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.loss import label_smoothed_nll
+from aiayn.training.metrics import read_metrics
+from aiayn.training.trainer import Trainer, TrainingError, ValidSet
+from train_helpers import FixedSampler, ListCorpus, reverse_pairs, single_thread, tiny_config
+
+__all__ = ["single_thread"]  # the autouse fixture
+
+LENGTH, BATCH = 6, 8
+TOKENS_PER_BATCH = BATCH * (LENGTH + 1)  # y + EOS
+
+
+def make_trainer(run_dir, config, seed=0, n_pairs=96, valid=None):
+    torch.manual_seed(config.train.seed)
+    model = Transformer(config.model)
+    corpus = ListCorpus(reverse_pairs(n_pairs, LENGTH, config.model.vocab_size, seed))
+    batches = [list(range(i, i + BATCH)) for i in range(0, n_pairs, BATCH)]
+    sampler = FixedSampler(batches, seed=seed)
+    return Trainer(
+        config,
+        model,
+        corpus,
+        sampler,
+        run_dir,
+        valid=valid,
+        tokenizer_bytes=b"spm",
+        show_progress=False,
+        tensorboard=False,
+    )
+
+
+def params_of(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_exact_resume_is_bit_identical(tmp_path):
+    n = 10  # 12 batches per epoch, 2 per update: the runs cross epoch boundaries
+    over = [f"train.update_tokens={2 * TOKENS_PER_BATCH}", "model.dropout=0.1"]
+    straight = make_trainer(tmp_path / "a", tiny_config(f"train.max_steps={2 * n}", *over))
+    straight.train()
+
+    first = make_trainer(tmp_path / "b", tiny_config(f"train.max_steps={n}", *over))
+    first.train()
+    path, state = ckpt.latest_valid_checkpoint(tmp_path / "b")
+    assert path.name == f"step_{n:08d}.pt"
+    # A fresh process: different initial weights and RNG until the checkpoint is loaded.
+    torch.manual_seed(1234)
+    second = make_trainer(tmp_path / "b", tiny_config(f"train.max_steps={2 * n}", *over))
+    second.load_state_dict(state)
+    result = second.train()
+    assert result.step == 2 * n and second.epoch == straight.epoch == 3
+    a, b = params_of(straight.model), params_of(second.model)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # The shared embedding stayed shared.
+    m = second.model
+    assert m.out_proj.weight is m.src_embed.token.weight is m.tgt_embed.token.weight
+
+
+def test_update_sees_the_token_budget_and_normalises_globally(tmp_path):
+    config = tiny_config("train.max_steps=1", f"train.update_tokens={3 * TOKENS_PER_BATCH - 5}")
+    trainer = make_trainer(tmp_path, config)
+    stats = trainer._update()
+    assert stats["tgt_tokens"] == 3 * TOKENS_PER_BATCH  # three micro-batches
+    assert trainer.sampler.position == 3 and trainer.step == 1
+
+
+def test_gradient_equals_mean_token_loss_gradient(tmp_path):
+    # lr_scale=0: the update leaves the weights (and the gradient) as they were.
+    config = tiny_config(
+        "model.dropout=0", "train.lr_scale=0", f"train.update_tokens={2 * TOKENS_PER_BATCH}"
+    )
+    trainer = make_trainer(tmp_path, config)
+    reference = Transformer(config.model)
+    reference.load_state_dict(trainer.model.state_dict())
+    trainer._update()
+
+    total, tokens = 0.0, 0
+    for indices in trainer.sampler._order()[:2]:
+        batch = trainer.corpus.batch(indices)
+        loss, _ = label_smoothed_nll(
+            reference(batch.src_ids, batch.src_pad, batch.tgt_in), batch.tgt_out, 0.1, 0
+        )
+        total = total + loss
+        tokens += batch.n_tgt_tokens
+    (total / tokens).backward()
+    for (name, p), q in zip(trainer.model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class PoisonedModel(torch.nn.Module):
+    """The model with NaN logits (and so NaN gradients)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.model(*args) * float("nan")
+
+
+def test_nan_loss_is_skipped_then_stops(tmp_path):
+    config = tiny_config("train.max_steps=50", "train.max_bad_steps=3")
+    trainer = make_trainer(tmp_path, config)
+    trainer.train_module = PoisonedModel(trainer.model)
+    before = params_of(trainer.model)
+    with pytest.raises(TrainingError, match=r"3 updates in a row, after update 0"):
+        trainer.train()
+    assert trainer.skipped == 3 and trainer.step == 0
+    after = params_of(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoints_validation_best_and_averaging(tmp_path):
+    pairs = reverse_pairs(16, LENGTH, 64, seed=7)
+    valid = ValidSet(
+        ListCorpus(pairs),
+        ListCorpus(pairs).src_lengths,
+        references=[" ".join(map(str, t)) for _, t in pairs],
+        detokenize=lambda ids: " ".join(map(str, ids)),
+    )
+    config = tiny_config(
+        "train.max_steps=6",
+        "train.valid_interval=2",
+        "train.save_interval_steps=2",
+        "train.keep_last=2",
+        "train.average_last=2",
+        "train.log_interval=1",
+        f"train.update_tokens={TOKENS_PER_BATCH}",
+    )
+    trainer = make_trainer(tmp_path, config, valid=valid)
+    result = trainer.train()
+    assert result.reason == "reached train.max_steps=6" and not result.interrupted
+    names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
+    assert names == ["step_00000004.pt", "step_00000006.pt"]
+    assert (tmp_path / "best.pt").is_file() and result.averaged == tmp_path / "averaged.pt"
+    records = read_metrics(tmp_path)
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("train") == 6 and kinds.count("valid") == 3 and kinds[-1] == "averaged"
+    valid_rec = [r for r in records if r["kind"] == "valid"]
+    assert all(0.0 <= r["bleu"] <= 100.0 for r in valid_rec)
+    assert all(math.isclose(r["ppl"], math.exp(r["nll"])) for r in valid_rec)
+    state = ckpt.load_checkpoint(tmp_path / "averaged.pt")
+    assert state["kind"] == "model" and bytes(state["tokenizer"].tolist()) == b"spm"
+
+
+def test_patience_stops_early(tmp_path):
+    pairs = reverse_pairs(8, LENGTH, 64, seed=3)
+    valid = ValidSet(ListCorpus(pairs), ListCorpus(pairs).src_lengths)
+    # lr_scale=0: the model never changes, so the validation loss never improves.
+    config = tiny_config(
+        "train.max_steps=100",
+        "train.valid_interval=1",
+        "train.patience=2",
+        "train.lr_scale=0",
+        f"train.update_tokens={TOKENS_PER_BATCH}",
+    )
+    result = make_trainer(tmp_path, config, valid=valid).train()
+    assert result.step == 3 and "patience" in result.reason

@@ -1,0 +1,109 @@
+"""In-memory data for the training tests: a corpus of id pairs and a resumable sampler."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aiayn.config import RunConfig, load_config
+from aiayn.data.collate import Batch, collate_pairs
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny models run several times faster on one thread, above all on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class ListCorpus:
+    """Pairs of id lists (without BOS/EOS), batched with the project's collate."""
+
+    def __init__(self, pairs: list[tuple[list[int], list[int]]]) -> None:
+        self.pairs = pairs
+        self.src_lengths = np.array([len(s) for s, _ in pairs], dtype=np.int64)
+        self.tgt_lengths = np.array([len(t) for _, t in pairs], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        return collate_pairs(
+            [self.pairs[i][0] for i in indices], [self.pairs[i][1] for i in indices]
+        )
+
+
+class FixedSampler:
+    """Yields fixed index batches (a rank takes every world_size-th), shuffled per epoch."""
+
+    def __init__(
+        self,
+        batches: list[list[int]],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.batches = batches
+        self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
+        self.epoch = 0
+        self.position = 0
+
+    def _order(self) -> list[list[int]]:
+        order = list(range(len(self.batches)))
+        if self.shuffle:
+            random.Random(self.seed * 1000 + self.epoch).shuffle(order)
+        # Whole groups of world_size batches so that every rank gets the same count.
+        usable = len(order) - len(order) % self.world_size
+        return [self.batches[i] for i in order[:usable][self.rank :: self.world_size]]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = epoch, 0
+
+    def __len__(self) -> int:
+        return len(self._order())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        while self.position < len(order):
+            self.position += 1
+            yield order[self.position - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def reverse_pairs(n: int, length: int, vocab: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Random sequences of exactly ``length`` ids in [4, vocab) and their reversal."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        src = [rng.randrange(4, vocab) for _ in range(length)]
+        pairs.append((src, src[::-1]))
+    return pairs
+
+
+def tiny_config(*overrides: str) -> RunConfig:
+    base = [
+        "preset=tiny",
+        "train.warmup_steps=10",
+        "train.log_interval=1000",
+        "train.valid_interval=0",
+        "train.save_interval_steps=0",
+        "train.save_interval_minutes=0",
+        "train.average_last=0",
+        "train.keep_last=3",
+        "train.update_tokens=56",
+    ]
+    return load_config(overrides=[*base, *overrides])
