@@ -1,0 +1,45 @@
+"""Reading plain UTF-8 text, one sentence a line, with errors that name the line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiayn.cli.errors import UserError
+
+
+def split_lines(data: bytes, name: str) -> list[str]:
+    """The lines of ``data``: split at ``\\n`` only (a trailing newline ends the last line, it
+    does not start a new one), a final ``\\r`` dropped; invalid UTF-8 names its line."""
+    if not data:
+        return []
+    raw = data.split(b"\n")
+    if raw[-1] == b"":
+        raw.pop()
+    lines = []
+    for number, line in enumerate(raw, start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(
+                f"{name}: line {number} is not valid UTF-8 (byte {err.start + 1}: "
+                f"{line[err.start : err.start + 1]!r})"
+            ) from None
+        lines.append(text[:-1] if text.endswith("\r") else text)
+    return lines
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file (see :func:`split_lines`)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read: {err.strerror}") from None
+    return split_lines(data, str(path))
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks turned into spaces, so that one output stays one line."""
+    return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")

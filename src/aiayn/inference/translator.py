@@ -1,0 +1,236 @@
+"""Text in, text out: tokenise, sort by length, batch by a token budget, search, restore the
+input order, detokenise.
+
+Input policy (documented in docs/translation.md):
+
+- an empty line (or one that tokenises to nothing) gives an empty output in its place, without
+  running the model, so the number of lines out always equals the number in;
+- a line with more tokens than the model has positions (``model.max_positions``, EOS included)
+  is cut to fit and translated, with a warning naming the line;
+- an output never exceeds ``max_len_a * source_tokens + max_len_b`` tokens, nor
+  ``model.max_positions - 1``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import DecodeConfig, RunConfig
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs
+from aiayn.inference.search import (
+    Hypothesis,
+    beam_search,
+    greedy_search,
+    max_output_lengths,
+)
+from aiayn.inference.textio import one_line
+from aiayn.model.cache import DecoderCache
+from aiayn.model.transformer import Transformer
+
+
+class TextTokenizer(Protocol):
+    """What the translator needs of a tokenizer (``aiayn.data.tokenizer.Tokenizer`` is one)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One hypothesis as text: ``score`` is the length-normalised log-probability that beam
+    search ranks by, ``log_prob`` the plain one; ``tokens`` are the output ids."""
+
+    text: str
+    score: float
+    log_prob: float
+    tokens: list[int]
+
+
+def _print_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def quantize_int8(model: Transformer) -> Transformer:
+    """Dynamic int8 quantization of every Linear layer (CPU only; embeddings stay float)."""
+    return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+class Translator:
+    """Translates sentences with a trained :class:`Transformer`.
+
+    ``decode`` gives the beam size (1 means greedy search), the length penalty ``alpha``, the
+    output limit ``max_len_a * source_tokens + max_len_b`` and the batch budget
+    ``batch_tokens`` (padded source tokens per batch, EOS included). ``nbest`` hypotheses are
+    kept per sentence (at most the beam size). ``warn`` receives warnings (default: stderr).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: TextTokenizer,
+        decode: DecodeConfig | None = None,
+        *,
+        nbest: int = 1,
+        device: torch.device | str | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.decode = decode if decode is not None else DecodeConfig()
+        if self.decode.beam_size < 1:
+            raise ValueError(f"beam size must be at least 1, got {self.decode.beam_size}")
+        if not 1 <= nbest <= self.decode.beam_size:
+            raise ValueError(
+                f"nbest must be between 1 and the beam size ({self.decode.beam_size}), got {nbest}"
+            )
+        if self.decode.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be positive, got {self.decode.batch_tokens}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.nbest = nbest
+        self.max_positions = model.config.max_positions
+        if device is None:
+            device = next(model.parameters()).device
+        self.device = torch.device(device)
+        self.warn = warn if warn is not None else _print_warning
+        self._banned = torch.tensor([PAD_ID, BOS_ID], device=self.device)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        decode_overrides: Mapping[str, Any] | None = None,
+        nbest: int = 1,
+        quantize: str | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> tuple[Translator, RunConfig]:
+        """A translator for a checkpoint file or run directory, with the run's decode settings
+        updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
+        config."""
+        from aiayn.training.checkpoint import load_for_inference
+
+        model, config, tokenizer = load_for_inference(path, device)
+        if quantize is not None:
+            if quantize != "int8":
+                raise ValueError(f"unknown quantization {quantize!r} (only int8)")
+            if torch.device(device).type != "cpu":
+                raise ValueError("int8 dynamic quantization runs on the CPU only")
+            model = quantize_int8(model)
+        translator = cls(
+            model,
+            tokenizer,
+            replace(config.decode, **dict(decode_overrides or {})),
+            nbest=nbest,
+            device=device,
+            warn=warn,
+        )
+        return translator, config
+
+    # -- text ------------------------------------------------------------------------------
+
+    def translate(self, lines: Sequence[str], first_line: int = 1) -> list[str]:
+        """One detokenised translation per line, in order (the best hypothesis)."""
+        return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(lines, first_line)]
+
+    def translate_nbest(self, lines: Sequence[str], first_line: int = 1) -> list[list[Translation]]:
+        """Up to ``nbest`` translations per line, best first; an empty line gives ``[]``.
+        ``first_line`` numbers the lines in warnings."""
+        sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
+        results = self.search_ids(sources)
+        return [
+            [
+                Translation(
+                    one_line(self.tokenizer.decode(h.tokens)), h.score, h.log_prob, h.tokens
+                )
+                for h in hyps
+            ]
+            for hyps in results
+        ]
+
+    def encode_source(self, line: str, line_number: int | None = None) -> list[int]:
+        """Token ids of one source line (no EOS), cut to the model's positions with a warning."""
+        if not line.strip():
+            return []
+        ids = self.tokenizer.encode(line)
+        room = self.max_positions - 1  # the source also carries EOS
+        if len(ids) > room:
+            where = f"line {line_number}" if line_number is not None else "input"
+            self.warn(
+                f"{where}: {len(ids)} tokens (+ EOS) exceed the model's {self.max_positions} "
+                f"positions; translating the first {room}"
+            )
+            ids = ids[:room]
+        return ids
+
+    # -- ids -------------------------------------------------------------------------------
+
+    def search_ids(self, sources: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
+        """Hypotheses for token-id sources (no EOS, at most ``max_positions - 1`` ids each), in
+        input order; an empty source gives ``[]``. Sources are sorted by length and packed
+        into batches of at most ``batch_tokens`` padded tokens."""
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        order = sorted((i for i, s in enumerate(sources) if s), key=lambda i: -len(sources[i]))
+        start = 0
+        while start < len(order):
+            width = len(sources[order[start]]) + 1  # the longest of the batch, EOS included
+            count = max(1, self.decode.batch_tokens // width)
+            chunk = order[start : start + count]
+            for i, hyps in zip(chunk, self._search_batch([sources[i] for i in chunk]), strict=True):
+                results[i] = hyps
+            start += count
+        return results
+
+    def _step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        log_probs = self.model.log_probs_step(tokens, cache)  # (rows, V)
+        return log_probs.index_fill_(1, self._banned, float("-inf"))
+
+    @torch.inference_mode()
+    def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
+        batch = collate_pairs(sources)
+        src_ids = batch.src_ids.to(self.device)
+        src_pad = batch.src_pad.to(self.device)
+        src_len = torch.tensor([len(s) for s in sources])
+        limits = max_output_lengths(
+            src_len, self.decode.max_len_a, self.decode.max_len_b, limit=self.max_positions - 1
+        )
+        cache_len = int(limits.max()) + 1
+        limits = limits.to(self.device)
+        memory = self.model.encode(src_ids, src_pad)  # (B, S, d_model)
+        k = self.decode.beam_size
+        if k == 1:
+            cache = self.model.init_cache(memory, src_pad, cache_len)
+            hyps = greedy_search(
+                self._step,
+                cache,
+                len(sources),
+                max_len=limits,
+                alpha=self.decode.alpha,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                device=self.device,
+            )
+            return [[h] for h in hyps]
+        # Each sentence's K beams start from the same memory: rows i*K .. (i+1)*K - 1.
+        memory = memory.repeat_interleave(k, dim=0)  # (B*K, S, d_model)
+        src_pad = src_pad.repeat_interleave(k, dim=0)  # (B*K, S)
+        cache = self.model.init_cache(memory, src_pad, cache_len)
+        return beam_search(
+            self._step,
+            cache,
+            len(sources),
+            beam_size=k,
+            alpha=self.decode.alpha,
+            max_len=limits,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            nbest=self.nbest,
+            device=self.device,
+        )

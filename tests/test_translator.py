@@ -1,0 +1,218 @@
+"""The translator: batch invariance, cached decoding against a no-cache reference decoder, and
+line-for-line output with empty and over-long lines."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.config import DecodeConfig, load_config, replace
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs
+from aiayn.inference.search import beam_search, max_output_lengths
+from aiayn.inference.translator import Translator
+from aiayn.model.transformer import Transformer
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz "
+
+
+class CharTokenizer:
+    """One id per letter or space (ids 4..30); anything else is UNK."""
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + LETTERS.index(c) if c in LETTERS else 1 for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(LETTERS[i - 4] if 4 <= i < 4 + len(LETTERS) else "" for i in ids)
+
+
+def tiny_model(max_positions: int = 256) -> Transformer:
+    config = load_config(
+        overrides=["preset=tiny", "model.dropout=0", f"model.max_positions={max_positions}"]
+    )
+    return Transformer(config.model)
+
+
+def random_words(rng: random.Random, low: int, high: int) -> str:
+    return "".join(rng.choice(LETTERS[:8]) for _ in range(rng.randint(low, high)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread (and the test machine is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def copy_model() -> Transformer:
+    """A tiny model trained for a few dozen steps to copy its input: it ends sentences with
+    EOS at various lengths, unlike random weights."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = tiny_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.9, 0.98))
+    tok = CharTokenizer()
+    model.train()
+    for _ in range(80):
+        src = [tok.encode(random_words(rng, 1, 6)) for _ in range(32)]
+        batch = collate_pairs(src, src)
+        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def sentences(n: int, seed: int, longest: int = 14) -> list[str]:
+    rng = random.Random(seed)
+    return [random_words(rng, 1, longest) for _ in range(n)]
+
+
+# -- batch invariance --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_batch_invariance(copy_model: Transformer, beam: int) -> None:
+    decode = DecodeConfig(beam_size=beam, max_len_b=6, batch_tokens=120)
+    translator = Translator(copy_model, CharTokenizer(), decode, nbest=beam)
+    lines = sentences(64, seed=1)
+    together = translator.translate_nbest(lines)
+    for line, hyps in zip(lines, together, strict=True):
+        alone = translator.translate_nbest([line])[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in hyps]
+        assert [h.score for h in alone] == pytest.approx([h.score for h in hyps], abs=1e-4)
+
+
+def test_batch_invariance_random_weights() -> None:
+    """Random weights give flat distributions: a hard case for batch invariance."""
+    torch.manual_seed(1)
+    translator = Translator(
+        tiny_model(), CharTokenizer(), DecodeConfig(beam_size=3, max_len_b=4, batch_tokens=60)
+    )
+    lines = sentences(64, seed=2)
+    together = translator.translate(lines)
+    assert [translator.translate([line])[0] for line in lines] == together
+
+
+# -- the KV cache against a decoder that re-runs the whole prefix ------------------------------
+
+
+class PrefixState:
+    """A no-cache decoder state: the source rows and the output prefix so far."""
+
+    def __init__(self, src_ids: Tensor, src_pad: Tensor) -> None:
+        self.src_ids, self.src_pad = src_ids, src_pad
+        self.prefix = torch.zeros(src_ids.size(0), 0, dtype=torch.long)
+
+    def reorder(self, rows: Tensor) -> None:
+        self.src_ids, self.src_pad, self.prefix = (
+            self.src_ids[rows],
+            self.src_pad[rows],
+            self.prefix[rows],
+        )
+
+    def keep(self, rows: Tensor) -> None:
+        self.reorder(rows)
+
+
+def reference_translate(
+    model: Transformer, sources: list[list[int]], decode: DecodeConfig, nbest: int
+) -> list[list[tuple[list[int], float]]]:
+    """Beam search whose step runs ``model.forward`` on the full prefix, one sentence at a time."""
+    out = []
+    k = decode.beam_size
+    for src in sources:
+        batch = collate_pairs([src])
+        state = PrefixState(batch.src_ids.repeat(k, 1), batch.src_pad.repeat(k, 1))
+
+        def step(tokens: Tensor, state: PrefixState) -> Tensor:
+            state.prefix = torch.cat([state.prefix, tokens[:, None]], dim=1)
+            logits = model(state.src_ids, state.src_pad, state.prefix)[:, -1]  # (rows, V)
+            log_probs = F.log_softmax(logits.float(), dim=-1)
+            log_probs[:, [PAD_ID, BOS_ID]] = float("-inf")
+            return log_probs
+
+        limit = max_output_lengths(torch.tensor([len(src)]), decode.max_len_a, decode.max_len_b)
+        with torch.no_grad():
+            [hyps] = beam_search(
+                step,
+                state,
+                1,
+                beam_size=k,
+                alpha=decode.alpha,
+                max_len=limit,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                nbest=nbest,
+            )
+        out.append([(h.tokens, h.score) for h in hyps])
+    return out
+
+
+def test_cached_decoding_equals_full_prefix_decoding(copy_model: Transformer) -> None:
+    decode = DecodeConfig(beam_size=3, alpha=0.6, max_len_b=5, batch_tokens=200)
+    tok = CharTokenizer()
+    lines = sentences(12, seed=3)
+    sources = [tok.encode(line) for line in lines]
+    translator = Translator(copy_model, tok, decode, nbest=3)
+    cached = translator.search_ids(sources)
+    expected = reference_translate(copy_model, sources, decode, nbest=3)
+    lengths = set()
+    for hyps, ref in zip(cached, expected, strict=True):
+        assert [h.tokens for h in hyps] == [y for y, _ in ref]
+        assert [h.score for h in hyps] == pytest.approx([s for _, s in ref], abs=1e-4)
+        lengths.add(len(hyps[0].tokens))
+    # The trained model stops at different lengths, so sentences leave the batch at different
+    # steps (cache.keep is exercised), and not all at the maximum length.
+    assert len(lengths) > 3
+
+
+def test_copy_model_copies(copy_model: Transformer) -> None:
+    """Sanity check of the fixture: it has learnt something (random weights copy none)."""
+    translator = Translator(copy_model, CharTokenizer(), DecodeConfig(beam_size=4))
+    lines = sentences(20, seed=4, longest=5)
+    outputs = translator.translate(lines)
+    assert sum(o == line for o, line in zip(outputs, lines, strict=True)) >= 5
+
+
+# -- line handling -----------------------------------------------------------------------------
+
+
+def test_lines_in_equal_lines_out_with_empty_and_overlong_lines() -> None:
+    torch.manual_seed(2)
+    warnings: list[str] = []
+    decode = DecodeConfig(beam_size=2, max_len_b=3, batch_tokens=64)
+    translator = Translator(
+        tiny_model(max_positions=32), CharTokenizer(), decode, warn=warnings.append
+    )
+    lines = ["abc", "", "   ", "x" * 100, "hello world", "", "y" * 31, "z" * 32]
+    outputs = translator.translate(lines, first_line=10)
+    assert len(outputs) == len(lines)
+    assert outputs[1] == outputs[2] == outputs[5] == ""
+    # 100 and 32 tokens (+ EOS) exceed 32 positions: lines 13 and 17, cut to 31 tokens;
+    # 31 tokens + EOS fit exactly.
+    assert len(warnings) == 2
+    assert warnings[0].startswith("line 13: 100 tokens") and "first 31" in warnings[0]
+    assert warnings[1].startswith("line 17: 32 tokens")
+    # Outputs stop at max_positions - 1 = 31 tokens (a * 31 + b = 34 would not fit).
+    assert all(len(o) <= 31 for o in outputs)
+    nbest = Translator(translator.model, CharTokenizer(), decode, nbest=2, warn=warnings.append)
+    results = nbest.translate_nbest(lines)
+    assert [len(r) for r in results] == [2, 0, 0, 2, 2, 0, 2, 2]
+    assert all(r[0].score >= r[1].score for r in results if r)
+
+
+def test_bad_settings() -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match="nbest"):
+        Translator(model, CharTokenizer(), DecodeConfig(beam_size=2), nbest=3)
+    with pytest.raises(ValueError, match="beam"):
+        Translator(model, CharTokenizer(), replace(DecodeConfig(), beam_size=0))
