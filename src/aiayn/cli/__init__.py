@@ -12,11 +12,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from aiayn.cli import params
+from aiayn.cli import attention, bleu, params, translate
 from aiayn.cli.errors import CLIError, UserError
 from aiayn.config import ConfigError
 
-_COMMANDS = [params]
+_COMMANDS = [params, translate, bleu, attention]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,132 @@
+"""``aiayn translate``: raw source text in, detokenised translations out, one line per line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import torch
+
+from aiayn.cli.errors import CLIError
+from aiayn.inference.textio import read_lines, split_lines
+from aiayn.inference.translator import Translation, Translator
+
+# Lines translated (and written) at a time: bounds memory, keeps output flowing.
+CHUNK_LINES = 10000
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "translate",
+        help="translate raw text with a checkpoint",
+        description="Translate raw text, one sentence a line, from --input or stdin; write one "
+        "detokenised translation a line to stdout (with --nbest K: K lines per input line, "
+        "'rank<TAB>score<TAB>text'). With a terminal on stdin it translates line by line. "
+        "Empty lines give empty lines; lines longer than the model's positions are cut to fit "
+        "with a warning on stderr. Defaults come from the run's [decode] settings.",
+    )
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_OR_RUN",
+        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
+    )
+    parser.add_argument("--input", "-i", metavar="FILE", help="source text (default: stdin)")
+    parser.add_argument("--beam", type=int, help="beam size; 1 is greedy search (paper: 4)")
+    parser.add_argument("--alpha", type=float, help="length penalty ((5+|Y|)/6)^alpha (paper: 0.6)")
+    parser.add_argument(
+        "--nbest", type=int, default=1, help="hypotheses per sentence, at most the beam size"
+    )
+    parser.add_argument(
+        "--max-len-a", type=float, help="output limit a * source tokens + b: a (paper: 1)"
+    )
+    parser.add_argument("--max-len-b", type=int, help="output limit: b (paper: 50)")
+    parser.add_argument(
+        "--batch-tokens", type=int, help="padded source tokens per batch (default: run's setting)"
+    )
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a little)",
+    )
+    parser.set_defaults(run=run)
+
+
+def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "beam_size": args.beam,
+        "alpha": args.alpha,
+        "max_len_a": args.max_len_a,
+        "max_len_b": args.max_len_b,
+        "batch_tokens": args.batch_tokens,
+    }
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def format_translations(results: Sequence[list[Translation]], nbest: int) -> list[str]:
+    """Output lines: the best text per input; with ``nbest`` > 1, exactly ``nbest`` lines per
+    input, 'rank<TAB>score<TAB>text' (an empty input gives empty texts with score 0, a missing
+    hypothesis an empty text with score -inf)."""
+    if nbest == 1:
+        return [hyps[0].text if hyps else "" for hyps in results]
+    lines = []
+    for hyps in results:
+        for rank in range(1, nbest + 1):
+            if rank <= len(hyps):
+                lines.append(f"{rank}\t{hyps[rank - 1].score:.4f}\t{hyps[rank - 1].text}")
+            else:
+                lines.append(f"{rank}\t{0.0 if not hyps else float('-inf'):.4f}\t")
+    return lines
+
+
+def _write(out: TextIO, lines: Sequence[str]) -> None:
+    if lines:
+        out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
+def _interactive(translator: Translator, nbest: int) -> None:
+    print("Type a sentence and press Enter; Ctrl-D ends.", file=sys.stderr, flush=True)
+    number = 0
+    for raw in sys.stdin.buffer:
+        number += 1
+        try:
+            line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+        except UnicodeDecodeError:
+            # Say so and go on, with an empty output to keep lines in step.
+            print(f"error: stdin line {number} is not valid UTF-8", file=sys.stderr, flush=True)
+            line = ""
+        _write(sys.stdout, format_translations(translator.translate_nbest([line], number), nbest))
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        translator, _ = Translator.from_checkpoint(
+            args.checkpoint,
+            device=device,
+            decode_overrides=_decode_overrides(args),
+            nbest=args.nbest,
+            quantize=args.quantize,
+        )
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    if args.input is None and sys.stdin.isatty():
+        _interactive(translator, args.nbest)
+        return 0
+    lines = read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read(), "stdin")
+    start = time.perf_counter()
+    for first in range(0, len(lines), CHUNK_LINES):
+        chunk = lines[first : first + CHUNK_LINES]
+        results = translator.translate_nbest(chunk, first_line=first + 1)
+        _write(sys.stdout, format_translations(results, args.nbest))
+    seconds = time.perf_counter() - start
+    print(
+        f"translated {len(lines)} lines in {seconds:.1f} s on {device}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0

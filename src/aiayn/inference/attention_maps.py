@@ -1,0 +1,122 @@
+"""Attention weights of a translation, per layer and head, and their pictures.
+
+The weights are recomputed with :func:`aiayn.model.attention.naive_attention` from the
+inputs each attention module receives during one teacher-forced pass over the source and the
+translation (forward hooks, so the model itself is unchanged): encoder self-attention (S × S),
+decoder self-attention (T × T) and cross-attention (T × S), where S counts the source tokens
+and EOS, T the output tokens and EOS. Decoder row i is the step that produces output token i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch import Tensor, nn
+
+from aiayn.data.collate import BOS_ID, EOS_ID
+from aiayn.model.attention import MultiHeadAttention, naive_attention
+from aiayn.model.transformer import Transformer
+
+
+def _recorder(store: list[Tensor]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _: Any) -> None:
+        assert isinstance(module, MultiHeadAttention)
+        x = args[0]
+        memory = args[1] if len(args) > 1 else kwargs.get("memory")
+        mask = args[2] if len(args) > 2 else kwargs.get("mask")
+        causal = args[3] if len(args) > 3 else kwargs.get("causal", False)
+        if module.self_attention:
+            q, k, v = module.project_qkv(x)  # (B, H, T, Dh) each
+        else:
+            q = module.project_q(x)
+            k, v = module.project_kv(memory)
+        _, weights = naive_attention(q, k, v, mask, causal)  # (B, H, T, S)
+        store.append(weights[0].float().cpu())
+
+    return hook
+
+
+@torch.inference_mode()
+def attention_weights(
+    model: Transformer, src: Sequence[int], output: Sequence[int]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Encoder, decoder and cross-attention weights per layer for source ids ``src`` and output
+    ids ``output`` (neither with BOS/EOS)."""
+    device = next(model.parameters()).device
+    src_ids = torch.tensor([[*src, EOS_ID]], device=device)  # (1, S)
+    tgt_in = torch.tensor([[BOS_ID, *output]], device=device)  # (1, T)
+    encoder: list[Tensor] = []
+    decoder: list[Tensor] = []
+    cross: list[Tensor] = []
+    handles = []
+    for layer in model.encoder.layers:
+        handles.append(layer.self_attn.register_forward_hook(_recorder(encoder), with_kwargs=True))
+    for layer in model.decoder.layers:
+        handles.append(layer.self_attn.register_forward_hook(_recorder(decoder), with_kwargs=True))
+        handles.append(layer.cross_attn.register_forward_hook(_recorder(cross), with_kwargs=True))
+    try:
+        model(src_ids, torch.zeros_like(src_ids, dtype=torch.bool), tgt_in)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return encoder, decoder, cross
+
+
+def plot_layer(weights: Tensor, rows: list[str], cols: list[str], title: str, path: Path) -> None:
+    """One PNG: a heat map per head, (H, len(rows), len(cols)) weights in [0, 1]."""
+    n_heads = weights.size(0)
+    n_cols = min(n_heads, 4)
+    n_rows = (n_heads + n_cols - 1) // n_cols
+    cell = 0.22
+    width = max(3.0, len(cols) * cell + 1.2)
+    height = max(3.0, len(rows) * cell + 1.2)
+    fig = Figure(figsize=(n_cols * width, n_rows * height + 0.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    for head in range(n_rows * n_cols):
+        ax = axes[head // n_cols][head % n_cols]
+        if head >= n_heads:
+            ax.axis("off")
+            continue
+        image = ax.imshow(weights[head].numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
+        ax.set_title(f"head {head + 1}", fontsize=9)
+        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+
+
+def write_attention_pictures(
+    model: Transformer,
+    src: Sequence[int],
+    output: Sequence[int],
+    label: Callable[[int], str],
+    out_dir: str | Path,
+) -> list[Path]:
+    """PNG heat maps for every layer of the three attention kinds, in ``out_dir``:
+    ``encoder_layer{i}.png``, ``decoder_layer{i}.png``, ``cross_layer{i}.png`` (i from 1).
+    ``label(id)`` names a token on the axes."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    encoder, decoder, cross = attention_weights(model, src, output)
+    source = [label(i) for i in src] + ["</s>"]
+    target_in = ["<s>"] + [label(i) for i in output]
+    target_out = [label(i) for i in output] + ["</s>"]
+    paths = []
+    kinds = [
+        ("encoder", "encoder self-attention", encoder, source, source),
+        ("decoder", "decoder self-attention (row: token produced)", decoder, target_out, target_in),
+        ("cross", "encoder-decoder attention (row: token produced)", cross, target_out, source),
+    ]
+    for name, title, layers, rows, cols in kinds:
+        for i, weights in enumerate(layers, start=1):
+            path = out_dir / f"{name}_layer{i}.png"
+            plot_layer(weights, rows, cols, f"{title}, layer {i}", path)
+            paths.append(path)
+    return paths
