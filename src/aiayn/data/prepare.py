@@ -1,0 +1,568 @@
+"""``aiayn prepare`` as a library function: raw parallel text in, a binarised DATA_DIR out.
+
+Three passes, none of which holds the corpus as Python objects:
+
+1. read every split line by line (strict UTF-8 unless told otherwise), drop pairs with an empty
+   side, write the kept text to a staging directory;
+2. train one joint sentencepiece model on the kept training text (or reuse the existing one
+   when the training text and vocabulary options are unchanged);
+3. encode each split in chunks, drop training pairs beyond the length limits, and append the ids
+   to flat ``.bin`` files with ``int64`` offsets and ``int32`` lengths beside them.
+
+Everything is written under ``DATA_DIR/.prepare-*`` first and moved into place at the end; the
+manifest is removed before and written after the move, so an interrupted run never leaves a
+directory that :func:`aiayn.data.corpus.load_manifest` accepts with half-written data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
+
+from aiayn.cli.errors import UserError
+from aiayn.config import DataConfig
+from aiayn.data.corpus import (
+    MANIFEST_FORMAT_VERSION,
+    MANIFEST_NAME,
+    TOKENIZER_NAME,
+    ids_paths,
+    load_manifest,
+    manifest_path,
+    text_path,
+)
+from aiayn.data.tokenizer import (
+    DEFAULT_CHARACTER_COVERAGE,
+    DEFAULT_INPUT_SENTENCE_SIZE,
+    Tokenizer,
+    train_tokenizer,
+)
+
+Log = Callable[[str], None]
+EncodingErrors = Literal["strict", "replace"]
+
+_CHUNK_LINES = 100_000
+_STAGING_PREFIX = ".prepare-"
+# Characters Python's str.splitlines() treats as line ends: inside a sentence they would break
+# the one-sentence-per-line text files for any reader that splits that way.
+_LINE_BREAKS = str.maketrans(dict.fromkeys("\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029", " "))
+
+
+@dataclass
+class _SplitStats:
+    lines: int = 0
+    pairs: int = 0
+    dropped: dict[str, int] = field(
+        default_factory=lambda: {"empty": 0, "too_long": 0, "length_ratio": 0}
+    )
+    replaced: dict[str, int] = field(default_factory=lambda: {"src": 0, "tgt": 0})
+    tokens: dict[str, int] = field(default_factory=lambda: {"src": 0, "tgt": 0})
+    longest: dict[str, int] = field(default_factory=lambda: {"src": 0, "tgt": 0})
+
+
+def input_paths(prefix: str | Path, src: str, tgt: str) -> tuple[Path, Path]:
+    """``PREFIX.src`` and ``PREFIX.tgt``."""
+    prefix = str(prefix)
+    return Path(f"{prefix}.{src}"), Path(f"{prefix}.{tgt}")
+
+
+def count_lines(path: Path) -> int:
+    """Lines as ``for line in file`` sees them: a last line without a newline counts too."""
+    count = 0
+    last = b"\n"
+    with _open_input(path) as handle:
+        while block := handle.read(1 << 22):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+def prepare_data(
+    train_prefix: str | Path,
+    valid_prefix: str | Path,
+    test_prefix: str | Path | None,
+    src: str,
+    tgt: str,
+    vocab_size: int,
+    out_dir: str | Path,
+    *,
+    model_type: str = "bpe",
+    max_len: int = DataConfig.max_len,
+    max_len_ratio: float = DataConfig.max_len_ratio,
+    encoding_errors: EncodingErrors = "strict",
+    character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
+    input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
+    force: bool = False,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Prepare DATA_DIR from ``PREFIX.{src,tgt}`` text files; returns the manifest.
+
+    Training pairs with more than ``max_len`` tokens on a side, or whose longer side has more
+    than ``max_len_ratio`` times the tokens of the shorter (``<= 0`` turns the check off), are
+    dropped and counted; valid and test are kept whole so that BLEU uses the full references.
+    With the same inputs (path, size, modification time) and options the existing directory
+    is reused as it is, unless ``force``.
+    """
+    say = log or (lambda _message: None)
+    if src == tgt:
+        raise UserError(f"source and target language are both {src!r}")
+    for lang in (src, tgt):
+        if not lang or "/" in lang or lang.startswith("."):
+            raise UserError(f"{lang!r} is not usable as a language suffix")
+    if max_len < 1:
+        raise UserError(f"max_len must be at least 1, got {max_len}")
+    if encoding_errors not in ("strict", "replace"):
+        raise UserError(f"encoding_errors must be 'strict' or 'replace', got {encoding_errors!r}")
+    prefixes = {"train": train_prefix, "valid": valid_prefix}
+    if test_prefix is not None:
+        prefixes["test"] = test_prefix
+    inputs = {split: input_paths(prefix, src, tgt) for split, prefix in prefixes.items()}
+
+    # Every input is checked before any work: a bad test file should not cost a BPE training.
+    line_counts: dict[str, int] = {}
+    for split, (src_path, tgt_path) in inputs.items():
+        n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
+        if n_src != n_tgt:
+            raise UserError(
+                f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}: the two sides of "
+                f"the {split} split must have one sentence per line, line for line"
+            )
+        line_counts[split] = n_src
+
+    options = {
+        "src": src,
+        "tgt": tgt,
+        "vocab_size": vocab_size,
+        "model_type": model_type,
+        "character_coverage": character_coverage,
+        "input_sentence_size": input_sentence_size,
+        "max_len": max_len,
+        "max_len_ratio": max_len_ratio,
+        "encoding_errors": encoding_errors,
+    }
+    stamps = {split: [_file_stamp(p) for p in paths] for split, paths in inputs.items()}
+    fingerprint = _digest({"format_version": MANIFEST_FORMAT_VERSION, **options, "in": stamps})
+    vocab_keys = ("src", "tgt", "vocab_size", "model_type", "character_coverage")
+    vocab_keys += ("input_sentence_size", "encoding_errors")
+    tokenizer_key = _digest({"train": stamps["train"], **{k: options[k] for k in vocab_keys}})
+
+    out = Path(out_dir)
+    old = _existing_manifest(out)
+    if not force and old is not None and old.get("fingerprint") == fingerprint:
+        if _files_intact(out, old):
+            say(f"{out}: up to date (same inputs and options), reusing it")
+            return old
+
+    _make_dir(out)
+    _remove_stale_staging(out)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
+    except OSError as err:
+        raise UserError(f"{out}: output directory is not writable ({err.strerror})") from None
+    try:
+        stats: dict[str, _SplitStats] = {}
+        for split, (src_path, tgt_path) in inputs.items():
+            say(f"reading {split}: {src_path}, {tgt_path} ({line_counts[split]:,} lines)")
+            stats[split] = _clean_split(
+                src_path, tgt_path, staging, split, src, tgt, encoding_errors
+            )
+        if stats["train"].pairs == 0:
+            src_path, tgt_path = inputs["train"]
+            raise UserError(
+                f"{src_path}, {tgt_path}: no training pairs left after dropping empty lines"
+            )
+
+        old_tokenizer = tokenizer_path_if(out, old, tokenizer_key) if not force else None
+        model_file = staging / TOKENIZER_NAME
+        if old_tokenizer is not None:
+            say(f"reusing {old_tokenizer} (same training text and vocabulary options)")
+            shutil.copyfile(old_tokenizer, model_file)
+            tokenizer = Tokenizer.load(model_file)
+        else:
+            say(f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}")
+            tokenizer = train_tokenizer(
+                [_staged_text(staging, "train", src), _staged_text(staging, "train", tgt)],
+                vocab_size,
+                staging / Path(TOKENIZER_NAME).stem,
+                model_type,
+                character_coverage=character_coverage,
+                input_sentence_size=input_sentence_size,
+            )
+            with contextlib.suppress(FileNotFoundError):
+                (staging / (Path(TOKENIZER_NAME).stem + ".vocab")).unlink()
+        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32)
+
+        for split in inputs:
+            say(f"encoding {split}")
+            limits = (max_len, max_len_ratio) if split == "train" else None
+            _encode_split(tokenizer, staging, split, src, tgt, dtype, limits, stats[split])
+            if split == "train" and stats[split].pairs == 0:
+                raise UserError(
+                    f"every training pair was dropped by the length limits (max_len={max_len}, "
+                    f"max_len_ratio={max_len_ratio})"
+                )
+
+        manifest = _manifest(
+            options, inputs, stats, tokenizer, dtype, fingerprint, tokenizer_key, staging
+        )
+        _commit(staging, out, manifest, old)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def tokenizer_path_if(out: Path, old: dict[str, Any] | None, key: str) -> Path | None:
+    """The existing tokenizer of ``out`` when it was trained with the same text and options."""
+    path = out / TOKENIZER_NAME
+    if old is not None and old.get("tokenizer_key") == key and path.is_file():
+        return path
+    return None
+
+
+# -- pass 1: read, check, clean ---------------------------------------------------------------
+
+
+def _open_input(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise UserError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, expected a text file") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def _decode(raw: bytes, path: Path, line_no: int, errors: EncodingErrors) -> tuple[str, bool]:
+    """One line as text; ``(text, replaced)``. Strict mode names file, line and column."""
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError as err:
+        if errors == "strict":
+            raise UserError(
+                f"{path}, line {line_no}: invalid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
+                f"{err.start + 1} of the line); fix the file or pass --encoding-errors replace"
+            ) from None
+        return raw.decode("utf-8", errors="replace"), True
+
+
+def _clean_split(
+    src_path: Path,
+    tgt_path: Path,
+    staging: Path,
+    split: str,
+    src: str,
+    tgt: str,
+    errors: EncodingErrors,
+) -> _SplitStats:
+    stats = _SplitStats()
+    with (
+        _open_input(src_path) as src_in,
+        _open_input(tgt_path) as tgt_in,
+        _staged_text(staging, split, src).open("w", encoding="utf-8", newline="\n") as src_out,
+        _staged_text(staging, split, tgt).open("w", encoding="utf-8", newline="\n") as tgt_out,
+    ):
+        for line_no, (raw_src, raw_tgt) in enumerate(zip(src_in, tgt_in, strict=False), start=1):
+            src_text, bad_src = _decode(raw_src, src_path, line_no, errors)
+            tgt_text, bad_tgt = _decode(raw_tgt, tgt_path, line_no, errors)
+            stats.replaced["src"] += bad_src
+            stats.replaced["tgt"] += bad_tgt
+            src_text = src_text.translate(_LINE_BREAKS).strip()
+            tgt_text = tgt_text.translate(_LINE_BREAKS).strip()
+            stats.lines += 1
+            if not src_text or not tgt_text:
+                stats.dropped["empty"] += 1
+                continue
+            src_out.write(src_text + "\n")
+            tgt_out.write(tgt_text + "\n")
+            stats.pairs += 1
+        # The line counts were compared up front; a file that changed since is caught here.
+        if src_in.readline() or tgt_in.readline():
+            raise UserError(f"{src_path} and {tgt_path} changed while being read")
+    return stats
+
+
+def _staged_text(staging: Path, split: str, lang: str) -> Path:
+    return staging / f"{split}.{lang}.clean"
+
+
+# -- pass 3: encode ---------------------------------------------------------------------------
+
+
+def _chunks(path: Path) -> Iterator[list[str]]:
+    with path.open(encoding="utf-8", newline="\n") as handle:
+        while chunk := list(islice(handle, _CHUNK_LINES)):
+            yield [line[:-1] if line.endswith("\n") else line for line in chunk]
+
+
+def _encode_split(
+    tokenizer: Tokenizer,
+    staging: Path,
+    split: str,
+    src: str,
+    tgt: str,
+    dtype: np.dtype,
+    limits: tuple[int, float] | None,
+    stats: _SplitStats,
+) -> None:
+    sides = {"src": src, "tgt": tgt}
+    lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
+    kept = 0
+    with contextlib.ExitStack() as stack:
+        bins = {
+            k: stack.enter_context(ids_paths(staging, split, v)[0].open("wb"))
+            for k, v in sides.items()
+        }
+        texts = {
+            k: stack.enter_context(
+                text_path(staging, split, v).open("w", encoding="utf-8", newline="\n")
+            )
+            for k, v in sides.items()
+        }
+        for src_lines, tgt_lines in zip(
+            _chunks(_staged_text(staging, split, src)),
+            _chunks(_staged_text(staging, split, tgt)),
+            strict=True,
+        ):
+            ids = {
+                "src": tokenizer.encode_batch(src_lines),
+                "tgt": tokenizer.encode_batch(tgt_lines),
+            }
+            lens = {
+                k: np.fromiter(map(len, v), dtype=np.int64, count=len(v)) for k, v in ids.items()
+            }
+            keep = np.ones(len(src_lines), dtype=bool)
+            if limits is not None:
+                max_len, max_ratio = limits
+                too_long = (lens["src"] > max_len) | (lens["tgt"] > max_len)
+                keep &= ~too_long
+                stats.dropped["too_long"] += int(too_long.sum())
+                if max_ratio > 0:
+                    longer = np.maximum(lens["src"], lens["tgt"])
+                    shorter = np.maximum(np.minimum(lens["src"], lens["tgt"]), 1)
+                    bad_ratio = keep & (longer > max_ratio * shorter)
+                    keep &= ~bad_ratio
+                    stats.dropped["length_ratio"] += int(bad_ratio.sum())
+            rows = np.flatnonzero(keep).tolist()
+            lines = {"src": src_lines, "tgt": tgt_lines}
+            for side in sides:
+                chosen = [ids[side][r] for r in rows]
+                kept_lens = lens[side][keep]
+                flat = np.fromiter(
+                    chain.from_iterable(chosen), dtype=dtype, count=int(kept_lens.sum())
+                )
+                flat.tofile(bins[side])
+                lengths[side].append(kept_lens)
+                texts[side].writelines(lines[side][r] + "\n" for r in rows)
+                stats.tokens[side] += int(kept_lens.sum())
+                stats.longest[side] = max(stats.longest[side], int(kept_lens.max(initial=0)))
+            kept += len(rows)
+    stats.pairs = kept
+    for side, lang in sides.items():
+        all_lens = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, np.int64)
+        offsets = np.zeros(len(all_lens) + 1, dtype=np.int64)
+        np.cumsum(all_lens, out=offsets[1:])
+        _, idx_path, len_path = ids_paths(staging, split, lang)
+        np.save(idx_path, offsets)
+        np.save(len_path, all_lens.astype(np.int32))
+        _staged_text(staging, split, lang).unlink()
+
+
+# -- manifest and commit ----------------------------------------------------------------------
+
+
+def _manifest(
+    options: dict[str, Any],
+    inputs: dict[str, tuple[Path, Path]],
+    stats: dict[str, _SplitStats],
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    fingerprint: str,
+    tokenizer_key: str,
+    staging: Path,
+) -> dict[str, Any]:
+    src, tgt = options["src"], options["tgt"]
+    splits: dict[str, Any] = {}
+    for split, (src_path, tgt_path) in inputs.items():
+        s = stats[split]
+        splits[split] = {
+            "pairs": s.pairs,
+            "input_lines": s.lines,
+            "inputs": {src: str(src_path.resolve()), tgt: str(tgt_path.resolve())},
+            "tokens": {src: s.tokens["src"], tgt: s.tokens["tgt"]},
+            "longest": {src: s.longest["src"], tgt: s.longest["tgt"]},
+            "dropped": dict(s.dropped),
+            "utf8_replaced_lines": {src: s.replaced["src"], tgt: s.replaced["tgt"]},
+        }
+    dropped_total = {
+        reason: sum(stats[split].dropped[reason] for split in inputs)
+        for reason in ("empty", "too_long", "length_ratio")
+    }
+    from aiayn import __version__
+
+    return {
+        "format": "aiayn-data",
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "aiayn_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "src": src,
+        "tgt": tgt,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": TOKENIZER_NAME,
+        "tokenizer_options": {
+            "model_type": options["model_type"],
+            "character_coverage": options["character_coverage"],
+            "input_sentence_size": options["input_sentence_size"],
+            "special_ids": {"pad": 0, "unk": 1, "bos": 2, "eos": 3},
+        },
+        "dtype": dtype.name,
+        "filters": {
+            "max_len": options["max_len"],
+            "max_len_ratio": options["max_len_ratio"],
+            "applied_to": ["train"],
+        },
+        "encoding_errors": options["encoding_errors"],
+        "splits": splits,
+        "dropped": dropped_total,
+        "dropped_reasons": {
+            "empty": "an empty or whitespace-only line on either side",
+            "too_long": f"more than max_len={options['max_len']} tokens on a side (train only)",
+            "length_ratio": (
+                f"longer side over max_len_ratio={options['max_len_ratio']} times the shorter "
+                "(train only)"
+            ),
+        },
+        "files": {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()},
+        "fingerprint": fingerprint,
+        "tokenizer_key": tokenizer_key,
+    }
+
+
+def _commit(staging: Path, out: Path, manifest: dict[str, Any], old: dict[str, Any] | None) -> None:
+    """Move the staged files into ``out``; the manifest goes last, and goes first when removed."""
+    manifest_file = manifest_path(out)
+    with contextlib.suppress(FileNotFoundError):
+        manifest_file.unlink()
+    for name in manifest["files"]:
+        os.replace(staging / name, out / name)
+    for name in (old or {}).get("files", {}):
+        if name not in manifest["files"] and name != MANIFEST_NAME:
+            with contextlib.suppress(OSError):
+                (out / name).unlink()
+    tmp = staging / MANIFEST_NAME
+    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, manifest_file)
+
+
+def _existing_manifest(out: Path) -> dict[str, Any] | None:
+    if not manifest_path(out).is_file():
+        return None
+    try:
+        return load_manifest(out)
+    except UserError:
+        return None
+
+
+def _files_intact(out: Path, manifest: dict[str, Any]) -> bool:
+    files = manifest.get("files", {})
+    try:
+        return bool(files) and all((out / n).stat().st_size == size for n, size in files.items())
+    except OSError:
+        return False
+
+
+def _make_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{out}: exists and is not a directory") from None
+    except OSError as err:
+        raise UserError(f"{out}: cannot create the output directory ({err.strerror})") from None
+    if not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory")
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Staging directories of runs that were killed before they could clean up."""
+    for path in out.glob(_STAGING_PREFIX + "*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _file_stamp(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# -- named corpora ----------------------------------------------------------------------------
+
+CORPORA = ("bible", "multi30k", "wmt14")
+_CORPUS_LANGS = {"bible": ("en", "es"), "multi30k": ("en", "de"), "wmt14": ("en", "de")}
+
+
+def prepare_corpus(
+    corpus: str,
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 8000,
+    src: str | None = None,
+    tgt: str | None = None,
+    cache_dir: str | Path | None = None,
+    sword_path: str | Path | list[str | Path] | None = None,
+    download: bool = False,
+    log: Log | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Fetch (or extract) a named corpus and prepare it like :func:`prepare_data`.
+
+    ``bible``: the embedded English-Spanish corpus from local SWORD modules (with ``download``,
+    CrossWire's module zips are fetched into the cache when none are installed); its text goes
+    to ``cache_dir/bible``. ``multi30k`` and ``wmt14`` are downloaded into ``cache_dir``
+    (default :func:`aiayn.data.sources.default_cache_dir`). ``src``/``tgt`` default to the
+    corpus's own pair (en-es, en-de) and may be swapped to translate the other way.
+    """
+    from aiayn.data import sources
+
+    if corpus not in CORPORA:
+        raise UserError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
+    cache = Path(cache_dir) if cache_dir is not None else sources.default_cache_dir()
+    default_src, default_tgt = _CORPUS_LANGS[corpus]
+    src, tgt = src or default_src, tgt or default_tgt
+    if corpus == "bible":
+        if {src, tgt} != set(sources.BIBLE_LANGS):
+            raise UserError("the Bible corpus is English-Spanish: --src/--tgt must be en and es")
+        if sword_path is None and download and not sources.sword_paths(None):
+            sword_path = sources.download_sword_modules(cache, log=log)
+        prefixes = sources.write_bible_corpus(cache / "bible", sword_path, log=log)
+    elif corpus == "multi30k":
+        prefixes = sources.download_multi30k(cache, src, tgt, log=log)
+    else:
+        if {src, tgt} != {"en", "de"}:
+            raise UserError("WMT14 here is English-German: --src/--tgt must be en and de")
+        prefixes = sources.download_wmt14(cache, log=log)
+    return prepare_data(
+        prefixes["train"],
+        prefixes["valid"],
+        prefixes.get("test"),
+        src,
+        tgt,
+        vocab_size,
+        out_dir,
+        log=log,
+        **options,
+    )

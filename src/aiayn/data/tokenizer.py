@@ -1,0 +1,149 @@
+"""One joint sentencepiece vocabulary for source and target (§3.4: shared embeddings need it).
+
+The special ids are fixed (``PAD_ID=0 UNK_ID=1 BOS_ID=2 EOS_ID=3``, see
+:mod:`aiayn.data.collate`), so corpus files, checkpoints and the model agree without a lookup.
+A :class:`Tokenizer` round-trips through bytes, so a checkpoint can embed it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from aiayn.cli.errors import UserError
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+# sentencepiece's own default: characters covering 99.95% of the text get a piece; the rare rest
+# becomes UNK. 1.0 would put every stray symbol of a web-crawled corpus into the vocabulary.
+DEFAULT_CHARACTER_COVERAGE = 0.9995
+# At most this many sentences (sampled uniformly) train the vocabulary; enough for a stable BPE
+# merge table while keeping memory flat on WMT-sized text.
+DEFAULT_INPUT_SENTENCE_SIZE = 2_000_000
+_SPECIAL_IDS = frozenset((PAD_ID, BOS_ID, EOS_ID))
+
+
+class Tokenizer:
+    """A sentencepiece model with the project's fixed special ids."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor) -> None:
+        ids = (
+            processor.pad_id(),
+            processor.unk_id(),
+            processor.bos_id(),
+            processor.eos_id(),
+        )
+        if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise ValueError(
+                f"sentencepiece model has special ids pad/unk/bos/eos = {ids}, expected "
+                f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}"
+            )
+        self._sp = processor
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Read a ``.model`` file written by :func:`train_tokenizer`."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{path}: tokenizer model not found") from None
+        except OSError as err:
+            raise UserError(f"{path}: cannot read tokenizer model: {err.strerror}") from None
+        try:
+            return cls.from_bytes(data)
+        except (RuntimeError, ValueError) as err:
+            raise UserError(f"{path}: not a usable sentencepiece model: {err}") from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Tokenizer:
+        """Rebuild from a serialized model proto (as returned by :meth:`to_bytes`)."""
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(data)
+        return cls(processor)
+
+    def to_bytes(self) -> bytes:
+        return bytes(self._sp.serialized_model_proto())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one sentence, without BOS/EOS."""
+        return list(self._sp.encode(text, out_type=int))
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
+        """Token ids of many sentences at once (sentencepiece's threaded encoder)."""
+        threads = num_threads or min(8, os.cpu_count() or 1)
+        return self._sp.encode(list(texts), out_type=int, num_threads=threads)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Detokenised text; PAD, BOS and EOS are skipped, UNK becomes sentencepiece's ' ⁇ '."""
+        return str(self._sp.decode([int(i) for i in ids if int(i) not in _SPECIAL_IDS]))
+
+    def piece(self, token_id: int) -> str:
+        return str(self._sp.id_to_piece(int(token_id)))
+
+
+_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_TOO_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+def train_tokenizer(
+    text_files: list[Path],
+    vocab_size: int,
+    model_prefix: Path,
+    model_type: str = "bpe",
+    *,
+    character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
+    input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
+    num_threads: int = 0,
+    seed: int = 1,
+) -> Tokenizer:
+    """Train one joint model on all ``text_files``; writes ``{model_prefix}.model`` and ``.vocab``.
+
+    A vocabulary size the text cannot support raises :class:`UserError` naming the limit.
+    """
+    if model_type not in ("bpe", "unigram", "char", "word"):
+        raise UserError(f"unknown tokenizer model type {model_type!r} (bpe, unigram, char, word)")
+    if vocab_size <= 4:
+        raise UserError(f"vocabulary size {vocab_size} leaves no room beyond the 4 special ids")
+    spm.set_random_generator_seed(seed)
+    model_prefix = Path(model_prefix)
+    try:
+        spm.SentencePieceTrainer.train(
+            input=",".join(str(p) for p in text_files),
+            model_prefix=str(model_prefix),
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            # Sentences longer than this (bytes) are skipped by the trainer, not truncated.
+            max_sentence_length=16384,
+            num_threads=num_threads or min(8, os.cpu_count() or 1),
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        message = str(err)
+        files = ", ".join(str(p) for p in text_files)
+        if match := _TOO_HIGH.search(message):
+            raise UserError(
+                f"vocabulary size {match.group(1)} is larger than the training text allows "
+                f"(at most {match.group(2)} for {files}); lower --vocab-size"
+            ) from None
+        if match := _TOO_LOW.search(message):
+            raise UserError(
+                f"vocabulary size {match.group(1)} is smaller than the {match.group(2)} "
+                f"characters and special symbols of {files} need; raise --vocab-size"
+            ) from None
+        raise UserError(f"sentencepiece could not train on {files}: {message}") from None
+    return Tokenizer.load(model_prefix.with_name(model_prefix.name + ".model"))
