@@ -27,3 +27,23 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "$VENV/bin/pip" install -e ".[test]"
     touch "$stamp"
 fi
+# The embedded corpus (aiayn prepare --corpus bible, aiayn demo) is read from Debian's SWORD
+# modules of the World English Bible and the Reina-Valera 1909 (both public domain).
+SWORD_CONF=/usr/share/sword/mods.d
+if [ ! -f "$SWORD_CONF/engWEB2015eb.conf" ] || [ ! -f "$SWORD_CONF/spaRV1909eb.conf" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "aiayn: installing the SWORD Bible modules sword-text-web and sword-text-sparv" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        if ! apt-get install -y -q sword-text-web sword-text-sparv >/dev/null; then
+            if ! { apt-get update -q >/dev/null &&
+                apt-get install -y -q sword-text-web sword-text-sparv >/dev/null; }; then
+                echo "aiayn: could not install sword-text-web and sword-text-sparv;" \
+                    "the Bible corpus will not be available (continuing)" >&2
+            fi
+        fi
+    else
+        echo "aiayn: the embedded Bible corpus needs the Debian/Ubuntu packages sword-text-web and" \
+            "sword-text-sparv (as root: apt-get install sword-text-web sword-text-sparv), or" \
+            "'aiayn prepare --corpus bible --download'; continuing without them" >&2
+    fi
+fi
