@@ -3,16 +3,21 @@ line-for-line output with empty and over-long lines."""
 
 from __future__ import annotations
 
+import io
 import random
+import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.cli import main
 from aiayn.config import DecodeConfig, load_config, replace
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs
+from aiayn.inference.attention_maps import attention_weights
 from aiayn.inference.search import beam_search, max_output_lengths
 from aiayn.inference.translator import Translator
 from aiayn.model.transformer import Transformer
@@ -216,3 +221,106 @@ def test_bad_settings() -> None:
         Translator(model, CharTokenizer(), DecodeConfig(beam_size=2), nbest=3)
     with pytest.raises(ValueError, match="beam"):
         Translator(model, CharTokenizer(), replace(DecodeConfig(), beam_size=0))
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) -> None:
+    """``Translator.from_checkpoint`` answers with the copy model and the letter tokenizer."""
+
+    def load(
+        cls: type[Translator],
+        path: object,
+        *,
+        device: str = "cpu",
+        decode_overrides: dict | None = None,
+        nbest: int = 1,
+        quantize: str | None = None,
+        warn: object = None,
+    ) -> tuple[Translator, None]:
+        decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
+        return cls(copy_model, CharTokenizer(), decode, nbest=nbest, device=device), None
+
+    monkeypatch.setattr(Translator, "from_checkpoint", classmethod(load))
+
+
+def test_translate_command(
+    fake_checkpoint: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "src.txt"
+    source.write_text("abc\n\ndeed\r\nfa\n", encoding="utf-8")
+    assert main(["translate", "run", "--input", str(source), "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.split("\n")
+    assert out[-1] == "" and len(out[:-1]) == 4 and out[1] == ""
+    assert "translated 4 lines" in captured.err
+
+    assert main(["translate", "run", "-i", str(source), "--beam", "3", "--nbest", "2"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows] == ["1", "2"] * 4
+    assert rows[2] == ["1", "0.0000", ""] and rows[3] == ["2", "0.0000", ""]
+    assert float(rows[0][1]) >= float(rows[1][1])
+
+    assert main(["translate", "run", "-i", str(source), "--beam", "2", "--nbest", "3"]) == 2
+    assert "nbest" in capsys.readouterr().err
+
+
+def test_translate_command_stdin_and_bad_utf8(
+    fake_checkpoint: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\ncd")))
+    assert main(["translate", "run", "--beam", "1"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\n\xc3\x28\n")))
+    assert main(["translate", "run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "stdin: line 2 is not valid UTF-8" in captured.err
+
+
+def test_end_to_end_with_a_real_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A sentencepiece tokenizer and a checkpoint written as training writes them."""
+    tokenizer_module = pytest.importorskip("aiayn.data.tokenizer")
+    from aiayn.training.checkpoint import bytes_to_tensor, model_checkpoint, save_atomic
+
+    text = tmp_path / "text.txt"
+    rng = random.Random(5)
+    text.write_text("\n".join(random_words(rng, 3, 30) for _ in range(300)), encoding="utf-8")
+    tokenizer = tokenizer_module.train_tokenizer([text], 40, tmp_path / "spm", "char")
+    config = load_config(overrides=["preset=tiny", f"model.vocab_size={tokenizer.vocab_size}"])
+    torch.manual_seed(3)
+    model = Transformer(config.model)
+    weights = bytes_to_tensor(tokenizer.to_bytes())
+    save_atomic(model_checkpoint(config, model.state_dict(), weights, 0, 0), tmp_path / "m.pt")
+    source = tmp_path / "src.txt"
+    source.write_text("abc de\n\n" + "ab" * 200 + "\n", encoding="utf-8")
+    args = ["translate", str(tmp_path / "m.pt"), "-i", str(source), "--max-len-b", "3"]
+    assert main([*args, "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 3
+    assert "line 3: " in captured.err and "exceed the model's 256 positions" in captured.err
+    assert main([*args, "--device", "cpu", "--quantize", "int8"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+    out_dir = tmp_path / "maps"
+    argv = ["attention", str(tmp_path / "m.pt"), "abc de", "--out", str(out_dir), "--beam", "2"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    names = sorted(p.name for p in out_dir.iterdir())
+    n = config.model.n_layers
+    assert len(names) == 3 * n and "cross_layer1.png" in names
+    assert (out_dir / "encoder_layer1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_weights_shapes_and_causality(copy_model: Transformer) -> None:
+    src, out = [4, 5, 6, 7, 8], [4, 5, 6]
+    encoder, decoder, cross = attention_weights(copy_model, src, out)
+    n_layers, heads = len(copy_model.decoder.layers), copy_model.config.n_heads
+    assert len(encoder) == len(decoder) == len(cross) == n_layers
+    assert encoder[0].shape == (heads, 6, 6)  # source + EOS
+    assert decoder[0].shape == (heads, 4, 4)  # BOS + output
+    assert cross[0].shape == (heads, 4, 6)
+    for weights in (*encoder, *decoder, *cross):
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    for weights in decoder:
+        assert torch.all(weights.triu(1) == 0)

@@ -14,6 +14,7 @@ Input policy (documented in docs/translation.md):
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,7 +61,10 @@ def _print_warning(message: str) -> None:
 
 def quantize_int8(model: Transformer) -> Transformer:
     """Dynamic int8 quantization of every Linear layer (CPU only; embeddings stay float)."""
-    return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():
+        # torch.ao.quantization is deprecated in favour of torchao, not a dependency here.
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
 class Translator:
