@@ -5,11 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from aiayn.cli.errors import CLIError
-from aiayn.inference.attention_maps import write_attention_pictures
-from aiayn.inference.translator import Translator
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +26,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: `aiayn --help` stays fast, and library modules may import aiayn.cli.errors.
+    import torch
+
+    from aiayn.inference.attention_maps import write_attention_pictures
+    from aiayn.inference.translator import Translator
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     overrides = {"beam_size": args.beam, "alpha": args.alpha}
     try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 
 from aiayn.cli.errors import UserError
-from aiayn.evaluation.bleu import score_corpus
-from aiayn.inference.textio import read_lines
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.evaluation.bleu import score_corpus
+    from aiayn.inference.textio import read_lines
+
     hypotheses = read_lines(args.hypotheses)
     references = []
     for path in args.references:

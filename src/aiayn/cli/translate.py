@@ -6,13 +6,12 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
-
-import torch
+from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.cli.errors import CLIError
-from aiayn.inference.textio import read_lines, split_lines
-from aiayn.inference.translator import Translation, Translator
+
+if TYPE_CHECKING:
+    from aiayn.inference.translator import Translation, Translator
 
 # Lines translated (and written) at a time: bounds memory, keeps output flowing.
 CHUNK_LINES = 10000
@@ -103,6 +102,12 @@ def _interactive(translator: Translator, nbest: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: `aiayn --help` stays fast, and library modules may import aiayn.cli.errors.
+    import torch
+
+    from aiayn.inference.textio import read_lines, split_lines
+    from aiayn.inference.translator import Translator
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         translator, _ = Translator.from_checkpoint(
