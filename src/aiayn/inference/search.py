@@ -120,7 +120,8 @@ def beam_search(
 
     ``cache`` holds ``batch_size * beam_size`` rows, the beams of sentence i in rows
     ``i * beam_size .. (i + 1) * beam_size - 1`` (all alike at the start: repeat the encoder
-    output). ``max_len`` is the most output tokens (EOS not counted) per sentence: an int or a
+    output). ``cache.reorder`` only ever moves rows within a sentence's K rows.
+    ``max_len`` is the most output tokens (EOS not counted) per sentence: an int or a
     (batch_size,) tensor; the cache must hold ``max_len + 1`` positions. Returns, per sentence
     in input order, up to ``nbest`` hypotheses, best score first.
     """
