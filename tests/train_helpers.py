@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,3 +108,39 @@ def tiny_config(*overrides: str) -> RunConfig:
         "train.update_tokens=56",
     ]
     return load_config(overrides=[*base, *overrides])
+
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india".split()
+
+
+def write_reverse_text(folder: Path, prefix: str, n: int, seed: int) -> None:
+    """``folder/prefix.src`` and ``.tgt``: random word sequences and their reversal."""
+    rng = random.Random(seed)
+    src, tgt = [], []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
+        src.append(" ".join(words))
+        tgt.append(" ".join(reversed(words)))
+    (folder / f"{prefix}.src").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (folder / f"{prefix}.tgt").write_text("\n".join(tgt) + "\n", encoding="utf-8")
+
+
+def make_reverse_data(folder: Path, n_train: int = 4000, n_valid: int = 100) -> Path:
+    """A prepared DATA_DIR for the reversal task (one word = one token); returns it."""
+    from aiayn.data.prepare import prepare_data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_reverse_text(folder, "train", n_train, seed=1)
+    write_reverse_text(folder, "valid", n_valid, seed=2)
+    data = folder / "data"
+    prepare_data(
+        folder / "train",
+        folder / "valid",
+        None,
+        "src",
+        "tgt",
+        len(WORDS) + 4,
+        data,
+        model_type="word",
+    )
+    return data

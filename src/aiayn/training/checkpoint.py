@@ -162,6 +162,8 @@ def latest_valid_checkpoint(
 
 
 def bytes_to_tensor(data: bytes) -> Tensor:
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 

@@ -82,23 +82,29 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """A one-line progress display on stderr: a bar, loss, learning rate, tokens/s, ETA.
+    """A one-line progress display on stderr: a bar, loss, learning rate, tokens/s, ETA;
+    and messages (validation results, checkpoints) between the progress lines.
 
     On a terminal the line is redrawn in place; otherwise (a log file) one line per call.
     """
 
     def __init__(
-        self, total_steps: int, stream: TextIO | None = None, enabled: bool = True
+        self,
+        total_steps: int,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        bar: bool = True,
     ) -> None:
         self.total = total_steps
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
+        self.enabled = enabled  # False: nothing at all (ranks other than 0)
+        self.bar = bar  # False: messages only, no progress lines
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.start = time.monotonic()
         self.start_step: int | None = None
 
     def update(self, step: int, epoch: int, loss: float, nll: float, lr: float, tps: float) -> None:
-        if not self.enabled:
+        if not (self.enabled and self.bar):
             return
         if self.start_step is None:
             self.start_step = step - 1
@@ -128,6 +134,6 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
+        if self.enabled and self.bar and self.tty:
             self.stream.write("\n")
             self.stream.flush()

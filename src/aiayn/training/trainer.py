@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from aiayn.cli.errors import UserError
 from aiayn.config import ConfigError, RunConfig, config_from_dict
-from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, Batch
+from aiayn.data.collate import PAD_ID, Batch
+from aiayn.inference.search import greedy_search, max_output_lengths
 from aiayn.model.transformer import Transformer
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
@@ -122,25 +123,18 @@ def valid_batches(
 def greedy_decode(
     model: Transformer, src_ids: Tensor, src_pad: Tensor, max_len_a: float, max_len_b: int
 ) -> list[list[int]]:
-    """Greedy decoding with the KV cache; output ids without BOS/EOS, one list per row."""
-    # TODO(search): switch to aiayn.inference.search.greedy_search once it lands.
+    """Greedy decoding with the KV cache (output ids without BOS/EOS, one list per row);
+    at most ``max_len_a · source length + max_len_b`` output tokens."""
+    src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
+    limits = max_output_lengths(
+        src_lengths, max_len_a, max_len_b, limit=model.config.max_positions - 1
+    )
     memory = model.encode(src_ids, src_pad)
-    src_len = int((~src_pad).sum(-1).max())
-    max_len = min(model.config.max_positions, int(max_len_a * src_len + max_len_b) + 1)
-    cache = model.init_cache(memory, src_pad, max_len)
-    batch = src_ids.size(0)
-    tokens = torch.full((batch,), BOS_ID, dtype=torch.long, device=src_ids.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=src_ids.device)
-    out: list[list[int]] = [[] for _ in range(batch)]
-    for _ in range(max_len):
-        tokens = model.decode_step(tokens, cache).argmax(-1)
-        for row in torch.nonzero(~done).flatten().tolist():
-            if int(tokens[row]) != EOS_ID:
-                out[row].append(int(tokens[row]))
-        done |= tokens == EOS_ID
-        if bool(done.all()):
-            break
-    return out
+    cache = model.init_cache(memory, src_pad, int(limits.max()) + 1)
+    hypotheses = greedy_search(
+        model.log_probs_step, cache, src_ids.size(0), max_len=limits, device=src_ids.device
+    )
+    return [h.tokens for h in hypotheses]
 
 
 class Trainer:
@@ -212,7 +206,7 @@ class Trainer:
         self._validated_step = -1
         self.metrics = MetricsLog(self.run_dir, self.info.is_main, tensorboard)
         self.progress = Progress(
-            self.train_cfg.max_steps, enabled=show_progress and self.info.is_main
+            self.train_cfg.max_steps, enabled=self.info.is_main, bar=show_progress
         )
 
     # -- bookkeeping -----------------------------------------------------------------------

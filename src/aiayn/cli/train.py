@@ -1,0 +1,93 @@
+"""``aiayn train``: a prepared DATA_DIR and a run config to a trained RUN_DIR.
+
+Runs unchanged under ``torchrun --nproc-per-node N``. Running again into a RUN_DIR that holds
+checkpoints resumes from the newest readable one (``--resume`` says so explicitly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from aiayn.cli.errors import CLIError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model with the paper's recipe (resumable; runs under torchrun)",
+        description="Train a Transformer on a prepared data directory (see `aiayn prepare`). "
+        "The config is a TOML file naming a preset and overrides; KEY=VALUE arguments override "
+        "it further (e.g. train.max_steps=1000 model.dropout=0.3). Progress goes to stderr, "
+        "one JSON line per log interval to RUN_DIR/metrics.jsonl. SIGINT/SIGTERM save a "
+        "checkpoint and exit 0. The same command runs under `torchrun --nproc-per-node N`.",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="run config (TOML); default when resuming: RUN_DIR/config.toml",
+    )
+    parser.add_argument(
+        "--data", type=Path, help="prepared data directory; default when resuming: the run's"
+    )
+    parser.add_argument("--out", type=Path, required=True, metavar="RUN_DIR", help="run directory")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest readable checkpoint in RUN_DIR (also the default when "
+        "RUN_DIR has checkpoints)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where to train (auto: CUDA when available; under torchrun cuda:LOCAL_RANK)",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress line on stderr (metrics still)"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiayn.training import checkpoint as ckpt
+    from aiayn.training.launch import CONFIG_NAME, resolve_config, saved_run_info, train_run
+
+    run_dir: Path = args.out
+    has_checkpoints = bool(ckpt.list_step_checkpoints(run_dir))
+    config_path = args.config
+    data_dir = args.data
+    if has_checkpoints or args.resume:
+        if config_path is None and (run_dir / CONFIG_NAME).is_file():
+            config_path = run_dir / CONFIG_NAME
+        if data_dir is None and saved_run_info(run_dir).get("data"):
+            data_dir = Path(saved_run_info(run_dir)["data"])
+        if has_checkpoints and not args.resume:
+            print(f"{run_dir} holds checkpoints: resuming (as with --resume)", file=sys.stderr)
+    if config_path is None:
+        raise CLIError("--config is required (except when resuming a run directory)")
+    if data_dir is None:
+        raise CLIError("--data is required (except when resuming a run directory)")
+    config = resolve_config(config_path, data_dir, args.overrides)
+    result = train_run(
+        config, data_dir, run_dir, device=args.device, show_progress=not args.no_progress
+    )
+    if result.interrupted:
+        again = ["aiayn", "train", "--out", str(run_dir), "--resume"]
+        print(
+            f"{result.reason} at update {result.step}; checkpoint saved to {result.checkpoint}.\n"
+            f"Resume with: {shlex.join(again)}",
+            file=sys.stderr,
+        )
+        return 0
+    print(f"done: {result.reason} at update {result.step} (epoch {result.epoch})")
+    if result.best_value is not None:
+        metric = "bleu" if "bleu" in result.last_metrics else "loss"
+        print(f"best valid {metric}: {result.best_value:.2f} at update {result.best_step}")
+    print(f"last checkpoint: {result.checkpoint}")
+    if result.averaged is not None:
+        print(f"averaged model: {result.averaged}")
+    return 0

@@ -1,0 +1,242 @@
+"""From a prepared DATA_DIR and a run config to a trained RUN_DIR: what ``aiayn train`` calls.
+
+Resolves the config against the data (the vocabulary size comes from the data unless set
+explicitly; a config that cannot fit is refused before any training), writes it to
+``RUN_DIR/config.toml``, joins the torchrun process group if there is one, builds the model,
+the batches and the validation set, resumes from the newest readable checkpoint when there is
+one, and runs the :class:`~aiayn.training.trainer.Trainer`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from aiayn.config import ConfigError, RunConfig, load_config, parse_overrides
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_object,
+    init_distributed,
+    shutdown_distributed,
+)
+from aiayn.training.trainer import Trainer, TrainResult, ValidSet
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_NAME = "config.toml"
+RUN_INFO_NAME = "run.json"
+
+
+# -- the config ----------------------------------------------------------------------------
+
+
+def _sets_vocab_size(config_path: Path | None, overrides: list[str]) -> bool:
+    if "vocab_size" in parse_overrides(overrides).get("model", {}):
+        return True
+    if config_path is None:
+        return False
+    try:
+        with Path(config_path).open("rb") as handle:
+            raw = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False  # load_config reports it
+    return isinstance(raw.get("model"), dict) and "vocab_size" in raw["model"]
+
+
+def resolve_config(
+    config_path: str | Path | None, data_dir: str | Path, overrides: list[str] | None = None
+) -> RunConfig:
+    """The run config; ``model.vocab_size`` from the data's manifest unless set explicitly."""
+    from aiayn.data.corpus import load_manifest
+
+    overrides = list(overrides or [])
+    manifest = load_manifest(data_dir)
+    path = Path(config_path) if config_path is not None else None
+    if not _sets_vocab_size(path, overrides):
+        overrides.append(f"model.vocab_size={int(manifest['vocab_size'])}")
+    config = load_config(path, overrides)
+    check_fits_data(config, data_dir, manifest)
+    return config
+
+
+def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str, Any]) -> None:
+    """Refuse, before training, a config that the data cannot feed (ConfigError)."""
+    vocab = int(manifest["vocab_size"])
+    if config.model.vocab_size != vocab:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size} but the tokenizer of {data_dir} has "
+            f"{vocab} pieces; drop model.vocab_size from the config (it is then taken from the "
+            f"data) or prepare the data with --vocab-size {config.model.vocab_size}"
+        )
+    splits = manifest.get("splits", {})
+    if "train" not in splits:
+        raise ConfigError(f"{data_dir} has no train split")
+    if config.train.valid_interval > 0 and "valid" not in splits:
+        raise ConfigError(
+            f"{data_dir} has no valid split; prepare it with --valid, or set "
+            "train.valid_interval=0 to train without validation"
+        )
+    for split in ("train", "valid"):
+        if split not in splits or (split == "valid" and config.train.valid_interval <= 0):
+            continue
+        longest = max(int(n) for n in splits[split]["longest"].values()) + 1  # + BOS/EOS
+        if longest > config.model.max_positions:
+            raise ConfigError(
+                f"the {split} split of {data_dir} has a sentence of {longest} positions "
+                f"(with BOS/EOS) but model.max_positions={config.model.max_positions}; raise "
+                "model.max_positions or prepare the data with a smaller --max-len"
+            )
+        if split == "train" and longest > config.data.max_tokens:
+            raise ConfigError(
+                f"data.max_tokens={config.data.max_tokens} cannot hold the longest training "
+                f"sentence ({longest} tokens with BOS/EOS); raise data.max_tokens"
+            )
+    if config.train.max_steps <= 0 and config.train.max_epochs <= 0:
+        if config.train.max_minutes <= 0:
+            raise ConfigError(
+                "no stopping rule: set train.max_steps, train.max_epochs or train.max_minutes"
+            )
+
+
+def config_to_toml(config: RunConfig) -> str:
+    """The resolved config as TOML that :func:`aiayn.config.load_config` reads back equal."""
+    data = config.to_dict()
+    data.pop("format_version", None)
+    lines = [
+        "# The resolved config of this run (written by aiayn train).",
+        f"preset = {_toml_value(data.pop('preset'))}",
+    ]
+    for section, values in data.items():
+        lines.append(f"\n[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _valid_set(data_dir: Path, tokenizer: Any) -> ValidSet:
+    from aiayn.data.corpus import Corpus
+
+    corpus = Corpus.open(data_dir, "valid")
+    references = corpus.tgt_texts()
+    if len(references) != len(corpus):
+        raise ConfigError(
+            f"{corpus.tgt_text_path()} has {len(references)} lines for {len(corpus)} pairs; "
+            "prepare the data again"
+        )
+    return ValidSet(corpus, corpus.src_lengths, references, tokenizer.decode)
+
+
+def train_run(
+    config: RunConfig,
+    data_dir: str | Path,
+    run_dir: str | Path,
+    *,
+    device: str = "auto",
+    show_progress: bool = True,
+) -> TrainResult:
+    """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank."""
+    from aiayn.data.batching import TokenBatchSampler
+    from aiayn.data.corpus import Corpus, tokenizer_path
+    from aiayn.data.tokenizer import Tokenizer
+    from aiayn.model.transformer import Transformer
+
+    data_dir, run_dir = Path(data_dir), Path(run_dir)
+    info: DistInfo = init_distributed(device)
+    try:
+        if info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+            run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
+            (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
+        barrier(info)
+        tok_path = tokenizer_path(data_dir)
+        tokenizer_bytes = tok_path.read_bytes()
+        tokenizer = Tokenizer.from_bytes(tokenizer_bytes)
+        corpus = Corpus.open(data_dir, "train")
+        try:
+            sampler = TokenBatchSampler(
+                corpus.src_lengths,
+                corpus.tgt_lengths,
+                config.data.max_tokens,
+                seed=config.train.seed,
+                shuffle=True,
+                rank=info.rank,
+                world_size=info.world_size,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        valid = _valid_set(data_dir, tokenizer) if config.train.valid_interval > 0 else None
+        _seed_everything(config.train.seed)
+        model = Transformer(config.model)
+        if info.rank > 0:  # different dropout masks on every rank
+            torch.manual_seed(config.train.seed + info.rank)
+        trainer = Trainer(
+            config,
+            model,
+            corpus,
+            sampler,
+            run_dir,
+            valid=valid,
+            tokenizer_bytes=tokenizer_bytes,
+            dist_info=info,
+            show_progress=show_progress,
+        )
+        # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
+        state = None
+        if info.is_main:
+            found = ckpt.latest_valid_checkpoint(run_dir)
+            if found is not None:
+                print(f"resuming from {found[0]}", file=sys.stderr)
+                state = found[1]
+            elif ckpt.list_step_checkpoints(run_dir):
+                print(
+                    f"warning: no readable checkpoint in {run_dir / ckpt.CHECKPOINT_DIR}; "
+                    "starting from scratch",
+                    file=sys.stderr,
+                )
+        state = broadcast_object(state, info)
+        if state is not None:
+            trainer.load_state_dict(state)
+        with trainer.signals_handled():
+            return trainer.train()
+    finally:
+        shutdown_distributed()
+
+
+def saved_run_info(run_dir: str | Path) -> dict[str, Any]:
+    """``RUN_DIR/run.json`` (the data directory of an earlier run), or ``{}``."""
+    path = Path(run_dir) / RUN_INFO_NAME
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,133 @@
+import pytest
+import torch
+
+from aiayn.model.transformer import Transformer
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.trainer import Trainer
+from train_helpers import (
+    FixedSampler,
+    ListCorpus,
+    make_reverse_data,
+    reverse_pairs,
+    single_thread,
+    tiny_config,
+)
+
+__all__ = ["single_thread"]  # the autouse fixture
+
+
+def _model_file(path, config, seed, tokenizer=b"tok", step=1):
+    torch.manual_seed(seed)
+    model = Transformer(config.model)
+    state = ckpt.model_checkpoint(
+        config, ckpt.model_state(model), ckpt.bytes_to_tensor(tokenizer), step, 0
+    )
+    ckpt.save_atomic(state, path)
+    return model
+
+
+def test_atomic_save_leaves_no_temporary_and_loads_weights_only(tmp_path):
+    config = tiny_config()
+    path = tmp_path / "checkpoints" / "step_00000001.pt"
+    model = _model_file(path, config, seed=0)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    state = torch.load(path, weights_only=True)  # no pickled objects anywhere
+    assert state["format"] == ckpt.CHECKPOINT_FORMAT and state["config"] == config.to_dict()
+    # The shared embedding is stored once: its three names share one storage.
+    ptrs = {
+        state["model"][k].untyped_storage().data_ptr()
+        for k in ("src_embed.token.weight", "tgt_embed.token.weight", "out_proj.weight")
+    }
+    assert len(ptrs) == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value)
+
+
+def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys):
+    config = tiny_config("train.max_steps=4", "train.save_interval_steps=2")
+    pairs = reverse_pairs(32, 4, 64, seed=0)
+    batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    trainer = Trainer(
+        config,
+        Transformer(config.model),
+        ListCorpus(pairs),
+        FixedSampler(batches),
+        tmp_path,
+        show_progress=False,
+        tensorboard=False,
+    )
+    trainer.train()
+    newest = ckpt.step_checkpoint_path(tmp_path, 4)
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000004\.pt is unreadable"):
+        ckpt.load_checkpoint(newest)
+    capsys.readouterr()
+    path, state = ckpt.latest_valid_checkpoint(tmp_path)
+    assert path == ckpt.step_checkpoint_path(tmp_path, 2) and state["step"] == 2
+    assert "step_00000004.pt is unreadable" in capsys.readouterr().err
+    # Garbage and foreign files are refused too.
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+        ckpt.load_checkpoint(tmp_path / "junk.pt")
+    torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ckpt.CheckpointError, match="not an aiayn checkpoint"):
+        ckpt.load_checkpoint(tmp_path / "other.pt")
+
+
+def test_averaging_identity_and_mean(tmp_path):
+    config = tiny_config()
+    a = _model_file(tmp_path / "a.pt", config, seed=1)
+    b = _model_file(tmp_path / "b.pt", config, seed=2)
+    same = ckpt.average_checkpoints([tmp_path / "a.pt"] * 3)
+    for key, value in a.state_dict().items():
+        torch.testing.assert_close(same[key], value, rtol=0, atol=1e-7)
+    mean = ckpt.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    b_state = b.state_dict()
+    for key, value in a.state_dict().items():
+        torch.testing.assert_close(
+            mean[key], (value.double() + b_state[key].double()).div(2).float()
+        )
+        assert mean[key].dtype == torch.float32
+    tied = [
+        mean[k] for k in ("src_embed.token.weight", "tgt_embed.token.weight", "out_proj.weight")
+    ]
+    assert tied[0] is tied[1] is tied[2]
+    # The result loads into a model whose weights stay tied.
+    model = Transformer(config.model)
+    model.load_state_dict(mean)
+    assert model.out_proj.weight is model.src_embed.token.weight
+
+
+def test_averaging_refuses_different_shapes(tmp_path):
+    _model_file(tmp_path / "a.pt", tiny_config(), seed=1)
+    _model_file(tmp_path / "b.pt", tiny_config("model.d_ff=128"), seed=1)
+    with pytest.raises(ckpt.CheckpointError, match=r"w1\.weight has shape"):
+        ckpt.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    _model_file(tmp_path / "c.pt", tiny_config("model.n_layers=1"), seed=1)
+    with pytest.raises(ckpt.CheckpointError, match="missing"):
+        ckpt.average_checkpoints([tmp_path / "a.pt", tmp_path / "c.pt"])
+
+
+def test_load_for_inference_from_file_and_run_dir(tmp_path):
+    from aiayn.data.corpus import tokenizer_path
+
+    data = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
+    spm = tokenizer_path(data).read_bytes()
+    config = tiny_config("model.vocab_size=13")
+    run = tmp_path / "run"
+    for step, seed in ((1, 1), (2, 2)):
+        _model_file(ckpt.step_checkpoint_path(run, step), config, seed, spm, step)
+    model, loaded_config, tokenizer = ckpt.load_for_inference(run)  # newest: step 2
+    torch.manual_seed(2)
+    expected = Transformer(config.model)
+    assert not model.training and loaded_config == config
+    assert torch.equal(model.out_proj.weight, expected.out_proj.weight)
+    assert model.out_proj.weight is model.tgt_embed.token.weight
+    assert tokenizer.decode(tokenizer.encode("alpha bravo")) == "alpha bravo"
+    # averaged.pt wins when present.
+    ckpt.average_run(run, 2)
+    model, _, _ = ckpt.load_for_inference(run)
+    assert ckpt.resolve_checkpoint(run).name == "averaged.pt"
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.load_for_inference(tmp_path / "nothing.pt")

@@ -1,0 +1,149 @@
+"""``aiayn train`` / ``average`` / ``plot`` end to end in temporary directories."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aiayn.cli import main
+from aiayn.training import checkpoint as ckpt
+from train_helpers import make_reverse_data, single_thread
+
+__all__ = ["single_thread"]  # the autouse fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_reverse_data(tmp_path_factory.mktemp("reverse"))
+
+
+def _exact_match(run_dir, data_dir) -> float:
+    import aiayn.cli  # noqa: F401  (the translator imports the CLI's error types)
+    from aiayn.inference.translator import Translator
+
+    translator, _ = Translator.from_checkpoint(run_dir, decode_overrides={"beam_size": 1})
+    sources = (data_dir / "valid.src").read_text().splitlines()
+    references = (data_dir / "valid.tgt").read_text().splitlines()
+    hypotheses = translator.translate(sources)
+    return sum(h == r for h, r in zip(hypotheses, references, strict=True)) / len(references)
+
+
+def test_tiny_model_learns_to_reverse_through_the_cli(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["train", "--config", TINY, "--data", str(data_dir), "--out", str(run)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "reached train.max_steps=500" in out and "averaged model" in out
+    assert (run / "config.toml").is_file() and (run / "averaged.pt").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [250, 500]
+    assert all(
+        {"loss", "lr", "tgt_tokens_per_s"} <= r.keys() for r in records if r["kind"] == "train"
+    )
+    assert _exact_match(run, data_dir) >= 0.9
+
+    # The written config reads back as the resolved one (vocabulary size from the data).
+    from aiayn.config import load_config
+
+    assert load_config(run / "config.toml").model.vocab_size == 13
+
+    assert main(["average", str(run), "--last", "2", "--out", str(tmp_path / "avg.pt")]) == 0
+    assert ckpt.load_checkpoint(tmp_path / "avg.pt")["kind"] == "model"
+    assert main(["plot", str(run)]) == 0
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_config_that_does_not_fit_the_data_is_refused(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run)]
+    assert main([*args, "model.vocab_size=99"]) == 2
+    assert "model.vocab_size=99 but the tokenizer" in capsys.readouterr().err
+    assert main([*args, "model.max_positions=4"]) == 2
+    assert "model.max_positions=4" in capsys.readouterr().err
+    assert main([*args, "train.bogus=1"]) == 2
+    assert "valid keys in [train]" in capsys.readouterr().err
+    assert not (run / "checkpoints").exists()
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    over = ["train.max_steps=6", "train.save_interval_steps=3", "train.valid_interval=0"]
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
+    assert main([*args, *over, "train.average_last=0"]) == 0
+    newest = ckpt.step_checkpoint_path(run, 6)
+    newest.write_bytes(newest.read_bytes()[:1000])
+    capsys.readouterr()
+    # Running again into the same RUN_DIR resumes (config and data from the run).
+    code = main(["train", "--out", str(run), "train.max_steps=8", "train.average_last=0"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "step_00000006.pt is unreadable" in err and "falling back" in err
+    assert "resuming from" in err and "step_00000003.pt" in err
+    assert "at update 8" in out
+
+
+def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):
+    run = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from aiayn.cli import main; sys.exit(main())",
+        "train",
+        "--config",
+        TINY,
+        "--data",
+        str(data_dir),
+        "--out",
+        str(run),
+        "train.max_steps=100000",
+        "train.log_interval=1",
+        "train.valid_interval=0",
+        "train.save_interval_steps=0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        metrics = run / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "SIGTERM received" in err and "Resume with: aiayn train --out" in err
+    saved = ckpt.latest_valid_checkpoint(run)
+    assert saved is not None
+    step = saved[1]["step"]
+    assert step >= 3
+    # Resume and finish two updates later.
+    result = subprocess.run(
+        [
+            *command[:3],
+            "train",
+            "--out",
+            str(run),
+            "--resume",
+            f"train.max_steps={step + 2}",
+            "train.average_last=0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"resuming at update {step}" in result.stderr
+    assert f"at update {step + 2}" in result.stdout

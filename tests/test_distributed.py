@@ -1,0 +1,76 @@
+"""Two gloo processes on the CPU give the same parameters as one process on the same batches."""
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from aiayn.model.transformer import Transformer
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.distributed import DistInfo
+from aiayn.training.trainer import Trainer
+from train_helpers import FixedSampler, ListCorpus, reverse_pairs, single_thread, tiny_config
+
+__all__ = ["single_thread"]  # the autouse fixture
+
+LENGTH, BATCH, N_BATCHES, STEPS = 5, 4, 8, 3
+TOKENS = BATCH * (LENGTH + 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(rank: int, world_size: int, run_dir: str, port: int) -> None:
+    torch.set_num_threads(1)
+    if world_size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # Dropout off: each process draws its own dropout masks.
+    config = tiny_config(
+        f"train.max_steps={STEPS}", "model.dropout=0", f"train.update_tokens={2 * TOKENS}"
+    )
+    torch.manual_seed(config.train.seed)
+    model = Transformer(config.model)
+    corpus = ListCorpus(reverse_pairs(BATCH * N_BATCHES, LENGTH, 64, seed=5))
+    batches = [list(range(i, i + BATCH)) for i in range(0, BATCH * N_BATCHES, BATCH)]
+    # One process reads batches 0, 1, 2, ... two at a time; rank r of two reads r, r+2, ...
+    sampler = FixedSampler(batches, shuffle=False, rank=rank, world_size=world_size)
+    trainer = Trainer(
+        config,
+        model,
+        corpus,
+        sampler,
+        run_dir,
+        dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")),
+        show_progress=False,
+        tensorboard=False,
+    )
+    trainer.train()
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_equal_one(tmp_path):
+    _run(0, 1, str(tmp_path / "single"), 0)
+    mp.spawn(_run, args=(2, str(tmp_path / "ddp"), _free_port()), nprocs=2, join=True)
+    single = ckpt.load_checkpoint(ckpt.step_checkpoint_path(tmp_path / "single", STEPS))
+    double = ckpt.load_checkpoint(ckpt.step_checkpoint_path(tmp_path / "ddp", STEPS))
+    assert len(double["sampler"]) == 2 and len(double["rng"]) == 2
+    assert double["sampler"][1] == {"epoch": 0, "position": STEPS}
+    assert single["sampler"][0] == {"epoch": 0, "position": 2 * STEPS}
+    assert double["progress"]["tokens"] == single["progress"]["tokens"] == STEPS * 2 * TOKENS
+    for key, value in single["model"].items():
+        torch.testing.assert_close(double["model"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # Only rank 0 wrote: one directory, no stray temporary files.
+    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == [
+        f"step_{STEPS:08d}.pt"
+    ]
