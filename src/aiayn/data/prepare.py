@@ -198,6 +198,7 @@ def prepare_data(
                 model_type,
                 character_coverage=character_coverage,
                 input_sentence_size=input_sentence_size,
+                source=" and ".join(str(p) for p in inputs["train"]),
             )
             with contextlib.suppress(FileNotFoundError):
                 (staging / (Path(TOKENIZER_NAME).stem + ".vocab")).unlink()

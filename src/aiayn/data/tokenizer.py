@@ -103,10 +103,12 @@ def train_tokenizer(
     input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
     num_threads: int = 0,
     seed: int = 1,
+    source: str | None = None,
 ) -> Tokenizer:
     """Train one joint model on all ``text_files``; writes ``{model_prefix}.model`` and ``.vocab``.
 
-    A vocabulary size the text cannot support raises :class:`UserError` naming the limit.
+    A vocabulary size the text cannot support raises :class:`UserError` naming the limit and
+    the text (``source``, by default the file names).
     """
     if model_type not in ("bpe", "unigram", "char", "word"):
         raise UserError(f"unknown tokenizer model type {model_type!r} (bpe, unigram, char, word)")
@@ -134,7 +136,7 @@ def train_tokenizer(
         )
     except RuntimeError as err:
         message = str(err)
-        files = ", ".join(str(p) for p in text_files)
+        files = source or ", ".join(str(p) for p in text_files)
         if match := _TOO_HIGH.search(message):
             raise UserError(
                 f"vocabulary size {match.group(1)} is larger than the training text allows "

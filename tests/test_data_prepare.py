@@ -1,0 +1,289 @@
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiayn.cli.errors import UserError
+from aiayn.data import prepare as prepare_module
+from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
+from aiayn.data.prepare import count_lines, prepare_data
+from aiayn.data.tokenizer import Tokenizer
+
+WORDS = (
+    "the a one dog cat bird runs sees eats big small red blue green house tree river man woman "
+    "child walks near under over quickly slowly"
+).split()
+VOCAB = 120
+
+
+def make_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        words = rng.choices(WORDS, k=rng.randint(3, 12))
+        # A deterministic "translation": reversed order, each word mirrored and capitalised.
+        target = [w[::-1].capitalize() for w in reversed(words)]
+        pairs.append((" ".join(words), " ".join(target)))
+    return pairs
+
+
+def write_side(path: Path, lines: list[str]) -> None:
+    path.write_bytes("".join(f"{line}\n" for line in lines).encode("utf-8"))
+
+
+def write_prefix(prefix: Path, pairs: list[tuple[str, str]], src: str = "en", tgt: str = "de"):
+    write_side(Path(f"{prefix}.{src}"), [s for s, _ in pairs])
+    write_side(Path(f"{prefix}.{tgt}"), [t for _, t in pairs])
+    return prefix
+
+
+@pytest.fixture
+def text(tmp_path):
+    """train (400 pairs) and valid (40 pairs) prefixes in tmp_path."""
+    train = write_prefix(tmp_path / "train", make_pairs(400, seed=1))
+    valid = write_prefix(tmp_path / "valid", make_pairs(40, seed=2))
+    return train, valid
+
+
+def _prepare(train, valid, out, test=None, **kw):
+    return prepare_data(train, valid, test, "en", "de", VOCAB, out, **kw)
+
+
+def test_prepare_writes_a_readable_data_dir(text, tmp_path):
+    train, valid = text
+    test = write_prefix(tmp_path / "test", make_pairs(30, seed=3))
+    out = tmp_path / "data"
+    manifest = _prepare(train, valid, out, test=test)
+    assert manifest == load_manifest(out)
+    assert (manifest["src"], manifest["tgt"], manifest["vocab_size"]) == ("en", "de", VOCAB)
+    assert {s: manifest["splits"][s]["pairs"] for s in manifest["splits"]} == {
+        "train": 400,
+        "valid": 40,
+        "test": 30,
+    }
+    tokenizer = Tokenizer.load(tokenizer_path(out))
+    for split, n_lines in (("train", 400), ("valid", 40), ("test", 30)):
+        corpus = Corpus.open(out, split)
+        assert len(corpus) == n_lines
+        sources = Path(f"{tmp_path / split}.en").read_text().splitlines()
+        targets = Path(f"{tmp_path / split}.de").read_text().splitlines()
+        assert corpus.src_texts() == sources and corpus.tgt_texts() == targets
+        for i in range(0, n_lines, 7):
+            src_ids, tgt_ids = corpus.pair(i)
+            assert tokenizer.decode(src_ids.tolist()) == sources[i]
+            assert tokenizer.decode(tgt_ids.tolist()) == targets[i]
+            assert (corpus.src_lengths[i], corpus.tgt_lengths[i]) == (len(src_ids), len(tgt_ids))
+        info = manifest["splits"][split]
+        assert info["tokens"] == {
+            "en": int(corpus.src_lengths.sum()),
+            "de": int(corpus.tgt_lengths.sum()),
+        }
+    assert not list(out.glob(".prepare-*"))
+    for name, size in manifest["files"].items():
+        assert (out / name).stat().st_size == size
+
+
+def test_empty_and_whitespace_lines_are_dropped_in_pairs_and_counted(tmp_path):
+    pairs = make_pairs(200, seed=4)
+    src = [s for s, _ in pairs]
+    tgt = [t for _, t in pairs]
+    src[3] = ""  # empty source
+    tgt[10] = "   \t "  # whitespace-only target
+    src[20] = tgt[20] = ""  # both
+    write_side(tmp_path / "train.en", src)
+    write_side(tmp_path / "train.de", tgt)
+    valid = write_prefix(tmp_path / "valid", make_pairs(20, seed=5))
+    manifest = _prepare(tmp_path / "train", valid, tmp_path / "data")
+    assert manifest["splits"]["train"]["dropped"]["empty"] == 3
+    assert manifest["dropped"]["empty"] == 3
+    assert manifest["splits"]["train"]["pairs"] == 197
+    kept = [i for i in range(200) if i not in (3, 10, 20)]
+    corpus = Corpus.open(tmp_path / "data", "train")
+    assert corpus.src_texts() == [src[i] for i in kept]
+    assert corpus.tgt_texts() == [tgt[i] for i in kept]
+
+
+def test_different_line_counts_name_both_files_and_counts(text, tmp_path):
+    train, valid = text
+    lines = Path(f"{valid}.de").read_text().splitlines()
+    write_side(Path(f"{valid}.de"), lines[:-3])
+    with pytest.raises(UserError) as err:
+        _prepare(train, valid, tmp_path / "data")
+    message = str(err.value)
+    assert f"{valid}.en" in message and f"{valid}.de" in message
+    assert "40" in message and "37" in message
+    assert not (tmp_path / "data").exists()  # checked before anything was written
+
+
+def test_invalid_utf8_names_file_and_line_or_is_replaced_and_counted(text, tmp_path):
+    train, valid = text
+    path = Path(f"{train}.de")
+    lines = path.read_bytes().split(b"\n")
+    lines[6] = lines[6][:4] + b"\xff\xfe" + lines[6][4:]
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(UserError, match=rf"{path}, line 7: invalid UTF-8"):
+        _prepare(train, valid, tmp_path / "data")
+    manifest = _prepare(train, valid, tmp_path / "data", encoding_errors="replace")
+    assert manifest["splits"]["train"]["utf8_replaced_lines"] == {"en": 0, "de": 1}
+    assert "\ufffd" in Corpus.open(tmp_path / "data", "train").tgt_texts()[6]
+
+
+def test_missing_file_is_a_user_error(text, tmp_path):
+    train, _ = text
+    with pytest.raises(UserError, match=r"nowhere\.en: file not found"):
+        _prepare(train, tmp_path / "nowhere", tmp_path / "data")
+
+
+def test_unwritable_output_directory_is_a_user_error(text, tmp_path):
+    train, valid = text
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(UserError, match="file"):
+        _prepare(train, valid, blocker / "data")
+    with pytest.raises(UserError, match="not a directory"):
+        _prepare(train, valid, blocker)
+
+
+def test_vocabulary_larger_than_the_text_allows(text, tmp_path):
+    train, valid = text
+    with pytest.raises(
+        UserError,
+        match=r"vocabulary size 5000 is larger .*at most \d+ for .*train\.en and .*train\.de",
+    ):
+        prepare_data(train, valid, None, "en", "de", 5000, tmp_path / "data")
+    assert not list((tmp_path / "data").glob(".prepare-*"))
+    assert not (tmp_path / "data" / "manifest.json").exists()
+
+
+def test_length_limits_drop_training_pairs_only(tmp_path):
+    pairs = make_pairs(300, seed=6)
+    long_src = " ".join(["river"] * 200)
+    pairs[5] = (long_src, "Revir")  # too long on one side, and a bad ratio
+    pairs[9] = ("dog", "God tac eno eno eno eno eno eno eno eno")  # ratio only
+    train = write_prefix(tmp_path / "train", pairs)
+    valid_pairs = make_pairs(20, seed=7)
+    valid_pairs[0] = (long_src, "Revir")
+    valid = write_prefix(tmp_path / "valid", valid_pairs)
+    manifest = _prepare(train, valid, tmp_path / "data", max_len=100, max_len_ratio=3.0)
+    dropped = manifest["splits"]["train"]["dropped"]
+    assert dropped["too_long"] == 1 and dropped["length_ratio"] >= 1
+    corpus = Corpus.open(tmp_path / "data", "train")
+    assert long_src not in corpus.src_texts()
+    assert "dog" not in corpus.src_texts()
+    assert len(corpus) == 300 - dropped["too_long"] - dropped["length_ratio"]
+    assert int(corpus.src_lengths.max()) <= 100 and int(corpus.tgt_lengths.max()) <= 100
+    lengths = np.stack([corpus.src_lengths, corpus.tgt_lengths])
+    assert np.all(lengths.max(0) <= 3.0 * lengths.min(0))
+    # valid keeps everything, so BLEU is computed against every reference.
+    assert manifest["splits"]["valid"]["pairs"] == 20
+    assert Corpus.open(tmp_path / "data", "valid").src_texts()[0] == long_src
+
+
+def test_rerun_with_same_inputs_reuses_everything(text, tmp_path, monkeypatch):
+    train, valid = text
+    out = tmp_path / "data"
+    first = _prepare(train, valid, out)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+
+    def fail(*args, **kwargs):
+        raise AssertionError("should not retrain or re-encode")
+
+    monkeypatch.setattr(prepare_module, "train_tokenizer", fail)
+    monkeypatch.setattr(prepare_module, "_encode_split", fail)
+    messages: list[str] = []
+    second = _prepare(train, valid, out, log=messages.append)
+    assert second == first
+    assert any("up to date" in m for m in messages)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+
+
+def test_changed_filter_reuses_the_tokenizer_changed_text_retrains(text, tmp_path):
+    train, valid = text
+    out = tmp_path / "data"
+    first = _prepare(train, valid, out)
+    model = tokenizer_path(out).read_bytes()
+    messages: list[str] = []
+    second = _prepare(train, valid, out, max_len=5, log=messages.append)
+    assert any("reusing" in m and "spm.model" in m for m in messages)
+    assert tokenizer_path(out).read_bytes() == model
+    assert second["splits"]["train"]["pairs"] < first["splits"]["train"]["pairs"]
+    assert Corpus.open(out, "train").src_lengths.max() <= 5
+
+    write_prefix(train, make_pairs(400, seed=99))
+    messages.clear()
+    third = _prepare(train, valid, out, log=messages.append)
+    assert any("training" in m for m in messages)
+    assert third["fingerprint"] != first["fingerprint"]
+
+
+def test_interrupted_run_leaves_nothing_a_later_run_trusts(text, tmp_path, monkeypatch):
+    train, valid = text
+    out = tmp_path / "data"
+    good = _prepare(train, valid, out)
+
+    # Interrupted while encoding: the previous, complete directory is untouched.
+    original_encode = prepare_module._encode_split
+
+    def interrupted_encode(*args, **kwargs):
+        original_encode(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "_encode_split", interrupted_encode)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(train, valid, out, max_len=6)
+    assert load_manifest(out) == good
+    assert len(Corpus.open(out, "train")) == good["splits"]["train"]["pairs"]
+    assert not list(out.glob(".prepare-*"))
+    monkeypatch.setattr(prepare_module, "_encode_split", original_encode)
+
+    # Interrupted while moving files into place: no manifest, so nothing is trusted.
+    original_replace = os.replace
+    moved = []
+
+    def interrupted_replace(src, dst):
+        if len(moved) == 3:
+            raise KeyboardInterrupt
+        moved.append(dst)
+        original_replace(src, dst)
+
+    monkeypatch.setattr(prepare_module.os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(train, valid, out, max_len=6)
+    monkeypatch.setattr(prepare_module.os, "replace", original_replace)
+    with pytest.raises(UserError, match="not a prepared data directory"):
+        Corpus.open(out, "train")
+
+    # A later run redoes the work and is consistent again.
+    again = _prepare(train, valid, out, max_len=6)
+    assert again["filters"]["max_len"] == 6
+    assert len(Corpus.open(out, "train")) == again["splits"]["train"]["pairs"]
+
+
+def test_manifest_is_plain_json_with_reasons(text, tmp_path):
+    train, valid = text
+    _prepare(train, valid, tmp_path / "data")
+    raw = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert (
+        set(raw["dropped"]) == set(raw["dropped_reasons"]) == {"empty", "too_long", "length_ratio"}
+    )
+    assert raw["tokenizer"] == "spm.model"
+    assert raw["tokenizer_options"]["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
+    assert raw["dtype"] == "uint16"
+
+
+def test_count_lines_counts_a_last_line_without_newline(tmp_path):
+    path = tmp_path / "f"
+    for content, expected in ((b"", 0), (b"a", 1), (b"a\n", 1), (b"a\nb", 2), (b"\n\n", 2)):
+        path.write_bytes(content)
+        assert count_lines(path) == expected
+        with path.open("rb") as handle:
+            assert sum(1 for _ in handle) == expected
+
+
+def test_same_languages_are_rejected(text, tmp_path):
+    train, valid = text
+    with pytest.raises(UserError, match="both"):
+        prepare_data(train, valid, None, "en", "en", VOCAB, tmp_path / "data")
