@@ -324,3 +324,19 @@ def test_attention_weights_shapes_and_causality(copy_model: Transformer) -> None
         torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
     for weights in decoder:
         assert torch.all(weights.triu(1) == 0)
+
+
+class TerminalInput(io.TextIOWrapper):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_translate_command_interactive(
+    fake_checkpoint: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", TerminalInput(io.BytesIO(b"abc\n\xff\n\nba\n")))
+    assert main(["translate", "run", "--beam", "2"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.split("\n")
+    assert len(out) == 5 and out[1] == out[2] == "" and out[4] == ""
+    assert "stdin line 2 is not valid UTF-8" in captured.err
