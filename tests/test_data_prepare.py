@@ -283,6 +283,15 @@ def test_count_lines_counts_a_last_line_without_newline(tmp_path):
             assert sum(1 for _ in handle) == expected
 
 
+def test_inputs_inside_the_output_directory_are_not_overwritten(tmp_path):
+    train = write_prefix(tmp_path / "train", make_pairs(50, seed=8))
+    valid = write_prefix(tmp_path / "valid", make_pairs(10, seed=9))
+    before = Path(f"{train}.en").read_bytes()
+    with pytest.raises(UserError, match="would be overwritten"):
+        _prepare(train, valid, tmp_path)
+    assert Path(f"{train}.en").read_bytes() == before
+
+
 def test_same_languages_are_rejected(text, tmp_path):
     train, valid = text
     with pytest.raises(UserError, match="both"):

@@ -52,7 +52,7 @@ from aiayn.data.tokenizer import (
 Log = Callable[[str], None]
 EncodingErrors = Literal["strict", "replace"]
 
-_CHUNK_LINES = 100_000
+_CHUNK_LINES = 20_000
 _STAGING_PREFIX = ".prepare-"
 # Characters Python's str.splitlines() treats as line ends: inside a sentence they would break
 # the one-sentence-per-line text files for any reader that splits that way.
@@ -158,6 +158,10 @@ def prepare_data(
     tokenizer_key = _digest({"train": stamps["train"], **{k: options[k] for k in vocab_keys}})
 
     out = Path(out_dir)
+    outputs = {text_path(out, split, lang).resolve() for split in inputs for lang in (src, tgt)}
+    for path in (p for paths in inputs.values() for p in paths):
+        if path.resolve() in outputs:
+            raise UserError(f"{path}: an input file inside --out {out} would be overwritten")
     old = _existing_manifest(out)
     if not force and old is not None and old.get("fingerprint") == fingerprint:
         if _files_intact(out, old):
