@@ -164,3 +164,22 @@ def test_patience_stops_early(tmp_path):
     )
     result = make_trainer(tmp_path, config, valid=valid).train()
     assert result.step == 3 and "patience" in result.reason
+
+
+def test_time_limit_stops_and_is_carried_across_resume(tmp_path):
+    config = tiny_config("train.max_steps=100", "train.max_minutes=0.000001")
+    trainer = make_trainer(tmp_path, config)
+    result = trainer.train()
+    assert result.step == 1 and result.reason == "reached train.max_minutes=1e-06"
+    state = ckpt.load_checkpoint(result.checkpoint)
+    assert state["progress"]["minutes"] > 0
+    again = make_trainer(tmp_path, config)
+    again.load_state_dict(state)
+    assert again.train().step == 1  # the time already spent counts
+
+
+def test_fp16_needs_cuda(tmp_path):
+    from aiayn.config import ConfigError
+
+    with pytest.raises(ConfigError, match="fp16 needs CUDA"):
+        make_trainer(tmp_path, tiny_config("train.precision=fp16"))

@@ -75,11 +75,13 @@ def run(args: argparse.Namespace) -> int:
     result = train_run(
         config, data_dir, run_dir, device=args.device, show_progress=not args.no_progress
     )
+    if result.rank != 0:  # under torchrun, rank 0 reports
+        return 0
     if result.interrupted:
         again = ["aiayn", "train", "--out", str(run_dir), "--resume"]
         print(
             f"{result.reason} at update {result.step}; checkpoint saved to {result.checkpoint}.\n"
-            f"Resume with: {shlex.join(again)}",
+            f"Resume with: {shlex.join(again)} (under torchrun: the same torchrun command)",
             file=sys.stderr,
         )
         return 0

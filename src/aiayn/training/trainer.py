@@ -97,6 +97,7 @@ class TrainResult:
     best_value: float | None = None
     best_step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    rank: int = 0
 
 
 def valid_batches(
@@ -322,7 +323,9 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------
 
-    def _next_batch(self) -> Batch:
+    def _next_batch(self) -> tuple[Batch, int, int]:
+        """The next batch on the device, with its target and source token counts (counted on
+        the CPU, so that no device synchronisation is needed)."""
         empty_epochs = 0
         while True:
             if self._batches is None:
@@ -340,7 +343,8 @@ class Trainer:
                 self.sampler.set_epoch(self.epoch)
                 self._batches = iter(self.sampler)
                 continue
-            return self.corpus.batch(indices).to(self.device)
+            batch = self.corpus.batch(indices)
+            return batch.to(self.device), batch.n_tgt_tokens, batch.n_src_tokens
 
     # -- one update ------------------------------------------------------------------------
 
@@ -351,11 +355,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         budget = float(cfg.update_tokens)
         global_tokens = 0.0
-        local = torch.zeros(3, dtype=torch.float64)  # loss_sum, nll_sum, src tokens
+        # Summed on the device: no synchronisation per micro-batch (single process).
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)  # loss_sum, nll_sum
+        src_tokens = 0
         while True:
-            batch = self._next_batch()
-            count = torch.tensor([float(batch.n_tgt_tokens)], dtype=torch.float64)
-            global_tokens += float(all_reduce_sum(count.to(self._reduce_device), self.info))
+            batch, n_tgt, n_src = self._next_batch()
+            src_tokens += n_src
+            if self.info.distributed:
+                count = torch.tensor([float(n_tgt)], dtype=torch.float64)
+                global_tokens += float(all_reduce_sum(count.to(self._reduce_device), self.info))
+            else:
+                global_tokens += n_tgt
             last = global_tokens >= budget
             sync = contextlib.nullcontext()
             if self.info.distributed and not last:
@@ -369,10 +379,7 @@ class Trainer:
                 # Scaled by the (constant) budget for a well-ranged gradient; the exact global
                 # normalisation happens below, once the global token count is known.
                 self.scaler.scale(loss_sum / budget).backward()
-            local += torch.tensor(
-                [float(loss_sum.detach()), float(nll_sum.detach()), float(batch.n_src_tokens)],
-                dtype=torch.float64,
-            )
+            sums += torch.stack([loss_sum.detach(), nll_sum.detach()])
             if last:
                 break
         # One all-reduce for the update's statistics and the run-wide decisions.
@@ -381,7 +388,8 @@ class Trainer:
             float(self.info.is_main and self._time_to_save()),
             float(self.info.is_main and self._out_of_time()),
         ]
-        stats = torch.cat([local, torch.tensor(flags, dtype=torch.float64)])
+        local = [*sums.double().cpu().tolist(), float(src_tokens)]
+        stats = torch.tensor(local + flags, dtype=torch.float64)
         stats = all_reduce_sum(stats.to(self._reduce_device), self.info).cpu()
         loss_sum, nll_sum, src_tokens = (float(x) for x in stats[:3])
         if self.scaler.is_enabled():
@@ -603,6 +611,8 @@ class Trainer:
         cfg = self.train_cfg
         interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "time": time.monotonic()}
         reason = self._limit_reached()
+        if reason is None and 0 < cfg.max_minutes <= self.minutes_before:
+            reason = f"reached train.max_minutes={cfg.max_minutes:g}"  # before this resume
         if self.step == 0 and self.info.is_main:
             self._log(
                 f"training {self.config.preset} ({sum(p.numel() for p in self.params):,} "
@@ -698,4 +708,5 @@ class Trainer:
             best_value=self.best_value,
             best_step=self.best_step,
             last_metrics=dict(self.last_metrics),
+            rank=self.info.rank,
         )
