@@ -88,6 +88,10 @@ def test_resume_falls_back_past_a_truncated_checkpoint(data_dir, tmp_path, capsy
     assert "step_00000006.pt is unreadable" in err and "falling back" in err
     assert "resuming from" in err and "step_00000003.pt" in err
     assert "at update 8" in out
+    # A different [model] section cannot resume, and the run's config.toml stays as it was.
+    assert main(["train", "--out", str(run), "model.d_ff=128", "train.max_steps=9"]) == 2
+    assert "model config differs from the checkpoint's: d_ff" in capsys.readouterr().err
+    assert "d_ff = 64" in (run / "config.toml").read_text()
 
 
 def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):

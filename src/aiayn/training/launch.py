@@ -175,9 +175,6 @@ def train_run(
     try:
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
-            run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
-            (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
         barrier(info)
         tok_path = tokenizer_path(data_dir)
         tokenizer_bytes = tok_path.read_bytes()
@@ -226,7 +223,11 @@ def train_run(
                 )
         state = broadcast_object(state, info)
         if state is not None:
-            trainer.load_state_dict(state)
+            trainer.load_state_dict(state)  # refuses a different [model] section
+        if info.is_main:  # only once the config is known to fit the data and the checkpoint
+            (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+            run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
+            (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
         with trainer.signals_handled():
             return trainer.train()
     finally:

@@ -525,14 +525,14 @@ class Trainer:
             gathered = all_gather_objects(hypotheses, self.info)
             bleu = None
             if self.info.is_main:
-                import sacrebleu
+                from aiayn.evaluation.bleu import sacrebleu_bleu
 
                 merged: dict[int, list[int]] = {}
                 for part in gathered:
                     merged.update(part)
                 assert valid.detokenize is not None and valid.references is not None
                 hyps = [valid.detokenize(merged[i]) for i in range(len(valid.corpus))]
-                bleu = float(sacrebleu.corpus_bleu(hyps, [valid.references]).score)
+                bleu = sacrebleu_bleu(hyps, [valid.references]).score
             metrics["bleu"] = float(broadcast_object(bleu, self.info))
         if was_training:
             model.train()
