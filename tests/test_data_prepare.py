@@ -296,3 +296,15 @@ def test_same_languages_are_rejected(text, tmp_path):
     train, valid = text
     with pytest.raises(UserError, match="both"):
         prepare_data(train, valid, None, "en", "en", VOCAB, tmp_path / "data")
+
+
+def test_write_failure_midway_is_a_user_error(text, tmp_path, monkeypatch):
+    train, valid = text
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepare_module, "_encode_split", disk_full)
+    with pytest.raises(UserError, match="No space left on device"):
+        _prepare(train, valid, tmp_path / "data")
+    assert not list((tmp_path / "data").glob(".prepare-*"))

@@ -346,3 +346,9 @@ def test_fetch_failure_is_a_user_error_and_leaves_no_file(tmp_path, monkeypatch)
 
 def test_sgm_segments_decode_entities():
     assert sgm_segments('<seg id="1">a &lt;b&gt;</seg>\n<seg id=2>c</seg>') == "a <b>\nc\n"
+
+
+def test_a_damaged_module_zip_is_a_user_error(tmp_path):
+    (tmp_path / "broken.zip").write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(UserError, match=r"broken\.zip"):
+        next(iter(bible_pairs(tmp_path / "broken.zip")))

@@ -187,7 +187,7 @@ def prepare_data(
                 f"{src_path}, {tgt_path}: no training pairs left after dropping empty lines"
             )
 
-        old_tokenizer = tokenizer_path_if(out, old, tokenizer_key) if not force else None
+        old_tokenizer = _reusable_tokenizer(out, old, tokenizer_key) if not force else None
         model_file = staging / TOKENIZER_NAME
         if old_tokenizer is not None:
             say(f"reusing {old_tokenizer} (same training text and vocabulary options)")
@@ -222,12 +222,15 @@ def prepare_data(
             options, inputs, stats, tokenizer, dtype, fingerprint, tokenizer_key, staging
         )
         _commit(staging, out, manifest, old)
+    except OSError as err:  # disk full, permissions changed under us, ...
+        where = err.filename or out
+        raise UserError(f"{where}: {err.strerror or err} while preparing {out}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 
-def tokenizer_path_if(out: Path, old: dict[str, Any] | None, key: str) -> Path | None:
+def _reusable_tokenizer(out: Path, old: dict[str, Any] | None, key: str) -> Path | None:
     """The existing tokenizer of ``out`` when it was trained with the same text and options."""
     path = out / TOKENIZER_NAME
     if old is not None and old.get("tokenizer_key") == key and path.is_file():

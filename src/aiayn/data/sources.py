@@ -30,6 +30,7 @@ import tarfile
 import tempfile
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,7 +217,7 @@ def _open_modules(paths: list[Path]) -> tuple[Any, Any, str, str]:
         modules = SwordModules(str(path))
         try:
             confs = modules.parse_modules()
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
             raise UserError(f"{path}: cannot read SWORD modules ({err})") from None
         for name, conf in confs.items():
             found.setdefault(name, (modules, conf))
