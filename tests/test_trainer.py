@@ -183,3 +183,19 @@ def test_fp16_needs_cuda(tmp_path):
 
     with pytest.raises(ConfigError, match="fp16 needs CUDA"):
         make_trainer(tmp_path, tiny_config("train.precision=fp16"))
+
+
+def test_progress_line_follows_the_nearer_limit():
+    import io
+
+    from aiayn.training.metrics import Progress
+
+    stream = io.StringIO()
+    progress = Progress(1000, stream=stream, total_minutes=10.0)
+    progress.update(100, 2, 3.0, 2.5, 1e-3, 1234.0, minutes=5.0)  # half the time, 10% of steps
+    line = stream.getvalue()
+    assert line.startswith("[##########----------] 100/1000 ep 2 | loss 3.000 nll 2.500 ppl 12.2")
+    assert "lr 1.00e-03 | 1,234 tok/s | 0:05:00 eta" in line
+    quiet = io.StringIO()
+    Progress(10, stream=quiet, bar=False).update(1, 0, 1.0, 1.0, 1.0, 1.0)
+    assert quiet.getvalue() == ""

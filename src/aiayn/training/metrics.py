@@ -85,7 +85,9 @@ class Progress:
     """A one-line progress display on stderr: a bar, loss, learning rate, tokens/s, ETA;
     and messages (validation results, checkpoints) between the progress lines.
 
-    On a terminal the line is redrawn in place; otherwise (a log file) one line per call.
+    The bar follows whichever limit is nearer: ``total_steps`` updates or ``total_minutes``
+    of training (0 = no such limit). On a terminal the line is redrawn in place; otherwise
+    (a log file) one line per call.
     """
 
     def __init__(
@@ -94,8 +96,10 @@ class Progress:
         stream: TextIO | None = None,
         enabled: bool = True,
         bar: bool = True,
+        total_minutes: float = 0.0,
     ) -> None:
         self.total = total_steps
+        self.total_minutes = total_minutes
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled  # False: nothing at all (ranks other than 0)
         self.bar = bar  # False: messages only, no progress lines
@@ -103,21 +107,41 @@ class Progress:
         self.start = time.monotonic()
         self.start_step: int | None = None
 
-    def update(self, step: int, epoch: int, loss: float, nll: float, lr: float, tps: float) -> None:
+    def update(
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        nll: float,
+        lr: float,
+        tps: float,
+        minutes: float | None = None,
+    ) -> None:
+        """Draw the line; ``minutes`` is the run's training time so far (resumes included)."""
         if not (self.enabled and self.bar):
             return
         if self.start_step is None:
             self.start_step = step - 1
         elapsed = time.monotonic() - self.start
+        run_seconds = minutes * 60.0 if minutes is not None else elapsed
         done = step - self.start_step
-        eta = elapsed / done * (self.total - step) if done > 0 and self.total > 0 else 0.0
-        frac = min(1.0, step / self.total) if self.total > 0 else 0.0
+        fracs, etas = [], []
+        if self.total > 0:
+            fracs.append(step / self.total)
+            if done > 0:
+                etas.append(elapsed / done * max(self.total - step, 0))
+        if self.total_minutes > 0:
+            fracs.append(run_seconds / (60.0 * self.total_minutes))
+            etas.append(max(60.0 * self.total_minutes - run_seconds, 0.0))
+        frac = min(1.0, max(fracs)) if fracs else 0.0
+        eta = min(etas) if etas else 0.0
         width = 20
-        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        filled = int(frac * width)
+        of_total = f"/{self.total}" if self.total > 0 else ""
         line = (
-            f"[{bar}] {step}/{self.total} ep {epoch} | loss {loss:.3f} nll {nll:.3f} "
-            f"ppl {perplexity(nll):.1f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
-            f"{_clock(elapsed)} eta {_clock(eta)}"
+            f"[{'#' * filled}{'-' * (width - filled)}] {step}{of_total} ep {epoch} | "
+            f"loss {loss:.3f} nll {nll:.3f} ppl {perplexity(nll):.1f} | lr {lr:.2e} | "
+            f"{tps:,.0f} tok/s | {_clock(run_seconds)} eta {_clock(eta)}"
         )
         self.write(line, transient=True)
 

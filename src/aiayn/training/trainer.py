@@ -207,7 +207,10 @@ class Trainer:
         self._validated_step = -1
         self.metrics = MetricsLog(self.run_dir, self.info.is_main, tensorboard)
         self.progress = Progress(
-            self.train_cfg.max_steps, enabled=self.info.is_main, bar=show_progress
+            self.train_cfg.max_steps,
+            enabled=self.info.is_main,
+            bar=show_progress,
+            total_minutes=self.train_cfg.max_minutes,
         )
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -668,7 +671,7 @@ class Trainer:
                 "skipped": self.skipped,
             }
         )
-        self.progress.update(self.step, self.epoch, loss, nll, self.lr, tps)
+        self.progress.update(self.step, self.epoch, loss, nll, self.lr, tps, self.minutes)
         interval.update(loss=0.0, nll=0.0, tokens=0.0, time=now)
 
     def _finish(self, reason: str, interrupted: bool) -> TrainResult:
