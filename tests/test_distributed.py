@@ -2,9 +2,11 @@
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,7 +17,14 @@ from aiayn.model.transformer import Transformer
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import DistInfo
 from aiayn.training.trainer import Trainer
-from train_helpers import FixedSampler, ListCorpus, reverse_pairs, single_thread, tiny_config
+from train_helpers import (
+    FixedSampler,
+    ListCorpus,
+    make_reverse_data,
+    reverse_pairs,
+    single_thread,
+    tiny_config,
+)
 
 __all__ = ["single_thread"]  # the autouse fixture
 
@@ -74,3 +83,27 @@ def test_two_gloo_processes_equal_one(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == [
         f"step_{STEPS:08d}.pt"
     ]
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun(tmp_path):
+    aiayn = Path(sys.executable).parent / "aiayn"
+    if not aiayn.is_file():
+        pytest.skip("the aiayn entry point is not installed next to this Python")
+    data = make_reverse_data(tmp_path / "text", n_train=400, n_valid=20)
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(_free_port()), "--no-python", str(aiayn),
+        "train", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
+        "--data", str(data), "--out", str(run), "--no-progress",
+        "train.max_steps=6", "train.valid_interval=3", "train.save_interval_steps=3",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("done: reached train.max_steps=6") == 1  # rank 0 only
+    assert "on 2 × cpu" in result.stderr
+    state = ckpt.load_checkpoint(ckpt.step_checkpoint_path(run, 6))
+    assert len(state["sampler"]) == 2
+    assert (run / "averaged.pt").is_file() and (run / "best.pt").is_file()
