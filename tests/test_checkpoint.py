@@ -66,6 +66,10 @@ def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys
     path, state = ckpt.latest_valid_checkpoint(tmp_path)
     assert path == ckpt.step_checkpoint_path(tmp_path, 2) and state["step"] == 2
     assert "step_00000004.pt is unreadable" in capsys.readouterr().err
+    # Averaging passes over it too, and says so.
+    averaged = ckpt.load_checkpoint(ckpt.average_run(tmp_path, 1))
+    assert averaged["step"] == 2 and averaged["metrics"]["averaged"] == 1.0
+    assert "left out of the average" in capsys.readouterr().err
     # Garbage and foreign files are refused too.
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ckpt.CheckpointError, match="unreadable"):
