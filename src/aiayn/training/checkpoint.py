@@ -371,17 +371,19 @@ def _step_of(path: Path) -> int:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint file as given, or for a run directory: ``averaged.pt`` if present, else the
     newest readable step checkpoint."""
+    return _resolve_and_load(path)[0]
+
+
+def _resolve_and_load(path: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         if (path / AVERAGED_NAME).is_file():
-            return path / AVERAGED_NAME
+            return path / AVERAGED_NAME, load_checkpoint(path / AVERAGED_NAME)
         found = latest_valid_checkpoint(path)
         if found is None:
             raise CheckpointError(f"{path} holds no {AVERAGED_NAME} and no readable checkpoint")
-        return found[0]
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    return path
+        return found
+    return path, load_checkpoint(path)
 
 
 def load_for_inference(
@@ -392,7 +394,7 @@ def load_for_inference(
     from aiayn.data.tokenizer import Tokenizer
     from aiayn.model.transformer import Transformer
 
-    state = load_checkpoint(resolve_checkpoint(path))
+    path, state = _resolve_and_load(path)
     try:
         config = config_from_dict(state["config"])
     except ConfigError as err:
