@@ -151,3 +151,50 @@ def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"resuming at update {step}" in result.stderr
     assert f"at update {step + 2}" in result.stdout
+
+
+def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
+    run = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from aiayn.cli import main; sys.exit(main())",
+        "train",
+        "--config",
+        TINY,
+        "--data",
+        str(data_dir),
+        "--out",
+        str(run),
+        "--no-progress",
+        "train.max_steps=100000",
+        "train.valid_interval=0",
+        "train.save_interval_steps=1",  # saving all the time: a kill lands in a save
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(ckpt.list_step_checkpoints(run)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        proc.kill()
+        proc.wait()
+    # Whatever the moment, every step checkpoint on disk is complete.
+    paths = ckpt.list_step_checkpoints(run)
+    assert paths and all(ckpt.load_checkpoint(p)["step"] > 0 for p in paths)
+    (run / "checkpoints" / ".step_00099999.pt.abc.tmp").write_bytes(b"partial")  # as if cut
+    step = ckpt.latest_valid_checkpoint(run)[1]["step"]
+    result = subprocess.run(
+        [*command[:3], "train", "--out", str(run), f"train.max_steps={step + 1}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "left by an interrupted save" in result.stderr
+    assert f"resuming at update {step}" in result.stderr
+    assert not list((run / "checkpoints").glob("*.tmp"))

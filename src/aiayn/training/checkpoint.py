@@ -106,6 +106,17 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
     _fsync_dir(path.parent)
 
 
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary files that a process killed while saving left behind."""
+    removed = []
+    for folder in (Path(run_dir), Path(run_dir) / CHECKPOINT_DIR):
+        if folder.is_dir():
+            for path in folder.glob(".*.pt.*.tmp"):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)

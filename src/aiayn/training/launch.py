@@ -175,6 +175,8 @@ def train_run(
     try:
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
+            for path in ckpt.remove_stale_temporaries(run_dir):
+                print(f"removed {path.name}, left by an interrupted save", file=sys.stderr)
         barrier(info)
         tok_path = tokenizer_path(data_dir)
         tokenizer_bytes = tok_path.read_bytes()
