@@ -198,3 +198,13 @@ def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
     assert "left by an interrupted save" in result.stderr
     assert f"resuming at update {step}" in result.stderr
     assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_config_loads(path):
+    from aiayn.config import load_config
+
+    config = load_config(path)
+    train = config.train
+    assert train.max_steps > 0 or train.max_epochs > 0 or train.max_minutes > 0
+    assert train.keep_last >= train.average_last
