@@ -170,6 +170,7 @@ def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
         "train.max_steps=100000",
         "train.valid_interval=0",
         "train.save_interval_steps=1",  # saving all the time: a kill lands in a save
+        "train.log_interval=1",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.DEVNULL, env=env)
@@ -198,6 +199,9 @@ def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
     assert "left by an interrupted save" in result.stderr
     assert f"resuming at update {step}" in result.stderr
     assert not list((run / "checkpoints").glob("*.tmp"))
+    # The updates redone after the resume are recorded once.
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.stem)

@@ -199,3 +199,15 @@ def test_progress_line_follows_the_nearer_limit():
     quiet = io.StringIO()
     Progress(10, stream=quiet, bar=False).update(1, 0, 1.0, 1.0, 1.0, 1.0)
     assert quiet.getvalue() == ""
+
+
+def test_resume_forgets_metrics_of_updates_it_will_redo(tmp_path):
+    from aiayn.training.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for step in range(1, 6):
+        log.write({"kind": "train", "step": step, "loss": 1.0})
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"kind": "tra')  # torn by a kill
+    assert log.drop_after(3) == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]

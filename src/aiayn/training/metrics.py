@@ -50,6 +50,26 @@ class MetricsLog:
                     self._writer.add_scalar(f"{kind}/{key}", value, step)
             self._writer.flush()
 
+    def drop_after(self, step: int) -> int:
+        """Forget the records of updates after ``step`` (a resumed run redoes them); returns
+        how many were dropped."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill
+            if int(record.get("step", 0)) <= step:
+                kept.append(line)
+        if len(kept) != len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+            tmp.replace(self.path)
+        return len(lines) - len(kept)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()

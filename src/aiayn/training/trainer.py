@@ -304,6 +304,7 @@ class Trainer:
         else:
             self.sampler.load_state_dict(samplers[self.info.rank])
         ckpt.restore_rng(rngs[self.info.rank] if same_world else rngs[0])
+        self.metrics.drop_after(self.step)
         self._batches = None
         self._fresh = False
         self._saved_step = self._validated_step = self.step
