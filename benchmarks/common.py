@@ -1,0 +1,217 @@
+"""What every benchmark shares: the fixed workloads, their random data, FLOP counts, timing
+and the JSON line a benchmark subprocess reports back to ``run_all.py``.
+
+The workloads are issue 6's and never change, so that results stay comparable across runs:
+random weights, random token ids, fp32, 2 threads, shared vocabulary with tied embeddings,
+dropout 0.1, label smoothing 0.1, Adam.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+THREADS = 2
+RESULT_MARKER = "BENCH-RESULT "
+
+# Special ids (aiayn's: PAD 0, UNK 1, BOS 2, EOS 3); random tokens avoid 0..3 and the last id,
+# which the Marian peer uses as its padding / decoder-start token.
+PAD_ID, BOS_ID, EOS_ID = 0, 2, 3
+FIRST_WORD_ID = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training workload of the issue: model sizes and the shape of one batch."""
+
+    name: str
+    d_model: int
+    d_ff: int
+    n_heads: int
+    n_layers: int
+    vocab_size: int
+    batch: int
+    src_len: int
+    tgt_len: int
+    dropout: float = 0.1
+    label_smoothing: float = 0.1
+
+    @property
+    def tgt_tokens(self) -> int:
+        return self.batch * self.tgt_len
+
+
+SMALL = Workload("SMALL", 256, 1024, 4, 3, 8000, batch=64, src_len=24, tgt_len=24)
+BASE = Workload("BASE", 512, 2048, 8, 6, 37000, batch=32, src_len=24, tgt_len=24)
+WORKLOADS: dict[str, Workload] = {"small": SMALL, "base": BASE}
+
+
+@dataclass(frozen=True)
+class DecodeWorkload:
+    """Decoding on SMALL: ``n_sentences`` sources of ``src_len`` tokens, exactly ``steps``
+    decoder steps each (end-of-sentence suppressed), beam ``beam_size`` or greedy."""
+
+    model: Workload
+    n_sentences: int = 64
+    src_len: int = 24
+    steps: int = 24
+    beam_size: int = 4
+
+
+DECODE = DecodeWorkload(SMALL)
+
+
+def set_threads(n: int = THREADS) -> None:
+    """The same intra-op thread count for every system (inter-op 1: one stream of work)."""
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+
+
+def random_tokens(rows: int, cols: int, vocab_size: int, generator: torch.Generator) -> Tensor:
+    """Uniform random word ids in ``[FIRST_WORD_ID, vocab_size - 1)``: no special token."""
+    return torch.randint(FIRST_WORD_ID, vocab_size - 1, (rows, cols), generator=generator)
+
+
+@dataclass
+class TrainBatch:
+    """One training batch without padding: ``tgt_in`` = BOS + y, ``tgt_out`` = y + EOS."""
+
+    src_ids: Tensor  # (B, S)
+    src_pad: Tensor  # (B, S) bool, all False
+    tgt_in: Tensor  # (B, T)
+    tgt_out: Tensor  # (B, T)
+
+
+def training_batch(workload: Workload, seed: int = 0) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    src = random_tokens(workload.batch, workload.src_len, workload.vocab_size, gen)
+    words = random_tokens(workload.batch, workload.tgt_len - 1, workload.vocab_size, gen)
+    bos = torch.full((workload.batch, 1), BOS_ID, dtype=torch.long)
+    eos = torch.full((workload.batch, 1), EOS_ID, dtype=torch.long)
+    return TrainBatch(
+        src_ids=src,
+        src_pad=torch.zeros_like(src, dtype=torch.bool),
+        tgt_in=torch.cat([bos, words], dim=1),
+        tgt_out=torch.cat([words, eos], dim=1),
+    )
+
+
+def decode_sources(workload: DecodeWorkload, seed: int = 1) -> Tensor:
+    """The (n_sentences, src_len) source ids every system decodes."""
+    gen = torch.Generator().manual_seed(seed)
+    return random_tokens(workload.n_sentences, workload.src_len, workload.model.vocab_size, gen)
+
+
+def matmul_macs_per_target_token(w: Workload) -> float:
+    """Multiply-accumulates of one forward pass per target token, with S = src_len source
+    tokens per target token of the pair.
+
+    Per encoder layer and source token: Q, K, V, O projections 4·d², FFN 2·d·d_ff, scores and
+    weighted values 2·S·d. Per decoder layer and target token: self-attention 4·d² + 2·T·d,
+    cross-attention Q and O 2·d², K and V of the memory 2·d² (per source token), 2·S·d for
+    scores and values, FFN 2·d·d_ff. Plus the pre-softmax projection d·V. The full attention
+    matrix is counted, causal or not (the usual convention for model-FLOP utilisation).
+    """
+    d, f, s, t = w.d_model, w.d_ff, w.src_len, w.tgt_len
+    ratio = s / t  # source tokens per target token
+    encoder = w.n_layers * ratio * (4 * d * d + 2 * d * f + 2 * s * d)
+    decoder = w.n_layers * (
+        4 * d * d + 2 * t * d + 2 * d * d + ratio * 2 * d * d + 2 * s * d + 2 * d * f
+    )
+    return encoder + decoder + d * w.vocab_size
+
+
+def training_flops_per_target_token(w: Workload) -> float:
+    """Forward 2 FLOPs per multiply-accumulate; forward + backward = 3 × forward."""
+    return 3 * 2 * matmul_macs_per_target_token(w)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Report one result to the parent process (one JSON line on stdout)."""
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def skip(system: str, reason: str) -> None:
+    emit({"system": system, "skipped": reason})
+
+
+def parse_results(stdout: str) -> list[dict[str, Any]]:
+    return [
+        json.loads(line[len(RESULT_MARKER) :])
+        for line in stdout.splitlines()
+        if line.startswith(RESULT_MARKER)
+    ]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "threads": THREADS,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def versions() -> dict[str, str]:
+    """Versions of the systems benchmarked (absent packages marked so)."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("aiayn", "torch", "transformers", "ctranslate2", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def workload_dict(w: Workload) -> dict[str, Any]:
+    return asdict(w)

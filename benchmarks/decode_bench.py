@@ -1,0 +1,268 @@
+"""Decoding speed of one system on the SMALL model, in this process (run by ``run_all.py``).
+
+64 random source sentences of 24 tokens; every system does exactly 24 decoder steps per
+sentence (end-of-sentence is suppressed until the last step), with beam 4 (length penalty 0.6)
+and greedy, once with all 64 sentences in one batch (sentences/s from the median of repeated
+runs) and once one sentence at a time (median latency per sentence). aiayn and the
+``nn.Transformer`` peer are driven by ``aiayn.inference.search``; Hugging Face by ``generate``;
+CTranslate2 by ``translate_batch``.
+
+    python -m benchmarks.decode_bench --system aiayn --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from benchmarks.common import (
+    DECODE,
+    EOS_ID,
+    DecodeWorkload,
+    decode_sources,
+    emit,
+    median,
+    peak_rss_mb,
+    set_threads,
+    skip,
+    time_calls,
+)
+from benchmarks.peers import available
+
+SYSTEMS = ("aiayn", "aiayn-int8", "torch", "hf", "ct2-float32", "ct2-int8")
+MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
+ALPHA = 0.6
+
+# decode(sources (n, S), beam_size) decodes n sentences with exactly DECODE.steps steps each
+# and returns the number of output tokens of each sentence's best hypothesis.
+Decode = Callable[[Tensor, int], list[int]]
+StepFn = Callable[[Tensor, object], Tensor]
+
+
+def suppress_eos(step_fn: StepFn, steps: int) -> StepFn:
+    """EOS impossible before the last of ``steps`` steps, where search allows only EOS."""
+    calls = 0
+
+    def step(tokens: Tensor, cache: object) -> Tensor:
+        nonlocal calls
+        calls += 1
+        log_probs = step_fn(tokens, cache)
+        if calls < steps:
+            log_probs[:, EOS_ID] = float("-inf")
+        return log_probs
+
+    return step
+
+
+def aiayn_decoder(dw: DecodeWorkload, int8: bool) -> Decode:
+    from aiayn.config import ModelConfig
+    from aiayn.inference.search import beam_search, greedy_search
+    from aiayn.model.transformer import build_model
+
+    w = dw.model
+    config = ModelConfig(
+        vocab_size=w.vocab_size,
+        d_model=w.d_model,
+        d_ff=w.d_ff,
+        n_heads=w.n_heads,
+        n_layers=w.n_layers,
+        dropout=w.dropout,
+    )
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    if int8:
+        from aiayn.inference.translator import quantize_int8
+
+        model = quantize_int8(model)
+
+    @torch.inference_mode()
+    def decode(src: Tensor, beam: int) -> list[int]:
+        n = src.size(0)
+        src_pad = torch.zeros_like(src, dtype=torch.bool)
+        memory = model.encode(src, src_pad)
+        # The beams of a sentence share its memory: projected once, not repeated per beam.
+        cache = model.init_cache(memory, src_pad, dw.steps, beam_size=beam)
+        step = suppress_eos(model.log_probs_step, dw.steps)
+        if beam > 1:
+            hyps = beam_search(step, cache, n, beam_size=beam, alpha=ALPHA, max_len=dw.steps - 1)
+            return [len(h[0].tokens) + 1 for h in hyps]  # + EOS
+        return [len(h.tokens) + 1 for h in greedy_search(step, cache, n, max_len=dw.steps - 1)]
+
+    return decode
+
+
+def torch_decoder(dw: DecodeWorkload) -> Decode:
+    from aiayn.inference.search import beam_search, greedy_search
+    from benchmarks.peers import PrefixCache, TorchTransformer, torch_log_probs_step
+
+    torch.manual_seed(0)
+    model = TorchTransformer(dw.model).eval()
+
+    def step_fn(tokens: Tensor, cache: object) -> Tensor:
+        assert isinstance(cache, PrefixCache)
+        return torch_log_probs_step(model, tokens, cache)
+
+    @torch.inference_mode()
+    def decode(src: Tensor, beam: int) -> list[int]:
+        n = src.size(0)
+        src_pad = torch.zeros_like(src, dtype=torch.bool)
+        memory = model.encode(src, src_pad)
+        if beam > 1:
+            memory, src_pad = memory.repeat_interleave(beam, 0), src_pad.repeat_interleave(beam, 0)
+        cache = PrefixCache(memory, src_pad)  # search feeds BOS first: the prefix grows
+        step = suppress_eos(step_fn, dw.steps)
+        if beam > 1:
+            hyps = beam_search(step, cache, n, beam_size=beam, alpha=ALPHA, max_len=dw.steps - 1)
+            return [len(h[0].tokens) + 1 for h in hyps]
+        return [len(h.tokens) + 1 for h in greedy_search(step, cache, n, max_len=dw.steps - 1)]
+
+    return decode
+
+
+def hf_decoder(dw: DecodeWorkload) -> Decode:
+    from benchmarks.peers import marian_model
+
+    model = marian_model(dw.model).eval()
+
+    @torch.inference_mode()
+    def decode(src: Tensor, beam: int) -> list[int]:
+        out = model.generate(
+            input_ids=src,
+            attention_mask=torch.ones_like(src),
+            num_beams=beam,
+            do_sample=False,
+            max_new_tokens=dw.steps,
+            min_new_tokens=dw.steps,
+            length_penalty=ALPHA,
+            early_stopping=True,
+        )
+        return [out.size(1) - 1] * src.size(0)  # minus the decoder-start token
+
+    return decode
+
+
+def ct2_decoder(dw: DecodeWorkload, quantization: str, model_dir: Path | None) -> Decode:
+    """``model_dir`` holds the converted models (``run_all`` converts them in a process of
+    its own, so that this process's RSS is CTranslate2's alone); None converts here."""
+    import ctranslate2
+
+    from benchmarks.peers import convert_to_ctranslate2, vocabulary
+
+    if model_dir is None:
+        model_dir = Path(tempfile.mkdtemp(prefix="aiayn-bench-ct2-"))
+        convert_to_ctranslate2(dw.model, model_dir)
+    translator = ctranslate2.Translator(
+        str(model_dir / f"ct2-{quantization}"),
+        device="cpu",
+        compute_type=quantization,
+        intra_threads=2,
+        inter_threads=1,
+    )
+    tokens = vocabulary(dw.model)
+
+    def decode(src: Tensor, beam: int) -> list[int]:
+        batch = [[tokens[i] for i in row] for row in src.tolist()]
+        results = translator.translate_batch(
+            batch,
+            beam_size=beam,
+            max_decoding_length=dw.steps,
+            min_decoding_length=dw.steps,
+            length_penalty=ALPHA,
+            max_batch_size=len(batch),
+        )
+        return [len(r.hypotheses[0]) for r in results]
+
+    return decode
+
+
+def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
+    if system in ("aiayn", "aiayn-int8"):
+        return aiayn_decoder(dw, int8=system == "aiayn-int8")
+    if system == "torch":
+        return torch_decoder(dw)
+    if system == "hf":
+        return hf_decoder(dw)
+    return ct2_decoder(dw, system.removeprefix("ct2-"), ct2_dir)
+
+
+# The CTranslate2 model is converted from the Hugging Face one, so it needs both.
+REQUIRES = {
+    "hf": ["transformers"],
+    "ct2-float32": ["ctranslate2", "transformers"],
+    "ct2-int8": ["ctranslate2", "transformers"],
+}
+
+
+def check_length(system: str, lengths: list[int], steps: int) -> None:
+    if any(n != steps for n in lengths):
+        raise RuntimeError(f"{system} decoded {sorted(set(lengths))} steps instead of {steps}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=SYSTEMS)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each batch mode")
+    parser.add_argument(
+        "--single", type=int, default=DECODE.n_sentences, help="sentences decoded one at a time"
+    )
+    parser.add_argument("--ct2-dir", type=Path, help="converted CTranslate2 models")
+    parser.add_argument("--convert-only", action="store_true", help="convert into --ct2-dir")
+    args = parser.parse_args(argv)
+    if args.convert_only:
+        from benchmarks.peers import convert_to_ctranslate2
+
+        start = time.perf_counter()
+        convert_to_ctranslate2(DECODE.model, args.ct2_dir)
+        emit({"kind": "convert", "system": "ct2", "convert_s": time.perf_counter() - start})
+        return
+    if args.system is None:
+        parser.error("--system is required (unless --convert-only)")
+    set_threads()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    missing = [m for m in REQUIRES.get(args.system, []) if not available(m)]
+    if missing:
+        skip(args.system, f"{', '.join(missing)} not installed (pip install -e '.[bench]')")
+        return
+    dw = DECODE
+    src = decode_sources(dw)
+    start = time.perf_counter()
+    decode = build(args.system, dw, args.ct2_dir)
+    build_s = time.perf_counter() - start
+    results: dict[str, dict[str, float]] = {}
+    for mode in args.modes:
+        beam = dw.beam_size if mode.startswith("beam") else 1
+        if mode.endswith("batch"):
+            check_length(args.system, decode(src, beam), dw.steps)  # warm-up
+            times = time_calls(lambda b=beam: decode(src, b), 0, args.repeats)
+            results[mode] = {
+                "median_s": median(times),
+                "sentences_per_s": src.size(0) / median(times),
+            }
+        else:
+            rows = src[: args.single]
+            check_length(args.system, decode(rows[:1], beam), dw.steps)  # warm-up
+            times = [time_calls(lambda r=r, b=beam: decode(r[None], b), 0, 1)[0] for r in rows]
+            results[mode] = {"median_s": median(times), "latency_ms": 1000 * median(times)}
+        results[mode]["times_s"] = times  # type: ignore[assignment]
+    emit(
+        {
+            "kind": "decode",
+            "system": args.system,
+            "modes": results,
+            "build_s": build_s,
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

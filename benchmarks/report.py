@@ -1,0 +1,221 @@
+"""The markdown results table: versions, machine, medians, ratios against each peer, and the
+issue's goals checked against the figures of the same run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.common import WORKLOADS, training_flops_per_target_token
+
+TRAIN_NAMES = {
+    "aiayn": "aiayn",
+    "aiayn-tuned": "aiayn + fused loss & Adam (proposal)",
+    "torch": "torch.nn.Transformer",
+    "hf": "HF MarianMTModel",
+}
+DECODE_NAMES = {
+    "aiayn": "aiayn (fp32)",
+    "aiayn-int8": "aiayn int8 (opt-in)",
+    "torch": "torch.nn.Transformer (no cache)",
+    "hf": "HF Marian generate",
+    "ct2-float32": "CTranslate2 float32",
+    "ct2-int8": "CTranslate2 int8",
+}
+# (mode, field, unit, higher is better)
+DECODE_COLUMNS = [
+    ("beam-batch", "sentences_per_s", "beam 4, batch 64 (sent/s)", True),
+    ("greedy-batch", "sentences_per_s", "greedy, batch 64 (sent/s)", True),
+    ("beam-single", "latency_ms", "beam 4, one at a time (ms/sent)", False),
+    ("greedy-single", "latency_ms", "greedy, one at a time (ms/sent)", False),
+]
+
+
+def _fmt(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _ratio(ours: float, theirs: float, higher_better: bool) -> str:
+    """How many times better aiayn is (>1 = aiayn ahead)."""
+    if not ours or not theirs:
+        return "–"
+    return f"{(ours / theirs if higher_better else theirs / ours):.2f}×"
+
+
+def header(meta: dict[str, Any]) -> list[str]:
+    m, v = meta["machine"], meta["versions"]
+    lines = [
+        f"Run: {meta['date']} · {meta['mode']} · wall time {meta['wall_s'] / 60:.1f} min",
+        "",
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['threads']} threads for "
+        f"every system; CUDA available: {m['cuda']}; Python {m['python']}; {m['platform']}",
+        "",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        "",
+        f"Load average at start / end: {meta['load_start']} / {meta['load_end']} "
+        "(the CPU is shared: compare ratios within this run only)",
+        "",
+    ]
+    for note in meta.get("notes", []):
+        lines += [f"- {note}"]
+    if meta.get("notes"):
+        lines.append("")
+    return lines
+
+
+def training_table(train: dict[str, dict[str, dict[str, Any]]], ceiling: float) -> list[str]:
+    lines = [
+        "### Training (full updates: forward, backward, Adam; fp32)",
+        "",
+        f"Matmul ceiling (fp32 2048×2048, 2 threads, median): **{_fmt(ceiling, 1)} GFLOP/s**. "
+        "MFU = tokens/s × training FLOPs per target token ÷ ceiling.",
+        "",
+        "| workload | system | target tok/s | median update (s) | updates timed | MFU "
+        "| peak RSS (MB) | aiayn speed-up | aiayn RSS ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, results in train.items():
+        w = WORKLOADS[key]
+        ours = results.get("aiayn", {})
+        for system, r in results.items():
+            name = TRAIN_NAMES.get(system, system)
+            if "skipped" in r:
+                lines.append(f"| {w.name} | {name} | skipped: {r['skipped']} ||||||")
+                continue
+            mfu = r["tokens_per_s"] * training_flops_per_target_token(w) / (ceiling * 1e9)
+            speed = (
+                ""
+                if system == "aiayn"
+                else _ratio(ours.get("tokens_per_s", 0), r["tokens_per_s"], True)
+            )
+            rss = (
+                ""
+                if system == "aiayn"
+                else _ratio(ours.get("peak_rss_mb", 0), r["peak_rss_mb"], False)
+            )
+            lines.append(
+                f"| {w.name} | {name} | {_fmt(r['tokens_per_s'])} | {r['median_s']:.3f} "
+                f"| {len(r['times_s'])} | {100 * mfu:.0f}% | {_fmt(r['peak_rss_mb'])} "
+                f"| {speed} | {rss} |"
+            )
+    lines += [
+        "",
+        "aiayn speed-up = aiayn tok/s ÷ peer tok/s; aiayn RSS ratio = peer RSS ÷ aiayn RSS "
+        "(above 1: aiayn uses less).",
+        "",
+    ]
+    return lines
+
+
+def decoding_table(decode: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [
+        "### Decoding SMALL (64 sentences × 24 source tokens, exactly 24 decoder steps each)",
+        "",
+        "| system | " + " | ".join(c[2] for c in DECODE_COLUMNS) + " | peak RSS (MB) |",
+        "|---|" + "---:|" * (len(DECODE_COLUMNS) + 1),
+    ]
+    for system, r in decode.items():
+        name = DECODE_NAMES.get(system, system)
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} |" + "|" * len(DECODE_COLUMNS))
+            continue
+        cells = []
+        for mode, field, _, _ in DECODE_COLUMNS:
+            value = r["modes"].get(mode, {}).get(field)
+            cells.append("–" if value is None else _fmt(value, 1))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(r['peak_rss_mb'])} |")
+    lines += ["", "aiayn (fp32) against each peer (above 1: aiayn faster / leaner):", ""]
+    lines += [
+        "| peer | " + " | ".join(c[2].split(" (")[0] for c in DECODE_COLUMNS) + " | RSS |",
+        "|---|" + "---:|" * (len(DECODE_COLUMNS) + 1),
+    ]
+    ours = decode.get("aiayn", {})
+    for system, r in decode.items():
+        if system == "aiayn" or "skipped" in r or "modes" not in ours:
+            continue
+        base = (
+            "aiayn-int8"
+            if system == "ct2-int8" and "modes" in decode.get("aiayn-int8", {})
+            else "aiayn"
+        )
+        mine = decode[base]
+        cells = []
+        for mode, field, _, higher in DECODE_COLUMNS:
+            a = mine["modes"].get(mode, {}).get(field, 0)
+            b = r["modes"].get(mode, {}).get(field, 0)
+            cells.append(_ratio(a, b, higher))
+        rss = _ratio(mine["peak_rss_mb"], r["peak_rss_mb"], False)
+        label = DECODE_NAMES.get(system, system) + (" (vs aiayn int8)" if base != "aiayn" else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {rss} |")
+    lines.append("")
+    return lines
+
+
+def goals(
+    train: dict[str, dict[str, dict[str, Any]]], decode: dict[str, dict[str, Any]], ceiling: float
+) -> list[str]:
+    """The issue's goals, each checked against this run's figures."""
+    lines = ["### The issue's goals, checked on this run", ""]
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    for key, results in train.items():
+        w = WORKLOADS[key]
+        ours = results.get("aiayn", {})
+        peers = {s: r for s, r in results.items() if s != "aiayn" and "tokens_per_s" in r}
+        if "tokens_per_s" not in ours or not peers:
+            continue
+        best = max(peers, key=lambda s: peers[s]["tokens_per_s"])
+        ratio = ours["tokens_per_s"] / peers[best]["tokens_per_s"]
+        lines.append(
+            f"- Training {w.name}: ≥ 1.2× the fastest peer ({TRAIN_NAMES[best]}): "
+            f"{ratio:.2f}× — {mark(ratio >= 1.2)}"
+        )
+        lean = min(r["peak_rss_mb"] for r in peers.values())
+        lines.append(
+            f"- Training {w.name} memory: peak RSS ≤ best peer's ({_fmt(lean)} MB): "
+            f"{_fmt(ours['peak_rss_mb'])} MB — {mark(ours['peak_rss_mb'] <= lean)}"
+        )
+        if key == "base":
+            mfu = ours["tokens_per_s"] * training_flops_per_target_token(w) / (ceiling * 1e9)
+            lines.append(f"- Training BASE MFU ≥ 80%: {100 * mfu:.0f}% — {mark(mfu >= 0.8)}")
+    ours, ct2 = decode.get("aiayn", {}), decode.get("ct2-float32", {})
+    if "modes" in ours and "modes" in ct2:
+        for mode in ("beam-batch", "greedy-batch"):
+            a = ours["modes"][mode]["sentences_per_s"]
+            b = ct2["modes"][mode]["sentences_per_s"]
+            lines.append(
+                f"- Decoding {mode}: ≥ CTranslate2 float32 ({_fmt(b, 1)} sent/s): "
+                f"{_fmt(a, 1)} sent/s ({a / b:.2f}×) — {mark(a >= b)}"
+            )
+        a = ours["modes"]["beam-single"]["latency_ms"]
+        b = ct2["modes"]["beam-single"]["latency_ms"]
+        lines.append(
+            f"- Decoding beam 4 one at a time: ≤ 1.5× CTranslate2's latency ({_fmt(b, 1)} ms): "
+            f"{_fmt(a, 1)} ms ({a / b:.2f}×) — {mark(a <= 1.5 * b)}"
+        )
+    if "peak_rss_mb" in ours:
+        peers = [
+            r["peak_rss_mb"]
+            for s, r in decode.items()
+            if s != "aiayn" and "peak_rss_mb" in r and not s.endswith("int8")
+        ]
+        if peers:
+            lines.append(
+                f"- Decoding memory: peak RSS ≤ best float32 peer's ({_fmt(min(peers))} MB): "
+                f"{_fmt(ours['peak_rss_mb'])} MB — {mark(ours['peak_rss_mb'] <= min(peers))}"
+            )
+    lines.append("")
+    return lines
+
+
+def render(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    ceiling = results.get("matmul", {}).get("gflops", float("nan"))
+    lines = ["## Benchmark results", "", *header(meta)]
+    if results.get("train"):
+        lines += training_table(results["train"], ceiling)
+    if results.get("decode"):
+        lines += decoding_table(results["decode"])
+    lines += goals(results.get("train", {}), results.get("decode", {}), ceiling)
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,227 @@
+"""Every benchmark of issue 6, one command: ``make bench`` (or ``--quick`` for a smoke run).
+
+Each (system, workload) runs in a subprocess of its own, so that its peak RSS is its own and
+no system inherits another's allocator state or thread pool. Systems are interleaved: each
+round runs every system once, in an order rotated from round to round, and the timings of all
+rounds are pooled before taking medians; the matmul ceiling is measured once per round too.
+Writes ``benchmarks/results/latest.{md,json}`` and, for a full run, the table section of
+``docs/performance.md``.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only train decode] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make the ``benchmarks`` package importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (  # noqa: E402
+    THREADS,
+    WORKLOADS,
+    machine,
+    median,
+    parse_results,
+    training_flops_per_target_token,
+    versions,
+)
+from benchmarks.report import render  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "performance.md"
+DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+TRAIN_SYSTEMS = ["aiayn", "aiayn-tuned", "torch", "hf"]
+DECODE_SYSTEMS = ["aiayn", "aiayn-int8", "torch", "hf", "ct2-float32", "ct2-int8"]
+
+# (warm-up updates, timed updates) per round.
+TRAIN_STEPS = {
+    "full": {"small": (3, 8), "base": (2, 4)},
+    "quick": {"small": (2, 3), "base": (1, 2)},
+}
+DECODE_ARGS = {"full": ["--repeats", "3"], "quick": ["--repeats", "1", "--single", "8"]}
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(THREADS)
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def run_child(module: str, args: list[str], timeout: float = 1800) -> list[dict[str, Any]]:
+    """Run ``python -m benchmarks.<module> args`` and return the results it reported."""
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    print("  $", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
+    results = parse_results(proc.stdout)
+    if proc.returncode != 0 or not results:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        raise RuntimeError(f"{' '.join(cmd[2:])} failed ({proc.returncode}):\n" + "\n".join(tail))
+    for r in results:
+        if "skipped" in r:
+            print(f"    skipped {r['system']}: {r['skipped']}", file=sys.stderr)
+    return results
+
+
+def rotated(items: list[str], shift: int) -> list[str]:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def merge_train(runs: list[dict[str, Any]], workload: str) -> dict[str, Any]:
+    if any("skipped" in r for r in runs):
+        return runs[0]
+    times = [t for r in runs for t in r["times_s"]]
+    w = WORKLOADS[workload]
+    step = median(times)
+    return {
+        "times_s": times,
+        "median_s": step,
+        "tokens_per_s": w.tgt_tokens / step,
+        "gflops": w.tgt_tokens * training_flops_per_target_token(w) / step / 1e9,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "build_s": median([r["build_s"] for r in runs]),
+    }
+
+
+def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    if any("skipped" in r for r in runs):
+        return runs[0]
+    modes: dict[str, Any] = {}
+    for mode in runs[0]["modes"]:
+        times = [t for r in runs for t in r["modes"][mode]["times_s"]]
+        m = median(times)
+        entry: dict[str, Any] = {"times_s": times, "median_s": m}
+        if mode.endswith("batch"):
+            n = runs[0]["modes"][mode]["sentences_per_s"] * runs[0]["modes"][mode]["median_s"]
+            entry["sentences_per_s"] = n / m
+        else:
+            entry["latency_ms"] = 1000 * m
+        modes[mode] = entry
+    return {
+        "modes": modes,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "build_s": median([r["build_s"] for r in runs]),
+    }
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def update_doc(markdown: str) -> None:
+    """Replace the results section of docs/performance.md (between the bench markers)."""
+    if not DOC.exists():
+        return
+    text = DOC.read_text(encoding="utf-8")
+    if DOC_BEGIN not in text or DOC_END not in text:
+        return
+    head, rest = text.split(DOC_BEGIN, 1)
+    _, tail = rest.split(DOC_END, 1)
+    DOC.write_text(f"{head}{DOC_BEGIN}\n{markdown}{DOC_END}{tail}", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, one round (~3 min)")
+    parser.add_argument(
+        "--only", nargs="+", choices=["train", "decode"], default=["train", "decode"]
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", choices=sorted(WORKLOADS), default=["small", "base"]
+    )
+    parser.add_argument("--train-systems", nargs="+", default=TRAIN_SYSTEMS)
+    parser.add_argument("--decode-systems", nargs="+", default=DECODE_SYSTEMS)
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 2, quick 1)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "latest.md")
+    parser.add_argument("--no-doc", action="store_true", help="leave docs/performance.md alone")
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    rounds = args.rounds or (1 if args.quick else 2)
+    start = time.perf_counter()
+    load_start = load_average()
+    results: dict[str, Any] = {"train": {}, "decode": {}}
+    ceilings: list[float] = []
+
+    def measure_ceiling() -> None:
+        ceilings.extend(r["gflops"] for r in run_child("matmul_bench", []))
+
+    if "train" in args.only:
+        for workload in args.workloads:
+            warmup, steps = TRAIN_STEPS[mode][workload]
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.train_systems}
+            for r in range(rounds):
+                print(f"training {workload}, round {r + 1}/{rounds}", file=sys.stderr)
+                measure_ceiling()
+                for system in rotated(args.train_systems, r):
+                    flags = ["--system", system, "--workload", workload]
+                    flags += ["--warmup", str(warmup), "--steps", str(steps)]
+                    runs[system] += run_child("train_bench", flags)
+            results["train"][workload] = {s: merge_train(v, workload) for s, v in runs.items()}
+
+    if "decode" in args.only:
+        ct2_dir = Path(tempfile.mkdtemp(prefix="aiayn-bench-ct2-"))
+        wants_ct2 = any(s.startswith("ct2") for s in args.decode_systems)
+        if wants_ct2 and all(importlib.util.find_spec(m) for m in ("ctranslate2", "transformers")):
+            run_child("decode_bench", ["--convert-only", "--ct2-dir", str(ct2_dir)])
+        decode_runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.decode_systems}
+        for r in range(rounds):
+            print(f"decoding, round {r + 1}", file=sys.stderr)
+            measure_ceiling()
+            for system in rotated(args.decode_systems, r):
+                flags = ["--system", system, "--ct2-dir", str(ct2_dir), *DECODE_ARGS[mode]]
+                if r > 0:  # later rounds: batch modes only (one at a time is 64 samples already)
+                    flags += ["--modes", "beam-batch", "greedy-batch"]
+                decode_runs[system] += run_child("decode_bench", flags)
+        results["decode"] = {s: merge_decode(v) for s, v in decode_runs.items()}
+        shutil.rmtree(ct2_dir, ignore_errors=True)
+
+    if not ceilings:
+        measure_ceiling()
+    results["matmul"] = {"gflops": median(ceilings), "runs_gflops": ceilings}
+    results["meta"] = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "mode": f"{mode} ({rounds} interleaved round(s))",
+        "machine": machine(),
+        "versions": versions(),
+        "load_start": load_start,
+        "load_end": load_average(),
+        "wall_s": time.perf_counter() - start,
+        "notes": [
+            "No GPU on this machine: the GPU benchmarks of the issue (bf16, flash attention, "
+            "compile) were not run.",
+        ],
+    }
+    markdown = render(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(markdown, encoding="utf-8")
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    if mode == "full" and not args.no_doc and args.out == RESULTS / "latest.md":
+        update_doc(markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Training throughput of one system on one workload, in this process (run by ``run_all.py``).
+
+A timed update is a full training step: forward, label-smoothed loss, backward, Adam step
+(and, for aiayn, the learning-rate schedule). Reports the time of each timed update, target
+tokens per second from their median, and this process's peak RSS.
+
+    python -m benchmarks.train_bench --system aiayn --workload small --warmup 3 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    PAD_ID,
+    WORKLOADS,
+    TrainBatch,
+    Workload,
+    emit,
+    median,
+    peak_rss_mb,
+    set_threads,
+    skip,
+    time_calls,
+    training_batch,
+    training_flops_per_target_token,
+)
+from benchmarks.peers import available
+
+SYSTEMS = ("aiayn", "aiayn-tuned", "torch", "hf")
+Update = Callable[[], None]
+
+# The peers' optimiser: Adam with the paper's betas and epsilon, PyTorch's default kernel.
+ADAM_BETAS, ADAM_EPS, PEER_LR = (0.9, 0.98), 1e-9, 1e-4
+
+
+def aiayn_update(w: Workload, batch: TrainBatch, tuned: bool = False) -> Update:
+    """The core of ``aiayn.training.trainer.Trainer._update`` for one batch: the library's
+    model, ``label_smoothed_nll``, ``build_optimizer`` and ``build_schedule``.
+
+    ``tuned`` swaps in the two proposals measured here for the training code: the fused
+    projection + label-smoothed loss of ``benchmarks/fused_loss.py`` and Adam's fused CPU
+    kernel (``torch.optim.Adam(fused=True)``); the model is the same.
+    """
+    from aiayn.config import ModelConfig, TrainConfig
+    from aiayn.model.transformer import build_model
+    from aiayn.training.loss import label_smoothed_nll
+    from aiayn.training.optim import build_optimizer, build_schedule
+    from benchmarks.fused_loss import linear_label_smoothed_nll
+
+    config = ModelConfig(
+        vocab_size=w.vocab_size,
+        d_model=w.d_model,
+        d_ff=w.d_ff,
+        n_heads=w.n_heads,
+        n_layers=w.n_layers,
+        dropout=w.dropout,
+    )
+    train = TrainConfig(label_smoothing=w.label_smoothing)
+    torch.manual_seed(0)
+    model = build_model(config).train()
+    optimizer = build_optimizer(model, train)
+    if tuned:
+        optimizer = torch.optim.Adam(
+            model.parameters(),
+            lr=1.0,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps,
+            fused=True,
+        )
+    schedule = build_schedule(optimizer, config.d_model, train)
+    n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
+    eps = train.label_smoothing
+
+    def update() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if tuned:
+            memory = model.encode(batch.src_ids, batch.src_pad)
+            hidden = model.decode(batch.tgt_in, memory, batch.src_pad)
+            weight = model.out_proj.weight
+            loss_sum, _ = linear_label_smoothed_nll(hidden, weight, batch.tgt_out, eps, PAD_ID)
+        else:
+            logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+            loss_sum, _ = label_smoothed_nll(logits, batch.tgt_out, eps, PAD_ID)
+        (loss_sum / n_tokens).backward()
+        optimizer.step()
+        schedule.step()
+
+    return update
+
+
+def aiayn_tuned_update(w: Workload, batch: TrainBatch) -> Update:
+    return aiayn_update(w, batch, tuned=True)
+
+
+def torch_update(w: Workload, batch: TrainBatch) -> Update:
+    from benchmarks.peers import TorchTransformer
+
+    torch.manual_seed(0)
+    model = TorchTransformer(w).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=PEER_LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+    def update() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+        loss = F.cross_entropy(
+            logits.reshape(-1, w.vocab_size),
+            batch.tgt_out.reshape(-1),
+            ignore_index=PAD_ID,
+            label_smoothing=w.label_smoothing,
+        )
+        loss.backward()
+        optimizer.step()
+
+    return update
+
+
+def hf_update(w: Workload, batch: TrainBatch) -> Update:
+    from benchmarks.peers import marian_model
+
+    model = marian_model(w).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=PEER_LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+    attention_mask = (~batch.src_pad).long()
+    # Marian starts the decoder from its padding id, not BOS.
+    decoder_in = batch.tgt_in.clone()
+    decoder_in[:, 0] = model.config.decoder_start_token_id
+
+    def update() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(
+            input_ids=batch.src_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_in,
+            use_cache=False,
+        ).logits
+        loss = F.cross_entropy(
+            logits.reshape(-1, w.vocab_size),
+            batch.tgt_out.reshape(-1),
+            ignore_index=PAD_ID,
+            label_smoothing=w.label_smoothing,
+        )
+        loss.backward()
+        optimizer.step()
+
+    return update
+
+
+BUILDERS: dict[str, Callable[[Workload, TrainBatch], Update]] = {
+    "aiayn": aiayn_update,
+    "aiayn-tuned": aiayn_tuned_update,
+    "torch": torch_update,
+    "hf": hf_update,
+}
+REQUIRES = {"hf": "transformers"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    set_threads()
+    needed = REQUIRES.get(args.system)
+    if needed and not available(needed):
+        skip(args.system, f"{needed} is not installed (pip install -e '.[bench]')")
+        return
+    w = WORKLOADS[args.workload]
+    batch = training_batch(w)
+    start = time.perf_counter()
+    update = BUILDERS[args.system](w, batch)
+    build_s = time.perf_counter() - start
+    times = time_calls(update, args.warmup, args.steps)
+    step_s = median(times)
+    emit(
+        {
+            "kind": "train",
+            "system": args.system,
+            "workload": w.name,
+            "times_s": times,
+            "median_s": step_s,
+            "tokens_per_s": w.tgt_tokens / step_s,
+            "gflops": w.tgt_tokens * training_flops_per_target_token(w) / step_s / 1e9,
+            "build_s": build_s,
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
