@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import LayerCache
+from aiayn.model.dropout import dropout as apply_dropout
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 
@@ -24,8 +24,8 @@ def _residual(
     pre_norm: bool,
 ) -> Tensor:
     if pre_norm:
-        return x + F.dropout(sublayer(norm(x)), dropout, training)
-    return norm(x + F.dropout(sublayer(x), dropout, training))
+        return x + apply_dropout(sublayer(norm(x)), dropout, training)
+    return norm(x + apply_dropout(sublayer(x), dropout, training))
 
 
 def _attention(config: ModelConfig, self_attention: bool) -> MultiHeadAttention:
@@ -87,22 +87,31 @@ class DecoderLayer(nn.Module):
         return self._sublayer(x, self.ffn, self.ffn_norm)
 
     def step(
-        self, x: Tensor, cache: LayerCache, position: int, cross_mask: Tensor | None
+        self,
+        x: Tensor,
+        cache: LayerCache,
+        position: int,
+        cross_mask: Tensor | None,
+        beam_size: int = 1,
     ) -> Tensor:
-        """One new position x (B, 1, d_model): writes its K/V into the cache at ``position``
-        and attends over positions 0..position."""
+        """One new position x (rows, 1, d_model): writes its K/V into the cache at
+        ``position`` and attends over positions 0..position. The ``beam_size`` rows of a
+        sentence attend to its memory together, as ``beam_size`` query positions."""
 
         def self_attention(h: Tensor) -> Tensor:
-            q, k, v = self.self_attn.project_qkv(h)  # (B, H, 1, Dh) each
+            q, k, v = self.self_attn.project_qkv(h)  # (rows, H, 1, Dh) each
             cache.self_k[:, :, position : position + 1] = k
             cache.self_v[:, :, position : position + 1] = v
-            keys = cache.self_k[:, :, : position + 1]  # (B, H, t+1, Dk)
-            values = cache.self_v[:, :, : position + 1]  # (B, H, t+1, Dv)
+            keys = cache.self_k[:, :, : position + 1]  # (rows, H, t+1, Dk)
+            values = cache.self_v[:, :, : position + 1]  # (rows, H, t+1, Dv)
             return self.self_attn.attend(q, keys, values, None)
 
         def cross_attention(h: Tensor) -> Tensor:
-            q = self.cross_attn.project_q(h)  # (B, H, 1, Dk)
-            return self.cross_attn.attend(q, cache.cross_k, cache.cross_v, cross_mask)
+            rows, _, d_model = h.shape
+            beams = h.view(rows // beam_size, beam_size, d_model)  # (B, beam, d_model)
+            q = self.cross_attn.project_q(beams)  # (B, H, beam, Dk)
+            out = self.cross_attn.attend(q, cache.cross_k, cache.cross_v, cross_mask)
+            return out.view(rows, 1, d_model)  # (rows, 1, d_model)
 
         x = self._sublayer(x, self_attention, self.self_attn_norm)
         x = self._sublayer(x, cross_attention, self.cross_attn_norm)

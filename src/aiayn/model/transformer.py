@@ -46,7 +46,7 @@ class Decoder(nn.Module):
 
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer.step(x, layer_cache, cache.length, cache.cross_mask)
+            x = layer.step(x, layer_cache, cache.length, cache.cross_mask, cache.beam_size)
         return self.final_norm(x) if self.final_norm is not None else x
 
 
@@ -110,21 +110,29 @@ class Transformer(nn.Module):
 
     # -- incremental decoding --------------------------------------------------------------
 
-    def init_cache(self, memory: Tensor, src_pad: Tensor | None, max_len: int) -> DecoderCache:
-        """A cache for up to ``max_len`` decoder positions; projects the memory once per layer."""
+    def init_cache(
+        self, memory: Tensor, src_pad: Tensor | None, max_len: int, beam_size: int = 1
+    ) -> DecoderCache:
+        """A cache for up to ``max_len`` decoder positions of ``beam_size`` rows per sentence
+        of ``memory`` (B, S, d_model): rows ``i * beam_size .. (i + 1) * beam_size - 1``
+        decode sentence i. Projects the memory once per layer and sentence (not per beam)."""
         if max_len > self.config.max_positions:
             raise ValueError(
                 f"max_len={max_len} exceeds model.max_positions={self.config.max_positions}"
             )
-        batch = memory.size(0)
+        if beam_size < 1:
+            raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+        rows = memory.size(0) * beam_size
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
             self_k, self_v = empty_self_kv(
-                batch, self.config.n_heads, max_len, cross_k.size(-1), cross_v.size(-1), memory
+                rows, self.config.n_heads, max_len, cross_k.size(-1), cross_v.size(-1), memory
             )
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
-        return DecoderCache(layers, attention_mask(src_pad), length=0, max_len=max_len)
+        return DecoderCache(
+            layers, attention_mask(src_pad), length=0, max_len=max_len, beam_size=beam_size
+        )
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the tokens (B,) at position

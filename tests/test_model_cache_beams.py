@@ -1,0 +1,69 @@
+"""A cache with ``beam_size`` rows per sentence (memory projected once per sentence) decodes
+exactly like a cache over the memory repeated ``beam_size`` times."""
+
+import torch
+from torch.testing import assert_close
+
+from aiayn.config import ModelConfig
+from aiayn.model.transformer import Transformer
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=40, d_model=32, d_ff=64, n_heads=4, n_layers=2, dropout=0.0)
+    return Transformer(config).eval()
+
+
+def test_grouped_beams_equal_repeated_memory_through_reorder_and_keep():
+    model = _model()
+    k = 3
+    src_ids = torch.randint(4, 40, (4, 7))
+    src_pad = torch.zeros_like(src_ids, dtype=torch.bool)
+    src_pad[1, 5:] = True
+    src_pad[3, 2:] = True
+    tokens = torch.randint(4, 40, (4 * k, 6))
+    with torch.no_grad():
+        memory = model.encode(src_ids, src_pad)
+        grouped = model.init_cache(memory, src_pad, max_len=6, beam_size=k)
+        repeated = model.init_cache(
+            memory.repeat_interleave(k, 0), src_pad.repeat_interleave(k, 0), max_len=6
+        )
+        for t in range(2):
+            assert_close(
+                model.decode_step(tokens[:, t], grouped),
+                model.decode_step(tokens[:, t], repeated),
+            )
+        # Beam search moves rows only within a sentence's group of k rows.
+        rows = torch.tensor([2, 2, 0, 3, 5, 4, 8, 6, 6, 11, 9, 10])
+        grouped.reorder(rows)
+        repeated.reorder(rows)
+        tokens = tokens[rows]
+        assert_close(
+            model.decode_step(tokens[:, 2], grouped), model.decode_step(tokens[:, 2], repeated)
+        )
+        # Sentences 1 and 3 finish: keep the groups of sentences 2 and 0, in that order.
+        keep = torch.tensor([7, 6, 8, 1, 0, 2])
+        grouped.keep(keep)
+        repeated.keep(keep)
+        tokens = tokens[keep]
+        assert grouped.batch_size == repeated.batch_size == 6
+        assert grouped.layers[0].cross_k.size(0) == 2
+        for t in range(3, 6):
+            assert_close(
+                model.decode_step(tokens[:, t], grouped),
+                model.decode_step(tokens[:, t], repeated),
+            )
+
+
+def test_reorder_gathers_into_the_spare_buffer_without_growing():
+    model = _model()
+    src_ids = torch.randint(4, 40, (2, 5))
+    with torch.no_grad():
+        cache = model.init_cache(model.encode(src_ids, None), None, max_len=4, beam_size=2)
+        model.decode_step(torch.tensor([2, 2, 2, 2]), cache)
+        first = cache.layers[0].self_k.data_ptr()
+        cache.reorder(torch.tensor([1, 1, 2, 3]))
+        second = cache.layers[0].self_k.data_ptr()
+        cache.reorder(torch.tensor([0, 1, 3, 3]))
+        # Two buffers per layer, used in turn.
+        assert first != second and cache.layers[0].self_k.data_ptr() == first
