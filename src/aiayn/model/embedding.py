@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from aiayn.model.dropout import dropout
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
@@ -69,4 +70,4 @@ class Embeddings(nn.Module):
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
         x = self.token(ids) * self.scale  # (B, T, d_model)
         x = x + self.positions(ids.size(1), offset).to(x.dtype)
-        return F.dropout(x, self.dropout, self.training)
+        return dropout(x, self.dropout, self.training)

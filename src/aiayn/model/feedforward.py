@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.model.dropout import dropout
+
 
 class PositionwiseFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, relu_dropout: float = 0.0) -> None:
@@ -21,5 +23,5 @@ class PositionwiseFeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         hidden = F.relu(self.w1(x))  # (B, T, d_ff)
         if self.relu_dropout > 0.0:
-            hidden = F.dropout(hidden, self.relu_dropout, self.training)
+            hidden = dropout(hidden, self.relu_dropout, self.training)
         return self.w2(hidden)
