@@ -17,6 +17,7 @@ import datetime as dt
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -65,18 +66,55 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(module: str, args: list[str], timeout: float = 1800) -> list[dict[str, Any]]:
-    """Run ``python -m benchmarks.<module> args`` and return the results it reported."""
+def busy_cpu_seconds() -> float:
+    """CPU seconds spent busy by the whole machine since boot (from /proc/stat)."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as stat:
+            fields = [float(x) for x in stat.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> float:
+    """Wait (up to ``limit_s``) until other processes use less than ``threshold`` of one CPU
+    over a second; returns the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        before = busy_cpu_seconds()
+        time.sleep(1.0)
+        if busy_cpu_seconds() - before < threshold:
+            break
+    return time.perf_counter() - start
+
+
+def run_child(
+    module: str, args: list[str], quiet_s: float = 0.0, timeout: float = 1800
+) -> list[dict[str, Any]]:
+    """Run ``python -m benchmarks.<module> args`` and return the results it reported, each
+    with ``background_cpus``: the CPUs' worth of work other processes did meanwhile."""
     cmd = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    waited = wait_for_quiet(quiet_s) if quiet_s > 0 else 0.0
     print("  $", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+    busy0, ours0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
     proc = subprocess.run(
         cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
     )
+    wall = time.perf_counter() - start
+    others = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - ours0)
     results = parse_results(proc.stdout)
     if proc.returncode != 0 or not results:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
         raise RuntimeError(f"{' '.join(cmd[2:])} failed ({proc.returncode}):\n" + "\n".join(tail))
     for r in results:
+        r["background_cpus"] = max(0.0, others / wall)
+        r["waited_s"] = waited
         if "skipped" in r:
             print(f"    skipped {r['system']}: {r['skipped']}", file=sys.stderr)
     return results
@@ -100,6 +138,7 @@ def merge_train(runs: list[dict[str, Any]], workload: str) -> dict[str, Any]:
         "gflops": w.tgt_tokens * training_flops_per_target_token(w) / step / 1e9,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "build_s": median([r["build_s"] for r in runs]),
+        "background_cpus": max(r["background_cpus"] for r in runs),
     }
 
 
@@ -121,6 +160,7 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "modes": modes,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "build_s": median([r["build_s"] for r in runs]),
+        "background_cpus": max(r["background_cpus"] for r in runs),
     }
 
 
@@ -157,16 +197,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 2, quick 1)")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.md")
     parser.add_argument("--no-doc", action="store_true", help="leave docs/performance.md alone")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        help="before each measurement, wait up to this many seconds for other processes to "
+        "go quiet (default 60, quick 0)",
+    )
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "full"
     rounds = args.rounds or (1 if args.quick else 2)
+    quiet_s = args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 60.0)
     start = time.perf_counter()
     load_start = load_average()
     results: dict[str, Any] = {"train": {}, "decode": {}}
     ceilings: list[float] = []
 
     def measure_ceiling() -> None:
-        ceilings.extend(r["gflops"] for r in run_child("matmul_bench", []))
+        ceilings.extend(r["gflops"] for r in run_child("matmul_bench", [], quiet_s))
 
     if "train" in args.only:
         for workload in args.workloads:
@@ -178,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                 for system in rotated(args.train_systems, r):
                     flags = ["--system", system, "--workload", workload]
                     flags += ["--warmup", str(warmup), "--steps", str(steps)]
-                    runs[system] += run_child("train_bench", flags)
+                    runs[system] += run_child("train_bench", flags, quiet_s)
             results["train"][workload] = {s: merge_train(v, workload) for s, v in runs.items()}
 
     if "decode" in args.only:
@@ -194,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                 flags = ["--system", system, "--ct2-dir", str(ct2_dir), *DECODE_ARGS[mode]]
                 if r > 0:  # later rounds: batch modes only (one at a time is 64 samples already)
                     flags += ["--modes", "beam-batch", "greedy-batch"]
-                decode_runs[system] += run_child("decode_bench", flags)
+                decode_runs[system] += run_child("decode_bench", flags, quiet_s)
         results["decode"] = {s: merge_decode(v) for s, v in decode_runs.items()}
         shutil.rmtree(ct2_dir, ignore_errors=True)
 
