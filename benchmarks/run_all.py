@@ -146,12 +146,13 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if any("skipped" in r for r in runs):
         return runs[0]
     modes: dict[str, Any] = {}
-    for mode in runs[0]["modes"]:
-        times = [t for r in runs for t in r["modes"][mode]["times_s"]]
+    for mode in runs[0]["modes"]:  # the first round runs every mode, later ones a subset
+        done = [r["modes"][mode] for r in runs if mode in r["modes"]]
+        times = [t for d in done for t in d["times_s"]]
         m = median(times)
         entry: dict[str, Any] = {"times_s": times, "median_s": m}
         if mode.endswith("batch"):
-            n = runs[0]["modes"][mode]["sentences_per_s"] * runs[0]["modes"][mode]["median_s"]
+            n = done[0]["sentences_per_s"] * done[0]["median_s"]  # sentences per batch
             entry["sentences_per_s"] = n / m
         else:
             entry["latency_ms"] = 1000 * m
