@@ -70,3 +70,51 @@ def test_rejects_bad_epsilon():
     logits, target = _data()
     with pytest.raises(ValueError):
         label_smoothed_nll(logits, target, 1.0, PAD)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+@pytest.mark.parametrize("n_rows", [7, 600])  # one chunk; several chunks, the last partial
+def test_projected_loss_equals_projection_then_loss(epsilon: float, n_rows: int) -> None:
+    from aiayn.training import loss as loss_module
+
+    gen = torch.Generator().manual_seed(n_rows)
+    d, vocab = 6, 13
+    hidden = torch.randn(n_rows, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, d, generator=gen, dtype=torch.float64)
+    target = torch.randint(1, vocab, (n_rows,), generator=gen)
+    target[::5] = PAD
+    # The reference, written out in float64: q = (1 - ε)·onehot(y) + ε/V, loss = -Σ q·log p.
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    log_probs = F.log_softmax(h1 @ w1.t(), dim=-1)
+    q = torch.full_like(log_probs, epsilon / vocab)
+    q[torch.arange(n_rows), target] += 1 - epsilon
+    keep = target != PAD
+    loss = -(q * log_probs).sum(-1)[keep].sum()
+    nll = -log_probs[torch.arange(n_rows), target][keep].sum()
+    (3.0 * loss).backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    fused_loss, fused_nll = loss_module.projected_label_smoothed_nll(
+        h2.reshape(1, n_rows, d), w2, target.reshape(1, n_rows), epsilon, PAD
+    )
+    (3.0 * fused_loss).backward()  # the upstream gradient is applied
+    torch.testing.assert_close(fused_loss, loss.float())  # the sums are float32
+    torch.testing.assert_close(fused_nll, nll.float())
+    torch.testing.assert_close(h2.grad, h1.grad)
+    torch.testing.assert_close(w2.grad, w1.grad)
+    assert torch.count_nonzero(h2.grad[target == PAD]) == 0
+
+
+def test_projected_loss_ignores_garbage_at_padding() -> None:
+    from aiayn.training.loss import projected_label_smoothed_nll
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 4, 5, generator=gen)
+    weight = torch.randn(9, 5, generator=gen)
+    target = torch.randint(1, 9, (2, 4), generator=gen)
+    target[1, 2:] = PAD
+    base = projected_label_smoothed_nll(hidden, weight, target, 0.1, PAD)
+    changed = hidden.clone()
+    changed[target == PAD] = float("nan")
+    assert all(
+        map(torch.equal, base, projected_label_smoothed_nll(changed, weight, target, 0.1, PAD))
+    )

@@ -96,14 +96,14 @@ def test_gradient_equals_mean_token_loss_gradient(tmp_path):
 
 
 class PoisonedModel(torch.nn.Module):
-    """The model with NaN logits (and so NaN gradients)."""
+    """The model with NaN outputs (and so NaN gradients)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, *args):
-        return self.model(*args) * float("nan")
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs) * float("nan")
 
 
 def test_nan_loss_is_skipped_then_stops(tmp_path):

@@ -103,10 +103,14 @@ class Transformer(nn.Module):
         """Pre-softmax projection to vocabulary logits."""
         return self.out_proj(hidden)
 
-    def forward(self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor) -> Tensor:
-        """Teacher-forced logits (B, T, V)."""
+    def forward(
+        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor, project: bool = True
+    ) -> Tensor:
+        """Teacher-forced logits (B, T, V); with ``project=False`` the decoder output
+        (B, T, d_model) before the pre-softmax projection (for a loss that fuses it in)."""
         memory = self.encode(src_ids, src_pad)
-        return self.project(self.decode(tgt_in, memory, src_pad))
+        hidden = self.decode(tgt_in, memory, src_pad)
+        return self.project(hidden) if project else hidden
 
     # -- incremental decoding --------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -41,3 +43,87 @@ def label_smoothed_nll(
     loss_sum = torch.where(keep, loss, zero).sum()
     nll_sum = torch.where(keep, nll, zero).sum()
     return loss_sum, nll_sum
+
+
+# -- the fused projection + loss used for training on the CPU --------------------------------
+#
+# Per target position with logits x (V,), ℓ = log_softmax(x), smoothed target
+# q = (1 - ε)·onehot(y) + ε/V:
+#
+#     loss = (1 - ε)·(-ℓ_y) + ε·(-mean_v ℓ_v),      ∂loss/∂x = softmax(x) - q.
+#
+# The gradient needs no autograd graph over the (N, V) logits. ``projected_label_smoothed_nll``
+# computes, per chunk of rows, the logits (a matrix product), their losses, the gradient
+# softmax - q (written over the logits while they are in cache) and that chunk's share of the
+# gradients of the decoder output and of the projection matrix. The (N, V) logits never exist,
+# padding rows are dropped before projecting, and autograd's dozen passes over (N, V) tensors
+# become three. Measured in benchmarks/levers.py: 1.2-1.9x faster than projection followed by
+# ``label_smoothed_nll`` on the SMALL and BASE workloads (2 CPU threads).
+
+# Rows per chunk: each chunk's (V, d) weight-gradient update reads and writes the whole
+# projection matrix, so a chunk must be large enough to amortise that, and small enough that
+# its (rows, V) logits stay in cache between the passes over them.
+PROJECTION_CHUNK_ROWS = 256
+
+
+class _ProjectedLabelSmoothedNLL(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, target: Tensor, epsilon: float
+    ) -> tuple[Tensor, Tensor]:
+        n, vocab = hidden.size(0), weight.size(0)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        nll_sum = torch.zeros_like(loss_sum)
+        step = PROJECTION_CHUNK_ROWS
+        logits_buffer = torch.empty(min(step, n), vocab, dtype=hidden.dtype, device=hidden.device)
+        log_probs_buffer = torch.empty_like(logits_buffer)
+        for start in range(0, n, step):
+            h = hidden[start : start + step]
+            rows = h.size(0)
+            logits = torch.mm(h, weight.t(), out=logits_buffer[:rows])  # (rows, V)
+            log_probs = torch.log_softmax(logits, dim=-1, out=log_probs_buffer[:rows])
+            y = target[start : start + step, None]
+            nll = -log_probs.gather(1, y).squeeze(1)
+            loss = nll
+            if epsilon > 0.0:
+                loss = (1.0 - epsilon) * nll - epsilon * log_probs.mean(dim=-1)
+            loss_sum += loss.sum()
+            nll_sum += nll.sum()
+            grad = torch.exp(log_probs, out=logits)  # softmax(x), over the dead logits
+            if epsilon > 0.0:
+                grad.sub_(epsilon / vocab)
+            grad.scatter_add_(1, y, torch.full_like(grad[:, :1], epsilon - 1.0))  # - q
+            torch.mm(grad, weight, out=grad_hidden[start : start + step])  # (rows, d)
+            grad_weight.addmm_(grad.t(), h)  # (V, d)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum, nll_sum
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_loss: Tensor, grad_nll: Tensor
+    ) -> tuple[Tensor, Tensor, None, None]:
+        # Only the smoothed loss is trained on; the NLL is reported beside it.
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None
+
+
+def projected_label_smoothed_nll(
+    hidden: Tensor, weight: Tensor, target: Tensor, epsilon: float, pad_id: int
+) -> tuple[Tensor, Tensor]:
+    """``label_smoothed_nll(hidden @ weight.T, target, ε, pad_id)`` without the (N, V) logits.
+
+    ``hidden`` (..., d) are decoder outputs, ``weight`` (V, d) the pre-softmax projection,
+    ``target`` (...) the target ids. Same returns as :func:`label_smoothed_nll` (float32 sums
+    over non-padding positions); only the first is differentiable. For float32 inputs (the
+    chunked matrix products are written into float32 buffers): use it outside autocast.
+    """
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
+    target = target.reshape(-1)
+    keep = (target != pad_id).nonzero().squeeze(1)
+    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
+    return _ProjectedLabelSmoothedNLL.apply(rows, weight, target.index_select(0, keep), epsilon)

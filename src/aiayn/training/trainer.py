@@ -41,7 +41,7 @@ from aiayn.training.distributed import (
     barrier,
     broadcast_object,
 )
-from aiayn.training.loss import label_smoothed_nll
+from aiayn.training.loss import label_smoothed_nll, projected_label_smoothed_nll
 from aiayn.training.metrics import MetricsLog, Progress, perplexity
 from aiayn.training.optim import build_optimizer, build_schedule
 
@@ -187,6 +187,9 @@ class Trainer:
         if self.train_cfg.compile:
             self.train_module = torch.compile(self.train_module)  # type: ignore[assignment]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # fp32 on the CPU: the projection and the loss fused, without (N, V) logits
+        # (training/loss.py; 1.2-1.9x faster for that part). Elsewhere the plain loss.
+        self._fused_loss = self.device.type == "cpu" and precision == "fp32"
         # Progress, saved in every checkpoint.
         self.step = 0
         self.epoch = 0
@@ -226,6 +229,17 @@ class Trainer:
     def _log(self, message: str) -> None:
         if self.info.is_main:
             self.progress.write(message)
+
+    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Summed label-smoothed loss and NLL of one micro-batch (through DDP/compile)."""
+        eps = self.train_cfg.label_smoothing
+        if self._fused_loss:
+            hidden = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in, project=False)
+            weight = self.model.out_proj.weight
+            return projected_label_smoothed_nll(hidden, weight, batch.tgt_out, eps, PAD_ID)
+        with self._autocast():
+            logits = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in)
+        return label_smoothed_nll(logits, batch.tgt_out, eps, PAD_ID)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         precision = self.train_cfg.precision
@@ -375,11 +389,7 @@ class Trainer:
             if self.info.distributed and not last:
                 sync = self._no_sync()
             with sync:
-                with self._autocast():
-                    logits = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in)
-                loss_sum, nll_sum = label_smoothed_nll(
-                    logits, batch.tgt_out, cfg.label_smoothing, PAD_ID
-                )
+                loss_sum, nll_sum = self._loss(batch)
                 # Scaled by the (constant) budget for a well-ranged gradient; the exact global
                 # normalisation happens below, once the global token count is known.
                 self.scaler.scale(loss_sum / budget).backward()
