@@ -7,3 +7,14 @@ torch.set_num_threads(2)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def bible_cache(tmp_path_factory):
+    """A cache directory holding the embedded Bible corpus text (``bible/``), built once from
+    the SWORD modules that scripts/setup_env.sh installs."""
+    from aiayn.data.sources import write_bible_corpus
+
+    root = tmp_path_factory.mktemp("bible")
+    write_bible_corpus(root / "bible")
+    return root

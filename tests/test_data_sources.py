@@ -111,10 +111,8 @@ def test_split_depends_on_the_first_reference_only():
 
 
 @pytest.fixture(scope="module")
-def bible_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bible")
-    write_bible_corpus(root / "bible")
-    return root
+def bible_dir(bible_cache):
+    return bible_cache  # tests/conftest.py: the corpus text, written once per session
 
 
 def _read(directory: Path, split: str) -> list[tuple[str, str, str]]:

@@ -12,11 +12,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from aiayn.cli import attention, average, bleu, params, plot, prepare, train, translate
+from aiayn.cli import attention, average, bleu, demo, params, plot, prepare, train, translate
 from aiayn.cli.errors import CLIError, UserError
 from aiayn.config import ConfigError
 
-_COMMANDS = [params, prepare, train, average, plot, translate, bleu, attention]
+_COMMANDS = [demo, params, prepare, train, average, plot, translate, bleu, attention]
 
 
 def build_parser() -> argparse.ArgumentParser:

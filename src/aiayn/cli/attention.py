@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast, and library modules may import aiayn.cli.errors.
     import torch
 
-    from aiayn.inference.attention_maps import write_attention_pictures
+    from aiayn.inference.attention_maps import token_labeler, write_attention_pictures
     from aiayn.inference.translator import Translator
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,14 +47,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("the sentence is empty")
     [hyps] = translator.search_ids([src])
     output = hyps[0].tokens
-    tokenizer = translator.tokenizer
-    piece = getattr(tokenizer, "piece", None)
-
-    def label(token_id: int) -> str:
-        return str(piece(token_id)) if piece is not None else tokenizer.decode([token_id])
-
+    label = token_labeler(translator.tokenizer)
     paths = write_attention_pictures(translator.model, src, output, label, args.out)
-    print(tokenizer.decode(output))
+    print(translator.tokenizer.decode(output))
     for path in paths:
         print(path)
     print(f"wrote {len(paths)} pictures to {args.out}", file=sys.stderr)

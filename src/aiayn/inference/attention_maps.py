@@ -92,6 +92,34 @@ def plot_layer(weights: Tensor, rows: list[str], cols: list[str], title: str, pa
     fig.savefig(path, dpi=100)
 
 
+def token_labeler(tokenizer: Any) -> Callable[[int], str]:
+    """Names tokens on the axes: the subword piece when the tokenizer has ``piece(id)``."""
+    piece = getattr(tokenizer, "piece", None)
+
+    def label(token_id: int) -> str:
+        return str(piece(token_id)) if piece is not None else tokenizer.decode([token_id])
+
+    return label
+
+
+def write_cross_attention_picture(
+    model: Transformer,
+    src: Sequence[int],
+    output: Sequence[int],
+    label: Callable[[int], str],
+    path: str | Path,
+) -> Path:
+    """One PNG: the encoder-decoder attention of the last decoder layer, a heat map per head."""
+    _, _, cross = attention_weights(model, src, output)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [label(i) for i in output] + ["</s>"]
+    cols = [label(i) for i in src] + ["</s>"]
+    title = f"encoder-decoder attention (row: token produced), layer {len(cross)}"
+    plot_layer(cross[-1], rows, cols, title, path)
+    return path
+
+
 def write_attention_pictures(
     model: Transformer,
     src: Sequence[int],
