@@ -9,7 +9,6 @@ from benchmarks.common import WORKLOADS, training_flops_per_target_token
 
 TRAIN_NAMES = {
     "aiayn": "aiayn",
-    "aiayn-tuned": "aiayn + fused loss & Adam (proposal)",
     "torch": "torch.nn.Transformer",
     "hf": "HF MarianMTModel",
 }
@@ -62,7 +61,7 @@ def header(meta: dict[str, Any]) -> list[str]:
     return lines
 
 
-OURS_TRAIN = ("aiayn", "aiayn-tuned")
+OURS_TRAIN = ("aiayn",)
 
 
 def training_table(train: dict[str, dict[str, dict[str, Any]]], ceiling: float) -> list[str]:

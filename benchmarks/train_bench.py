@@ -32,26 +32,22 @@ from benchmarks.common import (
 )
 from benchmarks.peers import available
 
-SYSTEMS = ("aiayn", "aiayn-tuned", "torch", "hf")
+SYSTEMS = ("aiayn", "torch", "hf")
 Update = Callable[[], None]
 
 # The peers' optimiser: Adam with the paper's betas and epsilon, PyTorch's default kernel.
 ADAM_BETAS, ADAM_EPS, PEER_LR = (0.9, 0.98), 1e-9, 1e-4
 
 
-def aiayn_update(w: Workload, batch: TrainBatch, tuned: bool = False) -> Update:
-    """The core of ``aiayn.training.trainer.Trainer._update`` for one batch: the library's
-    model, ``label_smoothed_nll``, ``build_optimizer`` and ``build_schedule``.
-
-    ``tuned`` swaps in the two proposals measured here for the training code: the fused
-    projection + label-smoothed loss of ``benchmarks/fused_loss.py`` and Adam's fused CPU
-    kernel (``torch.optim.Adam(fused=True)``); the model is the same.
-    """
+def aiayn_update(w: Workload, batch: TrainBatch) -> Update:
+    """The core of ``aiayn.training.trainer.Trainer._update`` for one batch on the CPU in fp32:
+    the library's model, its fused projection + label-smoothed loss
+    (``projected_label_smoothed_nll``), ``build_optimizer`` (fused Adam) and
+    ``build_schedule``."""
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.model.transformer import build_model
-    from aiayn.training.loss import label_smoothed_nll
+    from aiayn.training.loss import projected_label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
-    from benchmarks.fused_loss import linear_label_smoothed_nll
 
     config = ModelConfig(
         vocab_size=w.vocab_size,
@@ -65,37 +61,20 @@ def aiayn_update(w: Workload, batch: TrainBatch, tuned: bool = False) -> Update:
     torch.manual_seed(0)
     model = build_model(config).train()
     optimizer = build_optimizer(model, train)
-    if tuned:
-        optimizer = torch.optim.Adam(
-            model.parameters(),
-            lr=1.0,
-            betas=(train.adam_beta1, train.adam_beta2),
-            eps=train.adam_eps,
-            fused=True,
-        )
     schedule = build_schedule(optimizer, config.d_model, train)
     n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
     eps = train.label_smoothing
+    weight = model.out_proj.weight
 
     def update() -> None:
         optimizer.zero_grad(set_to_none=True)
-        if tuned:
-            memory = model.encode(batch.src_ids, batch.src_pad)
-            hidden = model.decode(batch.tgt_in, memory, batch.src_pad)
-            weight = model.out_proj.weight
-            loss_sum, _ = linear_label_smoothed_nll(hidden, weight, batch.tgt_out, eps, PAD_ID)
-        else:
-            logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
-            loss_sum, _ = label_smoothed_nll(logits, batch.tgt_out, eps, PAD_ID)
+        hidden = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=False)
+        loss_sum, _ = projected_label_smoothed_nll(hidden, weight, batch.tgt_out, eps, PAD_ID)
         (loss_sum / n_tokens).backward()
         optimizer.step()
         schedule.step()
 
     return update
-
-
-def aiayn_tuned_update(w: Workload, batch: TrainBatch) -> Update:
-    return aiayn_update(w, batch, tuned=True)
 
 
 def torch_update(w: Workload, batch: TrainBatch) -> Update:
@@ -152,7 +131,6 @@ def hf_update(w: Workload, batch: TrainBatch) -> Update:
 
 BUILDERS: dict[str, Callable[[Workload, TrainBatch], Update]] = {
     "aiayn": aiayn_update,
-    "aiayn-tuned": aiayn_tuned_update,
     "torch": torch_update,
     "hf": hf_update,
 }

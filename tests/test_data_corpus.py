@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from aiayn.cli.errors import UserError
 from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID, collate_pairs
 from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.prepare import prepare_data
 from aiayn.data.tokenizer import Tokenizer, train_tokenizer
+from aiayn.errors import UserError
 
 WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()

@@ -6,11 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiayn.cli.errors import UserError
 from aiayn.data import prepare as prepare_module
 from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.prepare import count_lines, prepare_data
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
 
 WORDS = (
     "the a one dog cat bird runs sees eats big small red blue green house tree river man woman "

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.cli.errors import UserError
 from aiayn.data import sources
 from aiayn.data.corpus import Corpus, tokenizer_path
 from aiayn.data.prepare import prepare_corpus
@@ -24,6 +23,7 @@ from aiayn.data.sources import (
     write_bible_corpus,
 )
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
 
 # -- markup -----------------------------------------------------------------------------------
 

@@ -87,9 +87,12 @@ def test_demo_end_to_end_then_resume_then_fresh(tmp_path, bible_cache, capsys):
     score = re.compile(r"^test BLEU.*$", flags=re.M)
     assert score.search(again).group(0) == score.search(out).group(0)
 
+    # The corpus prepared anew (another slice, another tokenizer): resuming is refused.
+    assert main(_demo(tmp_path, bible_cache, "--train-pairs", "250")) == 2
+    assert "another tokenizer" in capsys.readouterr().err
     # --fresh starts over.
     (run / "marker").write_text("x")
-    assert main(_demo(tmp_path, bible_cache, "--fresh")) == 0
+    assert main(_demo(tmp_path, bible_cache, "--fresh", "--train-pairs", "250")) == 0
     capsys.readouterr()
     assert not (run / "marker").exists() and model.is_file()
 

@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from aiayn.cli import attention, average, bleu, demo, params, plot, prepare, train, translate
-from aiayn.cli.errors import CLIError, UserError
 from aiayn.config import ConfigError
+from aiayn.errors import CLIError, UserError
 
 _COMMANDS = [demo, params, prepare, train, average, plot, translate, bleu, attention]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aiayn.cli.errors import CLIError
+from aiayn.errors import CLIError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast, and library modules may import aiayn.cli.errors.
+    # Imported here: `aiayn --help` stays fast.
     import torch
 
     from aiayn.inference.attention_maps import token_labeler, write_attention_pictures

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from aiayn.cli.errors import UserError
+from aiayn.errors import UserError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

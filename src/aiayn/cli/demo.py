@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from aiayn.cli.errors import CLIError
+from aiayn.errors import CLIError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

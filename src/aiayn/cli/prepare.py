@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from aiayn.cli.errors import CLIError
 from aiayn.config import DataConfig
+from aiayn.errors import CLIError
 
 _CORPORA = ("bible", "multi30k", "wmt14")
 
@@ -90,7 +90,7 @@ def _log(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: the data modules import aiayn.cli.errors, which imports this package.
+    # Imported here: `aiayn --help` stays fast.
     from aiayn.data.prepare import prepare_corpus, prepare_data
 
     if args.vocab_size < 5:

@@ -11,7 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from aiayn.cli.errors import CLIError
+from aiayn.errors import CLIError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

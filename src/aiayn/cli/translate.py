@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from aiayn.cli.errors import CLIError
+from aiayn.errors import CLIError
 
 if TYPE_CHECKING:
     from aiayn.inference.translator import Translation, Translator
@@ -102,7 +102,7 @@ def _interactive(translator: Translator, nbest: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast, and library modules may import aiayn.cli.errors.
+    # Imported here: `aiayn --help` stays fast.
     import torch
 
     from aiayn.inference.textio import read_lines, split_lines

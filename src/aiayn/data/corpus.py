@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiayn.cli.errors import UserError
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, Batch
+from aiayn.errors import UserError
 
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "spm.model"

@@ -31,7 +31,6 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from aiayn.cli.errors import UserError
 from aiayn.config import DataConfig
 from aiayn.data.corpus import (
     MANIFEST_FORMAT_VERSION,
@@ -48,6 +47,7 @@ from aiayn.data.tokenizer import (
     Tokenizer,
     train_tokenizer,
 )
+from aiayn.errors import UserError
 
 Log = Callable[[str], None]
 EncodingErrors = Literal["strict", "replace"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiayn.cli.errors import UserError
+from aiayn.errors import UserError
 
 Log = Callable[[str], None]
 

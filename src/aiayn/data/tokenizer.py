@@ -14,8 +14,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from aiayn.cli.errors import UserError
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from aiayn.errors import UserError
 
 # sentencepiece's own default: characters covering 99.95% of the text get a piece; the rare rest
 # becomes UNK. 1.0 would put every stray symbol of a web-crawled corpus into the vocabulary.

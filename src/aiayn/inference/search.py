@@ -155,15 +155,19 @@ def beam_search(
     out_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
     out_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)
 
+    # The nearest length limit of the active sentences, on the host: until a sentence reaches
+    # its limit no step needs the EOS-forcing mask (a (b, K, V) pass saved on most steps).
+    nearest_limit = int(limits.min())
     t = 0
     while True:
         b = ids.numel()
-        log_probs = step_fn(tokens, cache).float()  # (b*K, V)
+        log_probs = step_fn(tokens, cache).float().view(b, k, -1)  # (b, K, V)
         vocab = log_probs.size(-1)
         if vocab < 2:
             raise ValueError("beam search needs a vocabulary of at least two tokens")
         forced = limits <= t  # (b,): max_len output tokens so far, only EOS may follow
-        log_probs = _force_eos(log_probs.view(b, k, vocab), forced, eos_id)
+        if t >= nearest_limit:
+            log_probs = _force_eos(log_probs, forced, eos_id)
         candidates = (live_scores[:, :, None] + log_probs).view(b, k * vocab)  # (b, K*V)
         # At most K candidates end in EOS, so the best 2K hold at least K that do not.
         top_score, top_index = candidates.topk(2 * k, dim=1)  # (b, 2K), best first
@@ -220,6 +224,7 @@ def beam_search(
             rows = parents[stay].view(-1)
             cache.keep(rows)
             ids, limits, n_finished = ids[stay], limits[stay], n_finished[stay]
+            nearest_limit = int(limits.min())
             pool_score, pool_logp = pool_score[stay], pool_logp[stay]
             pool_len, pool_tok = pool_len[stay], pool_tok[stay]
             live_scores, live_tok = live_scores[stay], live_tok[stay]
@@ -280,9 +285,12 @@ def _one_token_search(
     out_tok = torch.zeros(batch_size, 1, width, dtype=torch.long, device=dev)
     out_len = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
     out_logp = torch.zeros(batch_size, 1, device=dev)
+    nearest_limit = int(limits.min())  # as in beam_search: the mask only when needed
     t = 0
     while True:
-        log_probs = _force_eos(step_fn(tokens, cache).float(), limits <= t, eos_id)  # (b, V)
+        log_probs = step_fn(tokens, cache).float()  # (b, V)
+        if t >= nearest_limit:
+            log_probs = _force_eos(log_probs, limits <= t, eos_id)
         tokens = choose(log_probs)
         log_prob += log_probs.gather(1, tokens[:, None]).squeeze(1)
         history[:, t] = tokens
@@ -298,6 +306,7 @@ def _one_token_search(
                 break
             cache.keep(stay)
             ids, limits, history = ids[stay], limits[stay], history[stay]
+            nearest_limit = int(limits.min())
             log_prob, tokens = log_prob[stay], tokens[stay]
         t += 1
     out_score = out_logp / gnmt_length_penalty(out_len + 1.0, alpha)

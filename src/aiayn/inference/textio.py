@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aiayn.cli.errors import UserError
+from aiayn.errors import UserError
 
 
 def split_lines(data: bytes, name: str) -> list[str]:

@@ -67,25 +67,6 @@ def quantize_int8(model: Transformer) -> Transformer:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
-class BeamCache:
-    """A :class:`DecoderCache` seen by beam search, which reorders rows only within each
-    sentence's beams: those rows share the same encoder memory, so ``reorder`` gathers the
-    self-attention keys and values alone and leaves the cross-attention ones (the bulk of the
-    cache for long sources) in place. ``keep`` drops whole sentences and gathers everything."""
-
-    def __init__(self, cache: DecoderCache) -> None:
-        self.cache = cache
-
-    def reorder(self, rows: Tensor) -> None:
-        t = self.cache.length
-        for layer in self.cache.layers:
-            layer.self_k[:, :, :t] = layer.self_k[:, :, :t].index_select(0, rows)
-            layer.self_v[:, :, :t] = layer.self_v[:, :, :t].index_select(0, rows)
-
-    def keep(self, rows: Tensor) -> None:
-        self.cache.keep(rows)
-
-
 class Translator:
     """Translates sentences with a trained :class:`Transformer`.
 
@@ -215,9 +196,6 @@ class Translator:
         log_probs = self.model.log_probs_step(tokens, cache)  # (rows, V)
         return log_probs.index_fill_(1, self._banned, float("-inf"))
 
-    def _beam_step(self, tokens: Tensor, cache: BeamCache) -> Tensor:
-        return self._step(tokens, cache.cache)
-
     @torch.inference_mode()
     def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
         batch = collate_pairs(sources)
@@ -244,12 +222,12 @@ class Translator:
                 device=self.device,
             )
             return [[h] for h in hyps]
-        # Each sentence's K beams start from the same memory: rows i*K .. (i+1)*K - 1.
-        memory = memory.repeat_interleave(k, dim=0)  # (B*K, S, d_model)
-        src_pad = src_pad.repeat_interleave(k, dim=0)  # (B*K, S)
-        cache = BeamCache(self.model.init_cache(memory, src_pad, cache_len))
+        # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and
+        # stored once for them, and beam search's reorders stay within the group, so only
+        # the self-attention keys and values are gathered.
+        cache = self.model.init_cache(memory, src_pad, cache_len, beam_size=k)
         return beam_search(
-            self._beam_step,
+            self._step,
             cache,
             len(sources),
             beam_size=k,

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from aiayn.cli.errors import UserError
 from aiayn.config import ConfigError, RunConfig, config_from_dict
+from aiayn.errors import UserError
 
 if TYPE_CHECKING:
     from aiayn.data.tokenizer import Tokenizer

@@ -215,6 +215,13 @@ def train_run(
         if info.is_main:
             found = ckpt.latest_valid_checkpoint(run_dir)
             if found is not None:
+                saved = found[1].get("tokenizer")
+                if saved is not None and ckpt.tensor_to_bytes(saved) != tokenizer_bytes:
+                    raise ConfigError(
+                        f"{found[0]} was trained with another tokenizer than {tok_path}'s (the "
+                        "data was prepared again since); resuming would scramble the vocabulary. "
+                        "Train into a new run directory, or prepare the data as before"
+                    )
                 print(f"resuming from {found[0]}", file=sys.stderr)
                 state = found[1]
             elif ckpt.list_step_checkpoints(run_dir):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aiayn.cli.errors import UserError
+from aiayn.errors import UserError
 from aiayn.training.metrics import METRICS_NAME, read_metrics
 
 

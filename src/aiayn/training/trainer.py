@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from aiayn.cli.errors import UserError
 from aiayn.config import ConfigError, RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
+from aiayn.errors import UserError
 from aiayn.inference.search import greedy_search, max_output_lengths
 from aiayn.model.transformer import Transformer
 from aiayn.training import checkpoint as ckpt

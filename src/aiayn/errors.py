@@ -1,4 +1,4 @@
-"""Errors the command line reports as one line, without a traceback."""
+"""Errors the command line reports as one line, without a traceback (library and CLI)."""
 
 from __future__ import annotations
 
