@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in chosen:
         state = ckpt.load_checkpoint(paths[i])
         minutes = float(state["progress"]["minutes"])
-        step = int(state["progress"]["step"])
+        step = int(state["step"])
         start = time.monotonic()
         translator.model.load_state_dict(state["model"])
         bleu = sacrebleu_bleu(translator.translate(sources), [references]).score
