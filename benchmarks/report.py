@@ -96,9 +96,8 @@ def training_table(train: dict[str, dict[str, dict[str, Any]]], ceiling: float) 
         "Ratios (tokens/s: ours ÷ peer, above 1 = ours faster; peak RSS: peer ÷ ours, above 1 "
         "= ours leaner):",
         "",
-        "| workload | peer | aiayn speed | aiayn RSS | aiayn + proposals speed "
-        "| aiayn + proposals RSS |",
-        "|---|---|---:|---:|---:|---:|",
+        "| workload | peer | aiayn speed | aiayn RSS |",
+        "|---|---|---:|---:|",
     ]
     for key, results in train.items():
         for system, r in results.items():
