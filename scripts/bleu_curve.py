@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from aiayn.evaluation.bleu import sacrebleu_bleu
+from aiayn.inference.textio import read_lines
 from aiayn.inference.translator import Translator
 from aiayn.training import checkpoint as ckpt
 
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beam", type=int, default=None, help="default: the run's")
     args = parser.parse_args(argv)
 
-    sources = args.source.read_text(encoding="utf-8").splitlines()
-    references = args.reference.read_text(encoding="utf-8").splitlines()
+    sources = read_lines(args.source)
+    references = read_lines(args.reference)
     paths = ckpt.list_step_checkpoints(args.run_dir)
     if not paths:
         print(f"no checkpoints in {args.run_dir}", file=sys.stderr)

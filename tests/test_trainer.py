@@ -16,7 +16,7 @@ LENGTH, BATCH = 6, 8
 TOKENS_PER_BATCH = BATCH * (LENGTH + 1)  # y + EOS
 
 
-def make_trainer(run_dir, config, seed=0, n_pairs=96, valid=None):
+def make_trainer(run_dir, config, seed=0, n_pairs=96, valid=None, tokenizer=b"spm"):
     torch.manual_seed(config.train.seed)
     model = Transformer(config.model)
     corpus = ListCorpus(reverse_pairs(n_pairs, LENGTH, config.model.vocab_size, seed))
@@ -29,7 +29,7 @@ def make_trainer(run_dir, config, seed=0, n_pairs=96, valid=None):
         sampler,
         run_dir,
         valid=valid,
-        tokenizer_bytes=b"spm",
+        tokenizer_bytes=tokenizer,
         show_progress=False,
         tensorboard=False,
     )
@@ -176,6 +176,21 @@ def test_time_limit_stops_and_is_carried_across_resume(tmp_path):
     again = make_trainer(tmp_path, config)
     again.load_state_dict(state)
     assert again.train().step == 1  # the time already spent counts
+
+
+def test_resume_refuses_another_model_or_tokenizer(tmp_path):
+    from aiayn.config import ResumeMismatch
+
+    first = make_trainer(tmp_path / "a", tiny_config("train.max_steps=2"))
+    first.train()
+    _, state = ckpt.latest_valid_checkpoint(tmp_path / "a")
+    other_tokenizer = make_trainer(tmp_path / "b", tiny_config(), tokenizer=b"spm2")
+    with pytest.raises(ResumeMismatch, match="another tokenizer"):
+        other_tokenizer.load_state_dict(state)
+    other_model = make_trainer(tmp_path / "c", tiny_config("model.d_ff=48"))
+    with pytest.raises(ResumeMismatch, match="d_ff: checkpoint"):
+        other_model.load_state_dict(state)
+    make_trainer(tmp_path / "d", tiny_config()).load_state_dict(state)  # the same: accepted
 
 
 def test_fp16_needs_cuda(tmp_path):

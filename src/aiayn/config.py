@@ -30,6 +30,11 @@ class ConfigError(ValueError):
     """A configuration that cannot be built: unknown key, wrong type or inconsistent values."""
 
 
+class ResumeMismatch(ConfigError):
+    """A run directory's checkpoint that the current config or data cannot continue (another
+    model section or another tokenizer)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, named with the paper's symbols."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from aiayn.config import ConfigError, RunConfig
+from aiayn.config import ResumeMismatch, RunConfig
 from aiayn.errors import UserError
 
 if TYPE_CHECKING:
@@ -309,8 +309,8 @@ def run_demo(
         result = train_run(
             config, data_dir, run_dir, device=device, show_progress=options.show_progress
         )
-    except ConfigError as err:  # e.g. a run of another corpus or recipe in run_dir
-        raise UserError(f"{err} (aiayn demo --fresh starts over)") from None
+    except ResumeMismatch as error:  # a run of another corpus or recipe in run_dir
+        raise UserError(f"{error} (aiayn demo --fresh starts over)") from None
     if result.interrupted:
         log(
             f"{result.reason} at update {result.step}; checkpoint saved to {result.checkpoint}. "

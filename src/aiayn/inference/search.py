@@ -119,8 +119,10 @@ def beam_search(
     """Beam search over ``batch_size`` sentences (the rules are in the module docstring).
 
     ``cache`` holds ``batch_size * beam_size`` rows, the beams of sentence i in rows
-    ``i * beam_size .. (i + 1) * beam_size - 1`` (all alike at the start: repeat the encoder
-    output). ``cache.reorder`` only ever moves rows within a sentence's K rows.
+    ``i * beam_size .. (i + 1) * beam_size - 1``, all alike at the start (for the model's
+    cache: ``init_cache(memory, src_pad, max_len, beam_size=K)``, which stores each sentence's
+    memory once for its K rows). ``cache.reorder`` only ever moves rows within a sentence's
+    K rows.
     ``max_len`` is the most output tokens (EOS not counted) per sentence: an int or a
     (batch_size,) tensor; the cache must hold ``max_len + 1`` positions. Returns, per sentence
     in input order, up to ``nbest`` hypotheses, best score first.

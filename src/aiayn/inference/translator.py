@@ -209,8 +209,11 @@ class Translator:
         limits = limits.to(self.device)
         memory = self.model.encode(src_ids, src_pad)  # (B, S, d_model)
         k = self.decode.beam_size
+        # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and
+        # stored once for them, and beam search's reorders stay within the group, so only
+        # the self-attention keys and values are gathered.
+        cache = self.model.init_cache(memory, src_pad, cache_len, beam_size=k)
         if k == 1:
-            cache = self.model.init_cache(memory, src_pad, cache_len)
             hyps = greedy_search(
                 self._step,
                 cache,
@@ -222,10 +225,6 @@ class Translator:
                 device=self.device,
             )
             return [[h] for h in hyps]
-        # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and
-        # stored once for them, and beam search's reorders stay within the group, so only
-        # the self-attention keys and values are gathered.
-        cache = self.model.init_cache(memory, src_pad, cache_len, beam_size=k)
         return beam_search(
             self._step,
             cache,

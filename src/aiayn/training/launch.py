@@ -215,13 +215,6 @@ def train_run(
         if info.is_main:
             found = ckpt.latest_valid_checkpoint(run_dir)
             if found is not None:
-                saved = found[1].get("tokenizer")
-                if saved is not None and ckpt.tensor_to_bytes(saved) != tokenizer_bytes:
-                    raise ConfigError(
-                        f"{found[0]} was trained with another tokenizer than {tok_path}'s (the "
-                        "data was prepared again since); resuming would scramble the vocabulary. "
-                        "Train into a new run directory, or prepare the data as before"
-                    )
                 print(f"resuming from {found[0]}", file=sys.stderr)
                 state = found[1]
             elif ckpt.list_step_checkpoints(run_dir):
@@ -232,7 +225,7 @@ def train_run(
                 )
         state = broadcast_object(state, info)
         if state is not None:
-            trainer.load_state_dict(state)  # refuses a different [model] section
+            trainer.load_state_dict(state)  # refuses another [model] section or tokenizer
         if info.is_main:  # only once the config is known to fit the data and the checkpoint
             (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
             run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from aiayn.config import ConfigError, RunConfig, config_from_dict
+from aiayn.config import ConfigError, ResumeMismatch, RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import UserError
 from aiayn.inference.search import greedy_search, max_output_lengths
@@ -280,7 +280,8 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a train checkpoint; the model section of the config must match."""
+        """Continue from a train checkpoint; the model section of the config and the
+        tokenizer must match (``ResumeMismatch`` otherwise)."""
         if state.get("kind") != "train":
             raise ckpt.CheckpointError("a model-only checkpoint cannot be resumed (no optimizer)")
         saved = config_from_dict(state["config"])
@@ -291,7 +292,16 @@ class Trainer:
                 for name in saved.model.__dataclass_fields__
                 if getattr(saved.model, name) != getattr(self.config.model, name)
             ]
-            raise ConfigError("the model config differs from the checkpoint's: " + "; ".join(diffs))
+            raise ResumeMismatch(
+                "the model config differs from the checkpoint's: " + "; ".join(diffs)
+            )
+        saved_tokenizer = state.get("tokenizer")
+        if saved_tokenizer is not None and not torch.equal(saved_tokenizer, self.tokenizer):
+            raise ResumeMismatch(
+                "the checkpoint was trained with another tokenizer than the data's (the data was "
+                "prepared again since); resuming would scramble the vocabulary. Train into a new "
+                "run directory, or prepare the data as before"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
