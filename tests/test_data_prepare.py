@@ -219,6 +219,24 @@ def test_changed_filter_reuses_the_tokenizer_changed_text_retrains(text, tmp_pat
     assert third["fingerprint"] != first["fingerprint"]
 
 
+def test_same_text_elsewhere_reuses_the_tokenizer(text, tmp_path):
+    train, valid = text
+    out = tmp_path / "data"
+    _prepare(train, valid, out)
+    model = tokenizer_path(out).read_bytes()
+    # The same training text in other files (other path, other time stamp): the inputs
+    # changed, so the splits are encoded again, but the vocabulary is reused.
+    (tmp_path / "copy").mkdir()
+    moved = tmp_path / "copy" / "train"
+    for lang in ("en", "de"):
+        Path(f"{moved}.{lang}").write_bytes(Path(f"{train}.{lang}").read_bytes())
+    messages: list[str] = []
+    _prepare(moved, valid, out, log=messages.append)
+    assert any("reusing" in m and "spm.model" in m for m in messages)
+    assert not any("up to date" in m for m in messages)
+    assert tokenizer_path(out).read_bytes() == model
+
+
 def test_interrupted_run_leaves_nothing_a_later_run_trusts(text, tmp_path, monkeypatch):
     train, valid = text
     out = tmp_path / "data"

@@ -155,7 +155,6 @@ def prepare_data(
     fingerprint = _digest({"format_version": MANIFEST_FORMAT_VERSION, **options, "in": stamps})
     vocab_keys = ("src", "tgt", "vocab_size", "model_type", "character_coverage")
     vocab_keys += ("input_sentence_size", "encoding_errors")
-    tokenizer_key = _digest({"train": stamps["train"], **{k: options[k] for k in vocab_keys}})
 
     out = Path(out_dir)
     outputs = {text_path(out, split, lang).resolve() for split in inputs for lang in (src, tgt)}
@@ -187,6 +186,12 @@ def prepare_data(
                 f"{src_path}, {tgt_path}: no training pairs left after dropping empty lines"
             )
 
+        # The vocabulary depends on the cleaned training text and the options, not on where the
+        # files are or when they were written: a copy or a rewrite of the same text reuses it.
+        train_text = [_staged_text(staging, "train", lang) for lang in (src, tgt)]
+        tokenizer_key = _digest(
+            {"train_text": _content_digest(train_text), **{k: options[k] for k in vocab_keys}}
+        )
         old_tokenizer = _reusable_tokenizer(out, old, tokenizer_key) if not force else None
         model_file = staging / TOKENIZER_NAME
         if old_tokenizer is not None:
@@ -196,7 +201,7 @@ def prepare_data(
         else:
             say(f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}")
             tokenizer = train_tokenizer(
-                [_staged_text(staging, "train", src), _staged_text(staging, "train", tgt)],
+                train_text,
                 vocab_size,
                 staging / Path(TOKENIZER_NAME).stem,
                 model_type,
@@ -511,6 +516,17 @@ def _remove_stale_staging(out: Path) -> None:
 def _file_stamp(path: Path) -> dict[str, Any]:
     st = path.stat()
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _content_digest(paths: list[Path]) -> str:
+    """SHA-256 of the files' bytes, in order (each file's length included)."""
+    sha = hashlib.sha256()
+    for path in paths:
+        sha.update(path.stat().st_size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                sha.update(chunk)
+    return sha.hexdigest()
 
 
 def _digest(value: Any) -> str:
