@@ -158,8 +158,8 @@ def _slice(prefixes: dict[str, Path], out: Path, train: int | None, test: int | 
             if limit is not None:
                 lines = lines[:limit]
             target, text = out / f"{split}.{lang}", "".join(lines)
-            # Rewriting an unchanged slice would change its time stamp, and prepare would
-            # then build a new vocabulary that the run's checkpoints no longer match.
+            # An unchanged slice keeps its time stamp, so prepare finds the data directory up
+            # to date instead of encoding it again (the vocabulary is reused either way).
             if not target.is_file() or target.read_text(encoding="utf-8") != text:
                 target.write_text(text, encoding="utf-8")
         sliced[split] = out / split
