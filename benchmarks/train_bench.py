@@ -46,9 +46,11 @@ def aiayn_update(w: Workload, batch: TrainBatch) -> Update:
     ``build_schedule``."""
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.model.transformer import build_model
+    from aiayn.runtime import retain_freed_memory
     from aiayn.training.loss import projected_label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
 
+    retain_freed_memory()  # as aiayn's Trainer and command line do
     config = ModelConfig(
         vocab_size=w.vocab_size,
         d_model=w.d_model,

@@ -55,15 +55,21 @@ def test_grouped_beams_equal_repeated_memory_through_reorder_and_keep():
             )
 
 
-def test_reorder_gathers_into_the_spare_buffer_without_growing():
+def test_reorder_moves_lineage_not_keys_and_values():
     model = _model()
     src_ids = torch.randint(4, 40, (2, 5))
     with torch.no_grad():
         cache = model.init_cache(model.encode(src_ids, None), None, max_len=4, beam_size=2)
         model.decode_step(torch.tensor([2, 2, 2, 2]), cache)
-        first = cache.layers[0].self_k.data_ptr()
+        layer = cache.layers[0]
+        keys = layer.self_k.clone()
+        pointer = layer.self_k.data_ptr()
         cache.reorder(torch.tensor([1, 1, 2, 3]))
-        second = cache.layers[0].self_k.data_ptr()
-        cache.reorder(torch.tensor([0, 1, 3, 3]))
-        # Two buffers per layer, used in turn.
-        assert first != second and cache.layers[0].self_k.data_ptr() == first
+        # Slots stay where they were; sentence 0's two rows now both descend from slot 1.
+        assert layer.self_k.data_ptr() == pointer and torch.equal(layer.self_k, keys)
+        assert cache.lineage is not None
+        assert cache.lineage[:, 0].tolist() == [1, 1, 0, 1]
+        mask = cache.self_attention_mask()  # for position 1: keys (j=0: b0, b1; j=1: b0, b1)
+        assert mask is not None and mask.shape == (2, 1, 2, 4)
+        allowed = (mask[0, 0] == 0).tolist()
+        assert allowed == [[False, True, True, False], [False, True, False, True]]

@@ -1,4 +1,18 @@
-"""The incremental decoder's state: preallocated self-attention K/V and projected memory."""
+"""The incremental decoder's state: preallocated self-attention K/V and projected memory.
+
+Rows come in groups of ``beam_size`` per source sentence. Everything is stored per sentence:
+the projected memory once, and the self-attention keys and values of all of a sentence's
+beams side by side, ``(sentences, H, max_len, beam_size, Dh)``: slot ``b`` at position ``j``
+holds what beam ``b`` computed at step ``j``, and is never moved.
+
+Beam search makes each new beam continue some old beam of its sentence, so a beam's history
+is spread over the slots: ``lineage[row, j]`` is the slot that holds the row's position ``j``.
+Reordering the beams reorders ``lineage`` (one index per row and position) instead of
+copying every cached key and value, and self-attention looks at all ``beam_size × (t + 1)``
+stored keys of the sentence with a mask that leaves each row its own lineage (see
+:meth:`DecoderCache.self_attention_mask`). The sentence's keys are read once for its beams
+together, as in cross-attention.
+"""
 
 from __future__ import annotations
 
@@ -10,54 +24,49 @@ from torch import Tensor
 
 @dataclass
 class LayerCache:
-    """One decoder layer's cached tensors.
+    """One decoder layer's cached tensors, one row per *sentence*.
 
-    ``self_k``/``self_v`` are preallocated to ``max_len`` positions and written in place;
-    ``cross_k``/``cross_v`` are the encoder memory projected once, one row per *sentence*
-    (shared by the ``beam_size`` decoder rows of that sentence). ``spare_k``/``spare_v`` are
-    the second buffers that a reorder gathers into (allocated on the first reorder).
+    ``self_k``/``self_v`` are preallocated to ``max_len`` positions and written in place, one
+    slot per beam; ``cross_k``/``cross_v`` are the encoder memory projected once.
     """
 
-    self_k: Tensor  # (rows, H, max_len, Dk)
-    self_v: Tensor  # (rows, H, max_len, Dv)
+    self_k: Tensor  # (sentences, H, max_len, beam, Dk)
+    self_v: Tensor  # (sentences, H, max_len, beam, Dv)
     cross_k: Tensor  # (sentences, H, S, Dk)
     cross_v: Tensor  # (sentences, H, S, Dv)
-    spare_k: Tensor | None = None
-    spare_v: Tensor | None = None
 
-    def gather_self(self, rows: Tensor, length: int) -> None:
-        """Decoder row i takes the first ``length`` keys and values of old row ``rows[i]``.
+    def write(self, position: int, k: Tensor, v: Tensor) -> None:
+        """Store the keys/values (sentences, H, beam, Dh) of step ``position``."""
+        self.self_k[:, :, position] = k
+        self.self_v[:, :, position] = v
 
-        One pass: ``index_select`` writes straight into the spare buffer, which then becomes
-        the live one (a gather in place would need a temporary and a second copy).
-        """
-        n = rows.numel()
-        if self.spare_k is None or self.spare_v is None:
-            self.spare_k, self.spare_v = (
-                torch.empty_like(self.self_k),
-                torch.empty_like(self.self_v),
-            )
-        t = length
-        torch.index_select(self.self_k[:, :, :t], 0, rows, out=self.spare_k[:n, :, :t])
-        torch.index_select(self.self_v[:, :, :t], 0, rows, out=self.spare_v[:n, :, :t])
-        self.self_k, self.spare_k = self.spare_k[:n], self.self_k
-        self.self_v, self.spare_v = self.spare_v[:n], self.self_v
+    def keys_values(self, length: int) -> tuple[Tensor, Tensor]:
+        """Positions ``0 .. length - 1`` of every slot: (sentences, H, length × beam, Dh)
+        views, position-major (key ``j * beam + b`` is slot b's position j)."""
+        return (
+            self.self_k[:, :, :length].flatten(2, 3),
+            self.self_v[:, :, :length].flatten(2, 3),
+        )
+
+    def select(self, sentences: Tensor) -> None:
+        """Keep only ``sentences`` (in that order)."""
+        self.self_k = self.self_k.index_select(0, sentences)
+        self.self_v = self.self_v.index_select(0, sentences)
+        self.cross_k = self.cross_k.index_select(0, sentences)
+        self.cross_v = self.cross_v.index_select(0, sentences)
 
 
 @dataclass
 class DecoderCache:
-    """State of an incremental decode over ``rows`` decoder rows.
+    """State of an incremental decode over ``rows`` = sentences × ``beam_size`` decoder rows.
 
     ``length`` positions have been decoded so far; the next ``decode_step`` writes position
-    ``length``. Rows come in groups of ``beam_size`` per source sentence (rows
-    ``i * beam_size .. (i + 1) * beam_size - 1`` belong to sentence i), and the sentence's
-    projected memory is stored once for the group.
+    ``length``. Rows ``i * beam_size .. (i + 1) * beam_size - 1`` belong to sentence i.
 
     ``reorder(rows)`` gathers rows (beam search: each new beam takes the state of the beam it
     extends); with ``beam_size > 1`` every row must stay within its sentence's group, as beam
-    search guarantees, and the memory is left in place. ``keep(rows)`` drops the rows not
-    listed (finished sentences, whole groups at a time), so the work shrinks as sentences
-    finish.
+    search guarantees, and only ``lineage`` moves. ``keep(rows)`` drops the rows not listed
+    (finished sentences, whole groups at a time), so the work shrinks as sentences finish.
     """
 
     layers: list[LayerCache]
@@ -65,11 +74,39 @@ class DecoderCache:
     length: int
     max_len: int
     beam_size: int = 1
+    # (rows, max_len): the slot holding each row's key and value at each position; None
+    # with one beam per sentence (a row's history is then its own slot).
+    lineage: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.beam_size > 1 and self.lineage is None:
+            rows = self.layers[0].self_k.size(0) * self.beam_size
+            slots = torch.arange(self.beam_size, device=self.layers[0].self_k.device)
+            self.lineage = slots.repeat(rows // self.beam_size)[:, None].repeat(1, self.max_len)
 
     @property
     def batch_size(self) -> int:
         """Decoder rows (sentences × beam_size)."""
-        return self.layers[0].self_k.size(0)
+        return self.layers[0].self_k.size(0) * self.beam_size
+
+    def self_attention_mask(self) -> Tensor | None:
+        """For the step that writes position ``length``: an additive mask (sentences, 1,
+        beam, (length + 1) × beam), 0 where row b of a sentence may attend (the slots of its
+        lineage) and -inf elsewhere; None with one beam per sentence.
+
+        Every row's own new key is in its own slot, so ``lineage[:, length]`` is first reset
+        to the row's slot.
+        """
+        if self.lineage is None:
+            return None
+        k, t = self.beam_size, self.length + 1
+        rows = self.lineage.size(0)
+        slots = torch.arange(k, device=self.lineage.device)
+        self.lineage[:, self.length] = slots.repeat(rows // k)
+        own = self.lineage[:, :t, None] == slots  # (rows, t, K): position j's key is slot b
+        mask = torch.zeros(own.shape, dtype=self.layers[0].self_k.dtype, device=own.device)
+        mask.masked_fill_(~own, float("-inf"))
+        return mask.view(rows // k, 1, k, t * k)
 
     def reorder(self, rows: Tensor) -> None:
         """Row i of the cache becomes old row ``rows[i]`` (same number of rows)."""
@@ -78,10 +115,10 @@ class DecoderCache:
                 f"reorder expects {self.batch_size} row indices, got {rows.numel()}; "
                 "use keep() to change the batch size"
             )
-        for layer in self.layers:
-            layer.gather_self(rows, self.length)
-        if self.beam_size == 1:
-            self._gather_memory(rows)
+        if self.lineage is not None:
+            self.lineage = self.lineage.index_select(0, rows)
+        else:
+            self._select(rows)
 
     def keep(self, rows: Tensor) -> None:
         """Keep only ``rows`` (in that order); the batch shrinks to ``len(rows)``. With
@@ -91,23 +128,24 @@ class DecoderCache:
             raise ValueError(f"keep got {n} rows for a batch of {self.batch_size}")
         if n % self.beam_size != 0:
             raise ValueError(f"keep needs whole groups of {self.beam_size} rows, got {n}")
-        for layer in self.layers:
-            layer.gather_self(rows, self.length)
-        sentences = rows[:: self.beam_size] // self.beam_size if self.beam_size > 1 else rows
-        self._gather_memory(sentences)
+        if self.lineage is not None:
+            self.lineage = self.lineage.index_select(0, rows)
+            self._select(rows[:: self.beam_size] // self.beam_size)
+        else:
+            self._select(rows)
 
-    def _gather_memory(self, sentences: Tensor) -> None:
+    def _select(self, sentences: Tensor) -> None:
         for layer in self.layers:
-            layer.cross_k = layer.cross_k.index_select(0, sentences)
-            layer.cross_v = layer.cross_v.index_select(0, sentences)
+            layer.select(sentences)
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, sentences)
 
 
 def empty_self_kv(
-    batch: int, n_heads: int, max_len: int, d_k: int, d_v: int, like: Tensor
+    sentences: int, n_heads: int, max_len: int, beam_size: int, d_k: int, d_v: int, like: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Preallocated (uninitialised) self-attention key and value buffers for one layer."""
-    k = torch.empty(batch, n_heads, max_len, d_k, dtype=like.dtype, device=like.device)
-    v = torch.empty(batch, n_heads, max_len, d_v, dtype=like.dtype, device=like.device)
+    shape = (sentences, n_heads, max_len, beam_size)
+    k = torch.empty(*shape, d_k, dtype=like.dtype, device=like.device)
+    v = torch.empty(*shape, d_v, dtype=like.dtype, device=like.device)
     return k, v

@@ -91,27 +91,29 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         cache: LayerCache,
         position: int,
+        self_mask: Tensor | None,
         cross_mask: Tensor | None,
         beam_size: int = 1,
     ) -> Tensor:
         """One new position x (rows, 1, d_model): writes its K/V into the cache at
         ``position`` and attends over positions 0..position. The ``beam_size`` rows of a
-        sentence attend to its memory together, as ``beam_size`` query positions."""
+        sentence attend together, as ``beam_size`` query positions: to the keys of all of
+        the sentence's beam slots (``self_mask`` keeps each row to its own lineage, see
+        :class:`aiayn.model.cache.DecoderCache`) and to the sentence's memory."""
+        rows, _, d_model = x.shape
+        sentences = rows // beam_size
 
         def self_attention(h: Tensor) -> Tensor:
-            q, k, v = self.self_attn.project_qkv(h)  # (rows, H, 1, Dh) each
-            cache.self_k[:, :, position : position + 1] = k
-            cache.self_v[:, :, position : position + 1] = v
-            keys = cache.self_k[:, :, : position + 1]  # (rows, H, t+1, Dk)
-            values = cache.self_v[:, :, : position + 1]  # (rows, H, t+1, Dv)
-            return self.self_attn.attend(q, keys, values, None)
+            q, k, v = self.self_attn.project_qkv(h.view(sentences, beam_size, d_model))
+            cache.write(position, k, v)  # (sentences, H, beam, Dh) each
+            keys, values = cache.keys_values(position + 1)  # (sentences, H, (t+1)*beam, Dh)
+            out = self.self_attn.attend(q, keys, values, self_mask)
+            return out.view(rows, 1, d_model)
 
         def cross_attention(h: Tensor) -> Tensor:
-            rows, _, d_model = h.shape
-            beams = h.view(rows // beam_size, beam_size, d_model)  # (B, beam, d_model)
-            q = self.cross_attn.project_q(beams)  # (B, H, beam, Dk)
+            q = self.cross_attn.project_q(h.view(sentences, beam_size, d_model))
             out = self.cross_attn.attend(q, cache.cross_k, cache.cross_v, cross_mask)
-            return out.view(rows, 1, d_model)  # (rows, 1, d_model)
+            return out.view(rows, 1, d_model)
 
         x = self._sublayer(x, self_attention, self.self_attn_norm)
         x = self._sublayer(x, cross_attention, self.cross_attn_norm)

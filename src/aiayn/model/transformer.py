@@ -45,8 +45,11 @@ class Decoder(nn.Module):
         return self.final_norm(x) if self.final_norm is not None else x
 
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
+        self_mask = cache.self_attention_mask()  # the same for every layer
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer.step(x, layer_cache, cache.length, cache.cross_mask, cache.beam_size)
+            x = layer.step(
+                x, layer_cache, cache.length, self_mask, cache.cross_mask, cache.beam_size
+            )
         return self.final_norm(x) if self.final_norm is not None else x
 
 
@@ -126,12 +129,17 @@ class Transformer(nn.Module):
             )
         if beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
-        rows = memory.size(0) * beam_size
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
             self_k, self_v = empty_self_kv(
-                rows, self.config.n_heads, max_len, cross_k.size(-1), cross_v.size(-1), memory
+                memory.size(0),
+                self.config.n_heads,
+                max_len,
+                beam_size,
+                layer.self_attn.d_k,
+                layer.self_attn.d_v,
+                memory,
             )
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
         return DecoderCache(

@@ -33,6 +33,7 @@ from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import UserError
 from aiayn.inference.search import greedy_search, max_output_lengths
 from aiayn.model.transformer import Transformer
+from aiayn.runtime import retain_freed_memory
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -160,6 +161,7 @@ class Trainer:
         show_progress: bool = True,
         tensorboard: bool = True,
     ) -> None:
+        retain_freed_memory()  # reuse freed activation/gradient blocks (aiayn.runtime)
         self.config = config
         self.train_cfg = config.train
         self.info = dist_info or DistInfo()
