@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from aiayn.inference import search
 from aiayn.inference.search import (
     Hypothesis,
     beam_search,
@@ -328,3 +329,42 @@ def test_sampling_with_top_k_one_is_greedy() -> None:
     assert [h.tokens for h in sampled] == [h.tokens for h in greedy]
     with pytest.raises(ValueError, match="temperature"):
         sample(step_fn(logp), PrefixCache([0]), 1, max_len=3, temperature=0.0)
+
+
+# -- the two-stage top-k of beam search ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("k", "vocab"), [(4, 8000), (3, 1000), (4, 1037), (2, 70), (5, 100)])
+def test_top_candidates_equal_topk_over_the_sum(k: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab + k)
+    b, m = 6, 2 * k
+    log_probs = torch.randn(b, k, vocab, generator=gen).log_softmax(-1)
+    log_probs[1, :, :] = torch.round(log_probs[1] * 2) / 2  # many equal scores
+    log_probs[2, :, 1:] = NEG  # a sentence at its limit: only EOS (token 0 here) left
+    log_probs[3, :, vocab - 3 :] += 20.0  # the best tokens sit after the last whole block
+    live = torch.randn(b, k, generator=gen).sort(dim=1, descending=True).values
+    live[0, 1:] = NEG  # the first step: one live beam
+    score, index = search.top_candidates(log_probs, live, m)
+    candidates = (live[:, :, None] + log_probs).view(b, k * vocab)
+    expected = candidates.topk(m, dim=1).values
+    assert torch.equal(score, expected)
+    assert torch.equal(candidates.gather(1, index), score)  # the indices point at the scores
+    finite = score > NEG
+    for row, used in zip(index.tolist(), finite.tolist(), strict=True):
+        kept = [i for i, f in zip(row, used, strict=True) if f]
+        assert len(set(kept)) == len(kept)  # no candidate twice
+
+
+@pytest.mark.parametrize(("k", "nbest"), [(3, 2), (4, 4)])
+def test_beam_with_one_token_blocks_matches_reference(
+    k: int, nbest: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With V = 6 the two-stage path needs blocks of one token (at least 2K blocks).
+    monkeypatch.setattr(search, "TOPK_BLOCK", 1)
+    calls = []
+    amax = Tensor.amax
+    monkeypatch.setattr(
+        Tensor, "amax", lambda self, *a, **kw: calls.append(1) or amax(self, *a, **kw)
+    )
+    test_batched_beam_matches_reference(k, 0.6, nbest)
+    assert calls  # the block maxima were taken

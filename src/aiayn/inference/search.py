@@ -103,6 +103,45 @@ def _force_eos(log_probs: Tensor, forced: Tensor, eos_id: int) -> Tensor:
     return log_probs.masked_fill(forced.view(shape) & others, float("-inf"))
 
 
+# Two-stage top-k: blocks of this many consecutive tokens of one beam.
+TOPK_BLOCK = 32
+
+
+def top_candidates(log_probs: Tensor, live_scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """The ``m`` best of the candidate scores ``live_scores[:, j] + log_probs[:, j, v]``:
+    (b, m) scores, best first, and their indices ``j * V + v`` into the (b, K × V) candidates.
+
+    ``log_probs`` is (b, K, V), ``live_scores`` (b, K). The same as ``topk`` over the whole
+    (b, K × V) sum, without forming it: the maximum of each block of ``TOPK_BLOCK`` tokens of
+    a beam (one pass over ``log_probs``) plus that beam's score bounds every candidate in the
+    block, so the best ``m`` candidates lie in the ``m`` best blocks (a block outside them
+    holds nothing better than the m-th best block maximum, which is already a candidate), and
+    ``topk`` runs over those ``m × TOPK_BLOCK`` candidates and the tokens after the last whole
+    block. Equal scores may come out in another order than ``topk`` over the sum would give.
+    """
+    b, k, vocab = log_probs.shape
+    width = TOPK_BLOCK
+    n_blocks = vocab // width
+    if k * n_blocks < 2 * m:  # too few blocks: plain top-k over the sum
+        candidates = (live_scores[:, :, None] + log_probs).reshape(b, k * vocab)
+        return candidates.topk(m, dim=1)
+    whole = n_blocks * width
+    block_max = log_probs[:, :, :whole].reshape(b, k, n_blocks, width).amax(-1)  # (b, K, nb)
+    block_max += live_scores[:, :, None]
+    best = block_max.view(b, k * n_blocks).topk(m, dim=1).indices  # (b, m)
+    start = (best // n_blocks) * vocab + (best % n_blocks) * width  # first candidate index
+    offsets = torch.arange(width, device=log_probs.device)
+    index = (start[:, :, None] + offsets).view(b, m * width)
+    if whole < vocab:  # the tokens after the last whole block, of every beam
+        rest = torch.arange(whole, vocab, device=log_probs.device)
+        beams = torch.arange(k, device=log_probs.device)[:, None] * vocab
+        index = torch.cat([index, (beams + rest).view(1, -1).expand(b, -1)], dim=1)
+    scores = log_probs.reshape(b, k * vocab).gather(1, index)
+    scores += live_scores.gather(1, index // vocab)
+    top_score, pick = scores.topk(m, dim=1)
+    return top_score, index.gather(1, pick)
+
+
 def beam_search(
     step_fn: Callable[[Tensor, CacheT], Tensor],
     cache: CacheT,
@@ -170,9 +209,9 @@ def beam_search(
         forced = limits <= t  # (b,): max_len output tokens so far, only EOS may follow
         if t >= nearest_limit:
             log_probs = _force_eos(log_probs, forced, eos_id)
-        candidates = (live_scores[:, :, None] + log_probs).view(b, k * vocab)  # (b, K*V)
-        # At most K candidates end in EOS, so the best 2K hold at least K that do not.
-        top_score, top_index = candidates.topk(2 * k, dim=1)  # (b, 2K), best first
+        # Candidates: every live hypothesis extended by every token, scored live + log-prob.
+        # At most K of them end in EOS, so the best 2K hold at least K that do not.
+        top_score, top_index = top_candidates(log_probs, live_scores, 2 * k)  # (b, 2K)
         top_beam = top_index // vocab
         top_tok = top_index % vocab
         top_eos = top_tok == eos_id
