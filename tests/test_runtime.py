@@ -46,8 +46,9 @@ def _probe(setting: str | None) -> dict[str, object]:
 def test_retained_memory_is_reused_without_page_faults() -> None:
     tuned = _probe(None)
     assert tuned["applied"] is True
-    # 10 x 40 MiB = 102,400 pages if each allocation were mapped afresh.
-    assert int(tuned["faults"]) < 2_000  # type: ignore[call-overload]
+    # 10 x 40 MiB = 102,400 pages if each allocation were mapped afresh; retained, at most
+    # one of them (seldom: the heap may still grow once) faults its 10,240 pages.
+    assert int(tuned["faults"]) < 25_000  # type: ignore[call-overload]
 
 
 @glibc_only
