@@ -118,3 +118,16 @@ def test_dropout_is_active_only_in_training():
         assert not torch.equal(a, b)
         model.eval()
         assert torch.equal(model(src_ids, src_pad, tgt_in), model(src_ids, src_pad, tgt_in))
+
+
+def test_log_probs_step_is_the_log_softmax_of_decode_step():
+    # log_probs_step writes the log-softmax over the logits (out= aliasing its input).
+    model = _model()
+    src_ids, src_pad, tgt_in = _batch()
+    with torch.no_grad():
+        memory = model.encode(src_ids, src_pad)
+        a = model.init_cache(memory, src_pad, max_len=3)
+        b = model.init_cache(memory, src_pad, max_len=3)
+        for t in range(3):
+            expected = torch.log_softmax(model.decode_step(tgt_in[:, t], b), dim=-1)
+            assert torch.equal(model.log_probs_step(tgt_in[:, t], a), expected)

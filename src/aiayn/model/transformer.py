@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
@@ -157,8 +156,12 @@ class Transformer(nn.Module):
         return self.project(hidden[:, 0])
 
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search."""
-        return F.log_softmax(self.decode_step(tokens, cache).float(), dim=-1)
+        """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
+
+        The log-probabilities overwrite the logits (a fresh tensor), so a step holds one
+        (rows, V) matrix instead of two."""
+        logits = self.decode_step(tokens, cache).float()
+        return torch.log_softmax(logits, dim=-1, out=logits)
 
 
 def count_parameters(model: nn.Module) -> int:
