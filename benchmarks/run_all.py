@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make the ``benchmarks`` package importable
     sys.path.insert(0, str(ROOT))
 
+from aiayn.runtime import THRESHOLD as RETAIN_THRESHOLD  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     THREADS,
     WORKLOADS,
@@ -56,13 +57,25 @@ TRAIN_STEPS = {
 DECODE_ARGS = {"full": ["--repeats", "3"], "quick": ["--repeats", "1", "--single", "8"]}
 
 
-def child_env() -> dict[str, str]:
+# aiayn's processes keep freed memory for reuse (``aiayn.runtime.retain_freed_memory``, which
+# its command line, Trainer and Translator call); ``--peer-malloc retained`` gives the peers'
+# processes the same glibc setting through the environment, to show what it is worth to them.
+RETAINED_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(RETAIN_THRESHOLD),
+    "MALLOC_TRIM_THRESHOLD_": str(RETAIN_THRESHOLD),
+}
+PEER_MALLOC: dict[str, str] = {}
+
+
+def child_env(system: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(THREADS)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    if system is not None and not system.startswith("aiayn"):
+        env.update(PEER_MALLOC)
     return env
 
 
@@ -103,8 +116,9 @@ def run_child(
     waited = wait_for_quiet(quiet_s) if quiet_s > 0 else 0.0
     print("  $", " ".join(cmd[2:]), file=sys.stderr, flush=True)
     busy0, ours0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
+    system = args[args.index("--system") + 1] if "--system" in args else None
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=ROOT, env=child_env(system), capture_output=True, text=True, timeout=timeout
     )
     wall = time.perf_counter() - start
     others = (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - ours0)
@@ -204,7 +218,16 @@ def main(argv: list[str] | None = None) -> None:
         help="before each measurement, wait up to this many seconds for other processes to "
         "go quiet (default 60, quick 0)",
     )
+    parser.add_argument(
+        "--peer-malloc",
+        choices=["as-shipped", "retained"],
+        default="as-shipped",
+        help="run the peers with glibc's malloc as it comes (default) or with the setting "
+        "aiayn applies to itself (aiayn.runtime); 'retained' never updates docs/performance.md",
+    )
     args = parser.parse_args(argv)
+    if args.peer_malloc == "retained":
+        PEER_MALLOC.update(RETAINED_MALLOC_ENV)
     mode = "quick" if args.quick else "full"
     rounds = args.rounds or (1 if args.quick else 2)
     quiet_s = args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 60.0)
@@ -260,13 +283,21 @@ def main(argv: list[str] | None = None) -> None:
         "notes": [
             "No GPU on this machine: the GPU benchmarks of the issue (bf16, flash attention, "
             "compile) were not run.",
+            "aiayn's processes keep freed memory for reuse (aiayn.runtime, as its command line, "
+            "Trainer and Translator do); the peers' processes ran with glibc's malloc "
+            + (
+                "given the same setting (--peer-malloc retained)."
+                if PEER_MALLOC
+                else "as it comes (--peer-malloc retained gives them the same setting)."
+            ),
         ],
     }
     markdown = render(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown, encoding="utf-8")
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    if mode == "full" and not args.no_doc and args.out == RESULTS / "latest.md":
+    documented = not args.no_doc and not PEER_MALLOC and args.out == RESULTS / "latest.md"
+    if mode == "full" and documented:
         update_doc(markdown)
     print(markdown)
 
