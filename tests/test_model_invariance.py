@@ -131,3 +131,12 @@ def test_log_probs_step_is_the_log_softmax_of_decode_step():
         for t in range(3):
             expected = torch.log_softmax(model.decode_step(tgt_in[:, t], b), dim=-1)
             assert torch.equal(model.log_probs_step(tgt_in[:, t], a), expected)
+
+
+def test_log_probs_step_keeps_autograd_working():
+    model = _model()
+    src_ids, src_pad, tgt_in = _batch()
+    cache = model.init_cache(model.encode(src_ids, src_pad), src_pad, max_len=1)
+    log_probs = model.log_probs_step(tgt_in[:, 0], cache)
+    log_probs[:, 5].sum().backward()
+    assert model.out_proj.weight.grad is not None

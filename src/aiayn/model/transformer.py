@@ -158,9 +158,11 @@ class Transformer(nn.Module):
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
 
-        The log-probabilities overwrite the logits (a fresh tensor), so a step holds one
-        (rows, V) matrix instead of two."""
+        Without autograd the log-probabilities overwrite the logits (a fresh tensor), so a
+        step holds one (rows, V) matrix instead of two."""
         logits = self.decode_step(tokens, cache).float()
+        if logits.requires_grad:
+            return torch.log_softmax(logits, dim=-1)
         return torch.log_softmax(logits, dim=-1, out=logits)
 
 
