@@ -65,9 +65,7 @@ def aiayn_decoder(dw: DecodeWorkload, int8: bool) -> Decode:
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
     from aiayn.model.transformer import build_model
-    from aiayn.runtime import retain_freed_memory
 
-    retain_freed_memory()  # as aiayn's Translator and command line do
     w = dw.model
     config = ModelConfig(
         vocab_size=w.vocab_size,

@@ -57,9 +57,9 @@ TRAIN_STEPS = {
 DECODE_ARGS = {"full": ["--repeats", "3"], "quick": ["--repeats", "1", "--single", "8"]}
 
 
-# aiayn's processes keep freed memory for reuse (``aiayn.runtime.retain_freed_memory``, which
-# its command line, Trainer and Translator call); ``--peer-malloc retained`` gives the peers'
-# processes the same glibc setting through the environment, to show what it is worth to them.
+# aiayn's training processes keep freed memory for reuse (``aiayn.runtime.retain_freed_memory``,
+# which its Trainer calls); ``--peer-malloc retained`` gives the peers' processes the same
+# glibc setting through the environment, to show what it is worth to them.
 RETAINED_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(RETAIN_THRESHOLD),
     "MALLOC_TRIM_THRESHOLD_": str(RETAIN_THRESHOLD),
@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         "notes": [
             "No GPU on this machine: the GPU benchmarks of the issue (bf16, flash attention, "
             "compile) were not run.",
-            "aiayn's processes keep freed memory for reuse (aiayn.runtime, as its command line, "
-            "Trainer and Translator do); the peers' processes ran with glibc's malloc "
+            "aiayn's training processes keep freed memory for reuse (aiayn.runtime, as its "
+            "Trainer does; its decoding runs with malloc as it comes); the peers' processes ran "
+            "with glibc's malloc "
             + (
                 "given the same setting (--peer-malloc retained)."
                 if PEER_MALLOC

@@ -50,7 +50,7 @@ def aiayn_update(w: Workload, batch: TrainBatch) -> Update:
     from aiayn.training.loss import projected_label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
 
-    retain_freed_memory()  # as aiayn's Trainer and command line do
+    retain_freed_memory()  # as aiayn's Trainer does
     config = ModelConfig(
         vocab_size=w.vocab_size,
         d_model=w.d_model,

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from aiayn.cli import attention, average, bleu, demo, params, plot, prepare, train, translate
 from aiayn.config import ConfigError
 from aiayn.errors import CLIError, UserError
-from aiayn.runtime import retain_freed_memory
 
 _COMMANDS = [demo, params, prepare, train, average, plot, translate, bleu, attention]
 
@@ -34,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    retain_freed_memory()  # faster CPU tensors (aiayn.runtime); AIAYN_MALLOC=system: off
     try:
         return int(args.run(args))
     except (CLIError, ConfigError, UserError) as err:

@@ -34,7 +34,6 @@ from aiayn.inference.search import (
 from aiayn.inference.textio import one_line
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import retain_freed_memory
 
 
 class TextTokenizer(Protocol):
@@ -96,7 +95,6 @@ class Translator:
             )
         if self.decode.batch_tokens < 1:
             raise ValueError(f"batch_tokens must be positive, got {self.decode.batch_tokens}")
-        retain_freed_memory()  # reuse freed vocabulary-sized blocks (aiayn.runtime)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.nbest = nbest

@@ -48,12 +48,29 @@ class LayerCache:
             self.self_v[:, :, :length].flatten(2, 3),
         )
 
-    def select(self, sentences: Tensor) -> None:
-        """Keep only ``sentences`` (in that order)."""
-        self.self_k = self.self_k.index_select(0, sentences)
-        self.self_v = self.self_v.index_select(0, sentences)
+    def select(self, sentences: Tensor, length: int) -> None:
+        """Keep only ``sentences`` (in that order); of the self-attention buffers only the
+        ``length`` positions written so far are copied."""
+        self.self_k = _select_prefix(self.self_k, sentences, length)
+        self.self_v = _select_prefix(self.self_v, sentences, length)
         self.cross_k = self.cross_k.index_select(0, sentences)
         self.cross_v = self.cross_v.index_select(0, sentences)
+
+
+def _select_prefix(buffer: Tensor, sentences: Tensor, length: int) -> Tensor:
+    """``len(sentences)`` rows holding ``buffer[sentences, :, :length]`` (positions beyond
+    ``length`` unset). Increasing indices (search keeps sentences in order) are moved down
+    within ``buffer`` itself, whose first rows are returned: no new buffer, so the memory of a
+    batch's cache is allocated once. Any other order gets a new buffer."""
+    n = sentences.numel()
+    if n > 1 and not bool((sentences[1:] > sentences[:-1]).all()):
+        out = buffer.new_empty((n, *buffer.shape[1:]))
+        torch.index_select(buffer[:, :, :length], 0, sentences, out=out[:, :, :length])
+        return out
+    # Row i comes from row sentences[i] >= i, so no row is overwritten before it is read
+    # (the gather makes a temporary copy of the kept prefix first in any case).
+    buffer[:n, :, :length] = buffer[sentences, :, :length]
+    return buffer[:n]
 
 
 @dataclass
@@ -77,6 +94,18 @@ class DecoderCache:
     # (rows, max_len): the slot holding each row's key and value at each position; None
     # with one beam per sentence (a row's history is then its own slot).
     lineage: Tensor | None = None
+
+    _scratch: Tensor | None = None  # see scratch()
+
+    def scratch(self, rows: int, width: int) -> Tensor:
+        """A (rows, width) float32 buffer kept for the whole decode (the first ``rows`` of
+        one allocated at the batch's full row count): where ``log_probs_step`` writes."""
+        if self._scratch is None or self._scratch.size(1) != width or self._scratch.size(0) < rows:
+            like = self.layers[0].cross_k
+            self._scratch = torch.empty(
+                (max(rows, self.batch_size), width), dtype=torch.float32, device=like.device
+            )
+        return self._scratch[:rows]
 
     def __post_init__(self) -> None:
         if self.beam_size > 1 and self.lineage is None:
@@ -136,7 +165,7 @@ class DecoderCache:
 
     def _select(self, sentences: Tensor) -> None:
         for layer in self.layers:
-            layer.select(sentences)
+            layer.select(sentences, self.length)
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, sentences)
 

@@ -148,22 +148,35 @@ class Transformer(nn.Module):
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the tokens (B,) at position
         ``cache.length``; appends their keys and values to the cache."""
+        return self.project(self._step_hidden(tokens, cache))
+
+    def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
+
+        Without autograd, on a float32 model, the result lives in a (rows, V) buffer that the
+        cache keeps and every call overwrites: it is valid until the next call on this cache
+        (search uses it within the step). A step then allocates no vocabulary-sized matrix:
+        the logits are written into the buffer and the log-probabilities over them."""
+        hidden = self._step_hidden(tokens, cache)  # (B, d_model)
+        weight = self.out_proj.weight
+        if (
+            torch.is_grad_enabled()
+            or not isinstance(weight, Tensor)  # int8: the quantized module holds it packed
+            or type(self.out_proj) is not nn.Linear
+            or hidden.dtype != torch.float32
+            or weight.dtype != torch.float32
+        ):
+            return torch.log_softmax(self.project(hidden).float(), dim=-1)
+        logits = torch.mm(hidden, weight.t(), out=cache.scratch(hidden.size(0), weight.size(0)))
+        return torch.log_softmax(logits, dim=-1, out=logits)
+
+    def _step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         if cache.length >= cache.max_len:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
         x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, d_model)
         hidden = self.decoder.step(x, cache)
         cache.length += 1
-        return self.project(hidden[:, 0])
-
-    def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
-
-        Without autograd the log-probabilities overwrite the logits (a fresh tensor), so a
-        step holds one (rows, V) matrix instead of two."""
-        logits = self.decode_step(tokens, cache).float()
-        if logits.requires_grad:
-            return torch.log_softmax(logits, dim=-1)
-        return torch.log_softmax(logits, dim=-1, out=logits)
+        return hidden[:, 0]
 
 
 def count_parameters(model: nn.Module) -> int:
