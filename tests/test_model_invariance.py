@@ -158,3 +158,15 @@ def test_log_probs_step_reuses_one_buffer_through_keep():
         third = model.log_probs_step(tgt_in[keep, 2], cache)
         assert third.data_ptr() == pointer
         assert_close(third, full[keep, 2])
+
+
+def test_log_probs_step_under_autocast_projects_as_decode_step_does():
+    model = _model()
+    src_ids, src_pad, tgt_in = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        memory = model.encode(src_ids, src_pad)
+        a = model.init_cache(memory, src_pad, max_len=2)
+        b = model.init_cache(memory, src_pad, max_len=2)
+        for t in range(2):
+            expected = torch.log_softmax(model.decode_step(tgt_in[:, t], b).float(), dim=-1)
+            assert torch.equal(model.log_probs_step(tgt_in[:, t], a), expected)

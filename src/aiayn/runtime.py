@@ -19,7 +19,9 @@ leaves ``malloc`` as it is.
 Decoding does not use it: translating a file allocates caches of a different size for every
 batch, and a heap that never gives memory back fragments (``aiayn translate`` on Multi30k
 val: 770-850 MB instead of 540 MB peak RSS, for 3%); the decoder step instead keeps its one
-vocabulary-sized matrix in the cache (``DecoderCache.scratch``).
+vocabulary-sized matrix in the cache (``DecoderCache.scratch``). The setting is for the whole
+process, though: where one process trains and then translates (``aiayn demo``), the
+translation runs with it too.
 """
 
 from __future__ import annotations

@@ -153,14 +153,16 @@ class Transformer(nn.Module):
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
 
-        Without autograd, on a float32 model, the result lives in a (rows, V) buffer that the
-        cache keeps and every call overwrites: it is valid until the next call on this cache
-        (search uses it within the step). A step then allocates no vocabulary-sized matrix:
-        the logits are written into the buffer and the log-probabilities over them."""
+        Without autograd or autocast, on a float32 model, the result lives in a (rows, V)
+        buffer that the cache keeps and every call overwrites: it is valid until the next call
+        on this cache (search uses it within the step). A step then allocates no
+        vocabulary-sized matrix: the logits are written into the buffer and the
+        log-probabilities over them."""
         hidden = self._step_hidden(tokens, cache)  # (B, d_model)
         weight = self.out_proj.weight
         if (
             torch.is_grad_enabled()
+            or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast
             or not isinstance(weight, Tensor)  # int8: the quantized module holds it packed
             or type(self.out_proj) is not nn.Linear
             or hidden.dtype != torch.float32
