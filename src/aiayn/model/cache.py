@@ -109,9 +109,11 @@ class DecoderCache:
 
     def __post_init__(self) -> None:
         if self.beam_size > 1 and self.lineage is None:
+            # Each position is set to the row's own slot by the step that writes it
+            # (self_attention_mask), before anything reads it.
             rows = self.layers[0].self_k.size(0) * self.beam_size
-            slots = torch.arange(self.beam_size, device=self.layers[0].self_k.device)
-            self.lineage = slots.repeat(rows // self.beam_size)[:, None].repeat(1, self.max_len)
+            device = self.layers[0].self_k.device
+            self.lineage = torch.zeros(rows, self.max_len, dtype=torch.long, device=device)
 
     @property
     def batch_size(self) -> int:

@@ -163,8 +163,7 @@ class Transformer(nn.Module):
         if (
             torch.is_grad_enabled()
             or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast
-            or not isinstance(weight, Tensor)  # int8: the quantized module holds it packed
-            or type(self.out_proj) is not nn.Linear
+            or type(self.out_proj) is not nn.Linear  # int8: the quantized module packs it
             or hidden.dtype != torch.float32
             or weight.dtype != torch.float32
         ):
