@@ -77,13 +77,13 @@ class _ProjectedLabelSmoothedNLL(torch.autograd.Function):
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         nll_sum = torch.zeros_like(loss_sum)
         step = PROJECTION_CHUNK_ROWS
-        logits_buffer = torch.empty(min(step, n), vocab, dtype=hidden.dtype, device=hidden.device)
-        log_probs_buffer = torch.empty_like(logits_buffer)
+        # One (rows, V) buffer: the logits, then their log-probabilities, then the gradient.
+        buffer = torch.empty(min(step, n), vocab, dtype=hidden.dtype, device=hidden.device)
         for start in range(0, n, step):
             h = hidden[start : start + step]
             rows = h.size(0)
-            logits = torch.mm(h, weight.t(), out=logits_buffer[:rows])  # (rows, V)
-            log_probs = torch.log_softmax(logits, dim=-1, out=log_probs_buffer[:rows])
+            logits = torch.mm(h, weight.t(), out=buffer[:rows])  # (rows, V)
+            log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place
             y = target[start : start + step, None]
             nll = -log_probs.gather(1, y).squeeze(1)
             loss = nll
@@ -91,7 +91,7 @@ class _ProjectedLabelSmoothedNLL(torch.autograd.Function):
                 loss = (1.0 - epsilon) * nll - epsilon * log_probs.mean(dim=-1)
             loss_sum += loss.sum()
             nll_sum += nll.sum()
-            grad = torch.exp(log_probs, out=logits)  # softmax(x), over the dead logits
+            grad = log_probs.exp_()  # softmax(x), in place
             if epsilon > 0.0:
                 grad.sub_(epsilon / vocab)
             grad.scatter_add_(1, y, torch.full_like(grad[:, :1], epsilon - 1.0))  # - q
