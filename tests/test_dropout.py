@@ -1,0 +1,87 @@
+"""The CPU dropout of aiayn.model.dropout: one 64-bit draw per four elements."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aiayn.model.dropout import drop_probability, dropout, keep_mask
+
+CPU = torch.device("cpu")
+
+
+def within(observed: float, expected: float, n: int, sigmas: float = 5.0) -> bool:
+    """A frequency over n Bernoulli(expected) trials within `sigmas` standard deviations."""
+    return abs(observed - expected) <= sigmas * math.sqrt(expected * (1 - expected) / n)
+
+
+def test_identity_when_not_training_or_p_zero() -> None:
+    x = torch.randn(8, 5)
+    assert dropout(x, 0.1, training=False) is x
+    assert dropout(x, 0.0, training=True) is x
+
+
+def test_drop_probability_is_p_on_a_2_to_16_grid() -> None:
+    assert drop_probability(0.1) == 6554 / 65536
+    assert drop_probability(0.5) == 0.5
+    assert abs(drop_probability(0.3) - 0.3) <= 2**-17
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_drop_rate_matches_p(p: float) -> None:
+    torch.manual_seed(0)
+    n = 1 << 22
+    dropped = (~keep_mask(torch.Size([n]), p, CPU)).double().mean().item()
+    assert within(dropped, drop_probability(p), n)
+
+
+def test_the_four_elements_of_one_draw_are_independent() -> None:
+    # Elements 4k .. 4k+3 come from one 64-bit draw: each lane has the drop rate p, and
+    # every pair of lanes drops together with probability p², not more or less.
+    torch.manual_seed(1)
+    p, words = 0.3, 1 << 20
+    lanes = (~keep_mask(torch.Size([words * 4]), p, CPU)).view(words, 4).double()
+    q = drop_probability(p)
+    for i in range(4):
+        assert within(lanes[:, i].mean().item(), q, words)
+        for j in range(i + 1, 4):
+            both = (lanes[:, i] * lanes[:, j]).mean().item()
+            assert within(both, q * q, words)
+    # ... and consecutive draws are independent too (lane 3 of one word, lane 0 of the next).
+    both = (lanes[:-1, 3] * lanes[1:, 0]).mean().item()
+    assert within(both, q * q, words - 1)
+
+
+def test_kept_elements_are_scaled_and_the_mean_is_kept() -> None:
+    torch.manual_seed(2)
+    p = 0.1
+    x = torch.rand(1 << 20) + 0.5  # no zeros of its own
+    y = dropout(x, p, training=True)
+    kept = y != 0
+    scale = 1.0 / (1.0 - drop_probability(p))
+    torch.testing.assert_close(y[kept], x[kept] * scale, rtol=0, atol=0)
+    n = x.numel()
+    assert within(1.0 - kept.double().mean().item(), drop_probability(p), n)
+    ones = dropout(torch.ones(n), p, training=True)
+    # mean of (scale × Bernoulli(1 - q)) is 1; its standard deviation is scale·√(q(1-q)/n).
+    bound = 5 * scale * math.sqrt(drop_probability(p) * (1 - drop_probability(p)) / n)
+    assert abs(ones.double().mean().item() - 1.0) <= bound
+
+
+def test_gradient_is_the_scaled_mask() -> None:
+    torch.manual_seed(3)
+    x = torch.randn(64, 33, requires_grad=True)
+    y = dropout(x, 0.25, training=True)
+    y.backward(torch.ones_like(y))
+    assert x.grad is not None
+    kept = y.detach() != 0
+    expected = kept.float() / (1.0 - drop_probability(0.25))
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def test_odd_sizes_and_shapes() -> None:
+    for shape in [(1,), (3,), (5, 7), (2, 3, 5)]:
+        mask = keep_mask(torch.Size(shape), 0.5, CPU)
+        assert mask.shape == shape and mask.dtype == torch.bool
