@@ -27,6 +27,10 @@ def test_drop_probability_is_p_on_a_2_to_16_grid() -> None:
     assert drop_probability(0.1) == 6554 / 65536
     assert drop_probability(0.5) == 0.5
     assert abs(drop_probability(0.3) - 0.3) <= 2**-17
+    # Never 1 for a valid p < 1, so the scale of the kept elements stays finite.
+    assert drop_probability(0.999999) == 1 - 2**-16
+    y = dropout(torch.ones(1000), 0.999999, training=True)
+    assert torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])

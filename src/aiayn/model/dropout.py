@@ -19,9 +19,15 @@ from torch import Tensor
 _LEVELS = 1 << 16  # the drop probability's resolution: one 16-bit quarter of a draw each
 
 
+def _drop_level(p: float) -> int:
+    # Below 1 for any p < 1, so that the kept elements' scale stays finite.
+    return min(round(p * _LEVELS), _LEVELS - 1)
+
+
 def drop_probability(p: float) -> float:
-    """The drop probability :func:`keep_mask` realises for ``p``: a multiple of 2⁻¹⁶."""
-    return round(p * _LEVELS) / _LEVELS
+    """The drop probability :func:`keep_mask` realises for ``p``: a multiple of 2⁻¹⁶
+    (at most 1 - 2⁻¹⁶)."""
+    return _drop_level(p) / _LEVELS
 
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
@@ -32,7 +38,7 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
     # word's four 16-bit quarters is uniform over [-2¹⁵, 2¹⁵) and independent of the others.
     words = torch.randint(-(1 << 63), (1 << 63) - 1, ((n + 3) // 4,), device=device)
     quarters = words.view(torch.int16)[:n]
-    threshold = round(p * _LEVELS) - (1 << 15)  # P(quarter < threshold) = drop_probability(p)
+    threshold = _drop_level(p) - (1 << 15)  # P(quarter < threshold) = drop_probability(p)
     return (quarters >= threshold).view(shape)
 
 
