@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import aiayn.model.dropout as dropout_module
 from aiayn.model.dropout import drop_probability, dropout, keep_mask
 
 CPU = torch.device("cpu")
@@ -29,8 +30,30 @@ def test_drop_probability_is_p_on_a_2_to_16_grid() -> None:
     assert abs(drop_probability(0.3) - 0.3) <= 2**-17
     # Never 1 for a valid p < 1, so the scale of the kept elements stays finite.
     assert drop_probability(0.999999) == 1 - 2**-16
-    y = dropout(torch.ones(1000), 0.999999, training=True)
-    assert torch.isfinite(y).all()
+
+
+def test_threshold_drops_exactly_the_realised_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Feed keep_mask every 16-bit value once: exactly drop_probability(p) · 2¹⁶ are dropped.
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int64).to(torch.int16)
+    words = every.view(torch.int64)  # 16,384 words, four quarters each
+
+    def fake_randint(low: int, high: int, size: tuple[int, ...], device: object) -> torch.Tensor:
+        assert size == (words.numel(),)
+        return words.clone()
+
+    monkeypatch.setattr(dropout_module.torch, "randint", fake_randint)
+    for p in (1e-3, 0.1, 0.3, 0.5, 0.9, 0.999999):
+        dropped = int((~keep_mask(torch.Size([1 << 16]), p, CPU)).sum())
+        assert dropped == round(drop_probability(p) * (1 << 16))
+
+
+def test_p_far_from_the_grid_uses_exact_dropout() -> None:
+    # 1e-5 would become 1.53e-5 on the 2⁻¹⁶ grid: F.dropout draws it exactly instead.
+    torch.manual_seed(4)
+    n = 1 << 22
+    y = dropout(torch.ones(n), 1e-5, training=True)
+    assert within((y == 0).double().mean().item(), 1e-5, n)
+    assert torch.isfinite(dropout(torch.ones(1000), 0.999999, training=True)).all()
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])

@@ -43,10 +43,14 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
 
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    """Inverted dropout: zero each element with probability p, scale the rest by 1/(1 - p)."""
+    """Inverted dropout: zero each element with probability p (on the CPU,
+    ``drop_probability(p)``), scale the rest by the inverse of the keep probability.
+
+    A p that the 2⁻¹⁶ grid would move by more than 0.1% of itself (below ≈ 0.008, or within
+    ≈ 2⁻¹⁶ of 1) goes to ``F.dropout`` instead, which draws one float per element."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    q = drop_probability(p)
+    if x.device.type != "cpu" or abs(q - p) > 1e-3 * p:
         return F.dropout(x, p, training)
-    scale = 1.0 / (1.0 - drop_probability(p))
-    return torch.where(keep_mask(x.shape, p, x.device), x * scale, 0.0)
+    return torch.where(keep_mask(x.shape, p, x.device), x * (1.0 / (1.0 - q)), 0.0)
