@@ -46,8 +46,8 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """Inverted dropout: zero each element with probability p (on the CPU,
     ``drop_probability(p)``), scale the rest by the inverse of the keep probability.
 
-    A p that the 2⁻¹⁶ grid would move by more than 0.1% of itself (below ≈ 0.008, or within
-    ≈ 2⁻¹⁶ of 1) goes to ``F.dropout`` instead, which draws one float per element."""
+    A p that the 2⁻¹⁶ grid would move by more than 0.1% of itself (below ≈ 0.008) goes to
+    ``F.dropout`` instead, which draws one float per element."""
     if not training or p == 0.0:
         return x
     q = drop_probability(p)
