@@ -84,16 +84,17 @@ def test_the_four_elements_of_one_draw_are_independent() -> None:
 def test_kept_elements_are_scaled_and_the_mean_is_kept() -> None:
     torch.manual_seed(2)
     p = 0.1
+    q = drop_probability(p)
     x = torch.rand(1 << 20) + 0.5  # no zeros of its own
     y = dropout(x, p, training=True)
     kept = y != 0
-    scale = 1.0 / (1.0 - drop_probability(p))
+    scale = 1.0 / (1.0 - q)
     torch.testing.assert_close(y[kept], x[kept] * scale, rtol=0, atol=0)
     n = x.numel()
-    assert within(1.0 - kept.double().mean().item(), drop_probability(p), n)
+    assert within(1.0 - kept.double().mean().item(), q, n)
     ones = dropout(torch.ones(n), p, training=True)
     # mean of (scale × Bernoulli(1 - q)) is 1; its standard deviation is scale·√(q(1-q)/n).
-    bound = 5 * scale * math.sqrt(drop_probability(p) * (1 - drop_probability(p)) / n)
+    bound = 5 * scale * math.sqrt(q * (1 - q) / n)
     assert abs(ones.double().mean().item() - 1.0) <= bound
 
 
