@@ -36,7 +36,7 @@ from benchmarks.common import (
 )
 from benchmarks.peers import available
 
-SYSTEMS = ("aiayn", "aiayn-int8", "torch", "hf", "ct2-float32", "ct2-int8")
+SYSTEMS = ("aiayn", "aiayn-int8", "aiayn-packed", "torch", "hf", "ct2-float32", "ct2-int8")
 MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
 ALPHA = 0.6
 
@@ -61,7 +61,7 @@ def suppress_eos(step_fn: StepFn, steps: int) -> StepFn:
     return step
 
 
-def aiayn_decoder(dw: DecodeWorkload, int8: bool) -> Decode:
+def aiayn_decoder(dw: DecodeWorkload, int8: bool, packed: bool = False) -> Decode:
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
     from aiayn.model.transformer import build_model
@@ -81,6 +81,10 @@ def aiayn_decoder(dw: DecodeWorkload, int8: bool) -> Decode:
         from aiayn.inference.translator import quantize_int8
 
         model = quantize_int8(model)
+    if packed:  # what Translator(pack_weights=True) / translate --pack-weights do
+        from aiayn.model.packing import pack_for_inference
+
+        pack_for_inference(model)
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:
@@ -183,8 +187,8 @@ def ct2_decoder(dw: DecodeWorkload, quantization: str, model_dir: Path | None) -
 
 
 def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
-    if system in ("aiayn", "aiayn-int8"):
-        return aiayn_decoder(dw, int8=system == "aiayn-int8")
+    if system in ("aiayn", "aiayn-int8", "aiayn-packed"):
+        return aiayn_decoder(dw, int8=system == "aiayn-int8", packed=system == "aiayn-packed")
     if system == "torch":
         return torch_decoder(dw)
     if system == "hf":
@@ -232,6 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         skip(args.system, f"{', '.join(missing)} not installed (pip install -e '.[bench]')")
         return
+    if args.system == "aiayn-packed":
+        from aiayn.model.packing import packing_available
+
+        if not packing_available():
+            skip(args.system, "this PyTorch has no MKL packed-linear operators")
+            return
     dw = DECODE
     src = decode_sources(dw)
     start = time.perf_counter()

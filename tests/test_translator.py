@@ -239,9 +239,18 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         nbest: int = 1,
         quantize: str | None = None,
         warn: object = None,
+        pack_weights: bool = False,
     ) -> tuple[Translator, None]:
         decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
-        return cls(copy_model, CharTokenizer(), decode, nbest=nbest, device=device), None
+        translator = cls(
+            copy_model,
+            CharTokenizer(),
+            decode,
+            nbest=nbest,
+            device=device,
+            pack_weights=pack_weights,
+        )
+        return translator, None
 
     monkeypatch.setattr(Translator, "from_checkpoint", classmethod(load))
 
@@ -300,6 +309,8 @@ def test_end_to_end_with_a_real_checkpoint(tmp_path: Path, capsys: pytest.Captur
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 3
     assert "line 3: " in captured.err and "exceed the model's 256 positions" in captured.err
+    assert main([*args, "--device", "cpu", "--pack-weights"]) == 0
+    assert capsys.readouterr().out == captured.out  # the same translations
     assert main([*args, "--device", "cpu", "--quantize", "int8"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
 

@@ -51,6 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["int8"],
         help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a little)",
     )
+    parser.add_argument(
+        "--pack-weights",
+        action="store_true",
+        help="pre-pack the float32 weights for MKL (CPU): faster for one to 32 sentences at a "
+        "time (interactive use), no gain for large batches; one more copy of the weights",
+    )
     parser.set_defaults(run=run)
 
 
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             decode_overrides=_decode_overrides(args),
             nbest=args.nbest,
             quantize=args.quantize,
+            pack_weights=args.pack_weights,
         )
     except ValueError as err:
         raise CLIError(str(err)) from None

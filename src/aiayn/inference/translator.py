@@ -33,6 +33,7 @@ from aiayn.inference.search import (
 )
 from aiayn.inference.textio import one_line
 from aiayn.model.cache import DecoderCache
+from aiayn.model.packing import pack_for_inference
 from aiayn.model.transformer import Transformer
 
 
@@ -74,6 +75,9 @@ class Translator:
     output limit ``max_len_a * source_tokens + max_len_b`` and the batch budget
     ``batch_tokens`` (padded source tokens per batch, EOS included). ``nbest`` hypotheses are
     kept per sentence (at most the beam size). ``warn`` receives warnings (default: stderr).
+    ``pack_weights`` packs the float32 linear layers for MKL on the CPU
+    (:func:`aiayn.model.packing.pack_for_inference`): faster decoder steps over 4 to 128 rows
+    (one to 32 sentences with beam 4), for about one more copy of the weights in memory.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Translator:
         nbest: int = 1,
         device: torch.device | str | None = None,
         warn: Callable[[str], None] | None = None,
+        pack_weights: bool = False,
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
         if self.decode.beam_size < 1:
@@ -103,6 +108,8 @@ class Translator:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.warn = warn if warn is not None else _print_warning
+        if pack_weights and self.device.type == "cpu":
+            pack_for_inference(self.model)
         self._banned = torch.tensor([PAD_ID, BOS_ID], device=self.device)
 
     @classmethod
@@ -115,6 +122,7 @@ class Translator:
         nbest: int = 1,
         quantize: str | None = None,
         warn: Callable[[str], None] | None = None,
+        pack_weights: bool = False,
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
@@ -135,6 +143,7 @@ class Translator:
             nbest=nbest,
             device=device,
             warn=warn,
+            pack_weights=pack_weights,
         )
         return translator, config
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.model.packing import linear
+
 
 def attention_mask(src_pad: Tensor | None) -> Tensor | None:
     """The one place where padding becomes an SDPA mask.
@@ -110,17 +112,17 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention projections of x (B, T, d_model), each (B, H, T, Dh)."""
         hk, hv = self.n_heads * self.d_k, self.n_heads * self.d_v
-        q, k, v = self.qkv_proj(x).split([hk, hk, hv], dim=-1)
+        q, k, v = linear(self.qkv_proj, x).split([hk, hk, hv], dim=-1)
         return self._heads(q, self.d_k), self._heads(k, self.d_k), self._heads(v, self.d_v)
 
     def project_q(self, x: Tensor) -> Tensor:
         """Cross-attention query projection of x (B, T, d_model): (B, H, T, Dk)."""
-        return self._heads(self.q_proj(x), self.d_k)
+        return self._heads(linear(self.q_proj, x), self.d_k)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Cross-attention key/value projections of the encoder output (B, S, d_model)."""
         hk, hv = self.n_heads * self.d_k, self.n_heads * self.d_v
-        k, v = self.kv_proj(memory).split([hk, hv], dim=-1)
+        k, v = linear(self.kv_proj, memory).split([hk, hv], dim=-1)
         return self._heads(k, self.d_k), self._heads(v, self.d_v)
 
     def attend(
@@ -137,7 +139,7 @@ class MultiHeadAttention(nn.Module):
         )  # (B, H, T, Dv)
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v)  # (B, T, H*Dv)
-        return self.out_proj(out)
+        return linear(self.out_proj, out)
 
     def forward(
         self,

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.model.dropout import dropout
+from aiayn.model.packing import linear
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -16,12 +17,12 @@ class PositionwiseFeedForward(nn.Module):
         self.relu_dropout = relu_dropout
         # Deviation: the paper does not state an initialisation; Xavier-uniform weights and
         # zero biases, as tensor2tensor and fairseq do.
-        for linear in (self.w1, self.w2):
-            nn.init.xavier_uniform_(linear.weight)
-            nn.init.zeros_(linear.bias)
+        for layer in (self.w1, self.w2):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = F.relu(self.w1(x))  # (B, T, d_ff)
+        hidden = F.relu(linear(self.w1, x))  # (B, T, d_ff)
         if self.relu_dropout > 0.0:
             hidden = dropout(hidden, self.relu_dropout, self.training)
-        return self.w2(hidden)
+        return linear(self.w2, hidden)

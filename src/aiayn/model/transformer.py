@@ -10,6 +10,7 @@ from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
 from aiayn.model.embedding import Embeddings, PositionalEncoding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
+from aiayn.model.packing import linear, refresh, uses_packed
 
 
 class Encoder(nn.Module):
@@ -95,15 +96,17 @@ class Transformer(nn.Module):
 
     def encode(self, src_ids: Tensor, src_pad: Tensor | None) -> Tensor:
         """Encoder output ``memory`` (B, S, d_model)."""
+        refresh(self)  # packed weights (aiayn.model.packing) that went stale are dropped
         return self.encoder(self.src_embed(src_ids), attention_mask(src_pad))
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
         """Decoder hidden states (B, T, d_model) for all target positions (causal)."""
+        refresh(self)
         return self.decoder(self.tgt_embed(tgt_in), memory, attention_mask(src_pad))
 
     def project(self, hidden: Tensor) -> Tensor:
         """Pre-softmax projection to vocabulary logits."""
-        return self.out_proj(hidden)
+        return linear(self.out_proj, hidden)
 
     def forward(
         self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor, project: bool = True
@@ -128,6 +131,7 @@ class Transformer(nn.Module):
             )
         if beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+        refresh(self)
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
@@ -157,9 +161,13 @@ class Transformer(nn.Module):
         buffer that the cache keeps and every call overwrites: it is valid until the next call
         on this cache (search uses it within the step). A step then allocates no
         vocabulary-sized matrix: the logits are written into the buffer and the
-        log-probabilities over them."""
+        log-probabilities over them. After :func:`aiayn.model.packing.pack_for_inference`,
+        steps over few rows project with the packed matrix instead (into a new matrix)."""
         hidden = self._step_hidden(tokens, cache)  # (B, d_model)
         weight = self.out_proj.weight
+        if uses_packed(self.out_proj, hidden):
+            logits = linear(self.out_proj, hidden)
+            return torch.log_softmax(logits, dim=-1, out=logits)
         if (
             torch.is_grad_enabled()
             or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast

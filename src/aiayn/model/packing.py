@@ -1,0 +1,170 @@
+"""Pre-packed weight matrices for CPU inference on few rows (MKL's packed GEMM).
+
+At every call, MKL's ``sgemm`` first copies the weight matrix into the blocked layout its
+kernels read. With many rows that copy is amortised; a decoder step has one row per sentence
+(or beam), and there the copy is a large part of each product. :func:`pack_for_inference`
+makes that copy once per ``nn.Linear`` (``torch.ops.mkl._mkl_reorder_linear_weight``); the
+model's linear layers then call :func:`linear`, which multiplies with the packed copy
+(``torch.ops.mkl._mkl_linear``) when all of these hold, and calls the module as usual
+otherwise:
+
+- autograd and CPU autocast are off (inference), and the input has :data:`MIN_PACKED_ROWS` to
+  :data:`MAX_PACKED_ROWS` rows: fewer and more rows are as fast or faster without packing;
+- the weight is still the one that was packed, unchanged: the same tensor, storage and
+  version counter (an optimizer step, ``load_state_dict`` or ``.to()`` after packing makes the
+  packed copy stale); :func:`refresh` drops stale copies, and ``Transformer.forward``,
+  ``encode`` and ``init_cache`` call it;
+- float32 on the CPU, with PyTorch built with MKL.
+
+The packed layout does not depend on the number of rows that the product is computed for (MKL
+packs the weight operand only); :func:`pack_for_inference` checks every packed matrix against
+``F.linear`` at several row counts and keeps only those that agree. Packed copies are held in
+a table keyed by module, not in the module: ``state_dict``, ``copy.deepcopy`` and pickling
+never see them (MKL's packed buffers must not move in memory), and a copied model simply
+multiplies without them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Products over MIN_PACKED_ROWS to MAX_PACKED_ROWS rows use the packed copy: a decoder step
+# over 1 to 32 sentences with beam 4, or 4 to 128 sentences greedily. Measured with 2 threads
+# (docs/performance.md): at 2-3 rows the plain product is faster (the packed call has a few
+# microseconds more overhead); from 4 rows MKL's plain product takes another, slower path (the
+# (256, 8,000) projection: 151 us at 3 rows, 299 at 4; packed 166), and packed stays 8-60%
+# faster up to 64 rows; at 128 rows 1-8%; level or slower from 256 rows.
+MIN_PACKED_ROWS = 4
+MAX_PACKED_ROWS = 128
+# MKL chooses its packed blocking for a row count; the decoder's typical one.
+PACK_FOR_ROWS = 64
+_CHECK_ROWS = (MIN_PACKED_ROWS, 7, PACK_FOR_ROWS, MAX_PACKED_ROWS)
+
+
+class _Packed:
+    __slots__ = ("data_ptr", "packed", "version", "weight")
+
+    def __init__(self, packed: Tensor, weight: Tensor) -> None:
+        self.packed = packed
+        self.weight = weakref.ref(weight)
+        self.data_ptr = weight.data_ptr()
+        self.version = weight._version
+
+    def matches(self, weight: Tensor) -> bool:
+        return (
+            self.weight() is weight
+            and weight.data_ptr() == self.data_ptr
+            and weight._version == self.version
+        )
+
+
+_PACKED: weakref.WeakKeyDictionary[nn.Module, _Packed] = weakref.WeakKeyDictionary()
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch has MKL and the packed-linear operators."""
+    if not torch.backends.mkl.is_available():
+        return False
+    ops = torch.ops.mkl
+    return hasattr(ops, "_mkl_reorder_linear_weight") and hasattr(ops, "_mkl_linear")
+
+
+def _packable(module: nn.Module) -> bool:
+    if type(module) is not nn.Linear:  # e.g. int8 dynamic quantization's own modules
+        return False
+    weight = module.weight
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+
+
+@torch.no_grad()
+def _pack(module: nn.Linear) -> _Packed | None:
+    weight = module.weight.detach()
+    # An inference tensor has no version counter to tell whether it changed after packing.
+    if not weight.is_contiguous() or module.weight.is_inference():
+        return None
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_FOR_ROWS)
+    generator = torch.Generator().manual_seed(0)
+    for rows in _CHECK_ROWS:
+        x = torch.randn(rows, weight.size(1), generator=generator)
+        got = torch.ops.mkl._mkl_linear(x, packed, weight, module.bias, rows)
+        want = F.linear(x, weight, module.bias)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return None
+    return _Packed(packed, module.weight)
+
+
+def pack_for_inference(model: nn.Module) -> int:
+    """Packs the weight of every float32 CPU ``nn.Linear`` in ``model`` for :func:`linear`;
+    returns how many were packed (0 where MKL's packed operators are missing).
+
+    The packed copies take about as much memory as the weights (the tied output matrix
+    included), for as long as the model lives or until :func:`unpack`. Call it once the weights
+    are final: a weight changed afterwards is multiplied without its stale copy."""
+    if not packing_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if _packable(module):
+            assert isinstance(module, nn.Linear)
+            packed = _pack(module)
+            if packed is not None:
+                _PACKED[module] = packed
+                count += 1
+    return count
+
+
+def unpack(model: nn.Module) -> None:
+    """Drops the packed copies of ``model``'s linear layers."""
+    for module in model.modules():
+        _PACKED.pop(module, None)
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether ``module`` has a packed copy that still matches its weight."""
+    packed = _PACKED.get(module)
+    return packed is not None and isinstance(module, nn.Linear) and packed.matches(module.weight)
+
+
+def refresh(model: nn.Module) -> None:
+    """Drops the packed copies of ``model``'s linear layers whose weight changed since packing
+    (another tensor or storage, or modified in place). ``Transformer.forward``, ``encode`` and
+    ``init_cache`` call it, so a decode never multiplies with a stale copy; :func:`linear`
+    itself does not check (a microsecond per call, ~20 calls per decoder step)."""
+    if not _PACKED:
+        return
+    for module in model.modules():
+        packed = _PACKED.get(module)
+        if packed is not None and not (
+            isinstance(module, nn.Linear) and packed.matches(module.weight)
+        ):
+            del _PACKED[module]
+
+
+def uses_packed(module: nn.Module, x: Tensor) -> bool:
+    """Whether :func:`linear` would multiply ``x`` with ``module``'s packed copy."""
+    # The cheapest test first: most calls (one row, or training batches) end here.
+    rows = x.numel() // x.shape[-1] if _PACKED else 0
+    return (
+        MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS
+        and module in _PACKED
+        and not torch.is_grad_enabled()
+        and x.dtype is torch.float32
+        and x.is_contiguous()
+        and not torch.is_autocast_enabled("cpu")  # the packed product would skip autocast
+    )
+
+
+def linear(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)``, through the packed copy of its weight when ``x`` has
+    ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows (see the module docstring)."""
+    if uses_packed(module, x):
+        assert isinstance(module, nn.Linear)
+        rows = x.numel() // x.shape[-1]
+        return torch.ops.mkl._mkl_linear(
+            x, _PACKED[module].packed, module.weight, module.bias, rows
+        )
+    return module(x)
