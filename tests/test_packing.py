@@ -165,7 +165,7 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
     pack_for_inference(model)
     layer = model.decoder.layers[0].ffn.w1
     with torch.no_grad():
-        layer.weight.mul_(2.0)  # in place, as an optimizer step or load_state_dict would
+        layer.weight.mul_(2.0)  # in place, as load_state_dict or copy_ would
     got = _step_log_probs(model, 6)
     assert not is_packed(layer)  # encode / init_cache dropped the stale copy
     assert is_packed(model.decoder.layers[0].ffn.w2)
@@ -211,3 +211,97 @@ def test_uses_packed_matches_what_linear_does(packed_calls: list[int]) -> None:
             before = len(packed_calls)
             linear(layer, x)
             assert uses_packed(layer, x) == (len(packed_calls) == before + 1)
+
+
+def test_an_optimizer_step_drops_the_packed_copies() -> None:
+    """Fused Adam (the trainer's CPU optimizer) changes weights without bumping their version
+    counter: packed copies must not survive a step."""
+    from aiayn.config import TrainConfig
+    from aiayn.training.optim import build_optimizer
+
+    model = _model().train()
+    optimizer = build_optimizer(model, TrainConfig())
+    pack_for_inference(model)
+    assert all(is_packed(m) for m in _linears(model))
+    src = torch.randint(4, 50, (3, 5))
+    model(src, None, src).logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert not any(is_packed(m) for m in _linears(model))
+    model.eval()
+    got = _step_log_probs(model, 6)
+    unpack(model)
+    assert_close(got, _step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("entry", ["init_cache", "decode"])
+def test_every_entry_point_drops_stale_copies(entry: str) -> None:
+    model = _model()
+    pack_for_inference(model)
+    layer = model.decoder.layers[1].self_attn.qkv_proj
+    with torch.no_grad():
+        layer.weight.add_(0.5)
+        memory = torch.randn(2, 3, 32)
+        if entry == "init_cache":
+            model.init_cache(memory, None, max_len=2)
+        else:
+            model.decode(torch.randint(4, 50, (2, 2)), memory, None)
+        x = torch.randn(8, 32)
+        # linear() trusts the table: the stale copy must be gone from it, the others not.
+        assert not uses_packed(layer, x)
+        assert uses_packed(model.decoder.layers[0].self_attn.qkv_proj, x)
+
+
+def test_the_layer_itself_where_packing_would_change_behaviour(
+    packed_calls: list[int],
+) -> None:
+    layer = nn.Linear(16, 24)
+    _pack(layer, packed_calls)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):  # the wrong width fails as nn.Linear fails
+            linear(layer, torch.randn(8, 20))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear(layer, torch.randn(8, 16)).dtype == torch.bfloat16
+        seen: list[int] = []
+        handle = layer.register_forward_hook(lambda m, args, out: seen.append(out.size(0)))
+        linear(layer, torch.randn(8, 16))
+        handle.remove()
+        assert seen == [8]
+        assert linear(layer, torch.randn(8, 0, 16)).shape == (8, 0, 24)  # no rows
+    assert packed_calls == []
+
+
+def test_a_pack_that_disagrees_with_the_plain_product_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = torch.ops.mkl._mkl_linear
+
+    def wrong_from_13_rows(
+        x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None, rows: int
+    ) -> Tensor:
+        out = real(x, packed, weight, bias, rows)
+        return out + 1e-2 if rows >= 13 else out
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", wrong_from_13_rows)
+    assert pack_for_inference(nn.Linear(16, 24)) == 0
+
+
+def test_translator_packs_on_request_and_says_when_it_cannot() -> None:
+    from aiayn.inference.translator import Translator
+
+    class Letters:
+        vocab_size = 50
+
+        def encode(self, text: str) -> list[int]:
+            return [4 + (ord(c) % 40) for c in text]
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    model = _model()
+    warnings: list[str] = []
+    Translator(model, Letters(), warn=warnings.append)  # type: ignore[arg-type]
+    assert not any(is_packed(m) for m in _linears(model))
+    Translator(model, Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
+    assert all(is_packed(m) for m in _linears(model)) and warnings == []
+    Translator(model.double(), Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
+    assert len(warnings) == 1 and "nothing to pack" in warnings[0]

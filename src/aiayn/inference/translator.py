@@ -108,8 +108,11 @@ class Translator:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.warn = warn if warn is not None else _print_warning
-        if pack_weights and self.device.type == "cpu":
-            pack_for_inference(self.model)
+        if pack_weights and (self.device.type != "cpu" or pack_for_inference(self.model) == 0):
+            self.warn(
+                "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
+                "and a PyTorch built with MKL); decoding without it"
+            )
         self._banned = torch.tensor([PAD_ID, BOS_ID], device=self.device)
 
     @classmethod

@@ -10,15 +10,23 @@ otherwise:
 
 - autograd and CPU autocast are off (inference), and the input has :data:`MIN_PACKED_ROWS` to
   :data:`MAX_PACKED_ROWS` rows: fewer and more rows are as fast or faster without packing;
-- the weight is still the one that was packed, unchanged: the same tensor, storage and
-  version counter (an optimizer step, ``load_state_dict`` or ``.to()`` after packing makes the
-  packed copy stale); :func:`refresh` drops stale copies, and ``Transformer.forward``,
-  ``encode`` and ``init_cache`` call it;
-- float32 on the CPU, with PyTorch built with MKL.
+- the weight is still the one that was packed: :func:`refresh` (called by ``Transformer.encode``,
+  ``decode`` and ``init_cache``) drops a copy whose weight is another tensor or storage or was
+  changed in place through autograd's version counter (``load_state_dict``, ``.to()``,
+  ``copy_``), and any optimizer step drops every packed copy (fused Adam does not bump the
+  version counter). Writes that bypass both (``weight.data`` or NumPy views) are not noticed:
+  call :func:`unpack` after them;
+- the input is a contiguous float32 CPU tensor of the layer's width, the layer has no forward
+  hooks, and autocast is off.
 
-The packed layout does not depend on the number of rows that the product is computed for (MKL
-packs the weight operand only); :func:`pack_for_inference` checks every packed matrix against
-``F.linear`` at several row counts and keeps only those that agree. Packed copies are held in
+PyTorch's own ``_mkl_linear`` uses a packed matrix only for the row count it was packed for;
+here the actual row count is passed instead, which relies on MKL's packed layout of the weight
+operand not depending on the other operand's row count (CTranslate2 packs its weights the
+same way). MKL does not document this, so :func:`pack_for_inference` checks every packed
+matrix against ``F.linear`` at ten row counts from 4 to 128 and keeps only those that agree.
+Memory: MKL reserves at least ~7.6 MB of address space per packed matrix and more than the
+weight's size; measured resident memory grows by 1.25-1.8x the packed weights (the SMALL
+benchmark model, 29 MB of weights: +44-52 MB; BASE, 241 MB: +302 MB). Packed copies are held in
 a table keyed by module, not in the module: ``state_dict``, ``copy.deepcopy`` and pickling
 never see them (MKL's packed buffers must not move in memory), and a copied model simply
 multiplies without them.
@@ -31,6 +39,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 # Products over MIN_PACKED_ROWS to MAX_PACKED_ROWS rows use the packed copy: a decoder step
 # over 1 to 32 sentences with beam 4, or 4 to 128 sentences greedily. Measured with 2 threads
@@ -42,7 +52,7 @@ MIN_PACKED_ROWS = 4
 MAX_PACKED_ROWS = 128
 # MKL chooses its packed blocking for a row count; the decoder's typical one.
 PACK_FOR_ROWS = 64
-_CHECK_ROWS = (MIN_PACKED_ROWS, 7, PACK_FOR_ROWS, MAX_PACKED_ROWS)
+_CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_PACKED_ROWS)
 
 
 class _Packed:
@@ -50,19 +60,26 @@ class _Packed:
 
     def __init__(self, packed: Tensor, weight: Tensor) -> None:
         self.packed = packed
-        self.weight = weakref.ref(weight)
+        # id, not a weak reference: a weakly referenced tensor cannot be swapped in place
+        # (torch.utils.swap_tensors); the storage pointer and version make the check.
+        self.weight = id(weight)
         self.data_ptr = weight.data_ptr()
         self.version = weight._version
 
     def matches(self, weight: Tensor) -> bool:
         return (
-            self.weight() is weight
+            id(weight) == self.weight
             and weight.data_ptr() == self.data_ptr
             and weight._version == self.version
         )
 
 
 _PACKED: weakref.WeakKeyDictionary[nn.Module, _Packed] = weakref.WeakKeyDictionary()
+_hook: RemovableHandle | None = None
+
+
+def _drop_all_after_step(*_: object) -> None:
+    _PACKED.clear()
 
 
 def packing_available() -> bool:
@@ -101,11 +118,13 @@ def pack_for_inference(model: nn.Module) -> int:
     """Packs the weight of every float32 CPU ``nn.Linear`` in ``model`` for :func:`linear`;
     returns how many were packed (0 where MKL's packed operators are missing).
 
-    The packed copies take about as much memory as the weights (the tied output matrix
-    included), for as long as the model lives or until :func:`unpack`. Call it once the weights
-    are final: a weight changed afterwards is multiplied without its stale copy."""
+    The packed copies take more memory than the weights (see the module docstring), for as
+    long as the model lives or until :func:`unpack`. Call it once the weights are final."""
+    global _hook
     if not packing_available():
         return 0
+    if _hook is None:  # any optimizer step makes packed copies stale
+        _hook = register_optimizer_step_post_hook(_drop_all_after_step)
     count = 0
     for module in model.modules():
         if _packable(module):
@@ -129,42 +148,50 @@ def is_packed(module: nn.Module) -> bool:
     return packed is not None and isinstance(module, nn.Linear) and packed.matches(module.weight)
 
 
-def refresh(model: nn.Module) -> None:
-    """Drops the packed copies of ``model``'s linear layers whose weight changed since packing
-    (another tensor or storage, or modified in place). ``Transformer.forward``, ``encode`` and
-    ``init_cache`` call it, so a decode never multiplies with a stale copy; :func:`linear`
-    itself does not check (a microsecond per call, ~20 calls per decoder step)."""
+def refresh() -> None:
+    """Drops every packed copy whose weight changed since packing (another tensor or storage,
+    or modified in place). ``Transformer.encode``, ``decode`` and ``init_cache`` call it, so a
+    decode never multiplies with a stale copy; :func:`linear` itself does not check (a
+    microsecond per call, ~20 calls per decoder step)."""
+    for module, packed in list(_PACKED.items()):
+        if not (isinstance(module, nn.Linear) and packed.matches(module.weight)):
+            _PACKED.pop(module, None)
+
+
+def _usable(module: nn.Module, x: Tensor) -> _Packed | None:
     if not _PACKED:
-        return
-    for module in model.modules():
-        packed = _PACKED.get(module)
-        if packed is not None and not (
-            isinstance(module, nn.Linear) and packed.matches(module.weight)
-        ):
-            del _PACKED[module]
+        return None
+    width = x.shape[-1] if x.dim() else 0
+    # The cheapest tests first: most calls (one row, or training batches) end here.
+    if not width or not MIN_PACKED_ROWS <= x.numel() // width <= MAX_PACKED_ROWS:
+        return None
+    packed = _PACKED.get(module)
+    if (
+        packed is None
+        or torch.is_grad_enabled()
+        or not isinstance(module, nn.Linear)
+        or width != module.in_features
+        or x.dtype is not torch.float32
+        or not x.is_contiguous()
+        or torch.is_autocast_enabled("cpu")  # the packed product would skip autocast
+        or module._forward_hooks
+        or module._forward_pre_hooks
+    ):
+        return None
+    return packed
 
 
 def uses_packed(module: nn.Module, x: Tensor) -> bool:
     """Whether :func:`linear` would multiply ``x`` with ``module``'s packed copy."""
-    # The cheapest test first: most calls (one row, or training batches) end here.
-    rows = x.numel() // x.shape[-1] if _PACKED else 0
-    return (
-        MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS
-        and module in _PACKED
-        and not torch.is_grad_enabled()
-        and x.dtype is torch.float32
-        and x.is_contiguous()
-        and not torch.is_autocast_enabled("cpu")  # the packed product would skip autocast
-    )
+    return _usable(module, x) is not None
 
 
 def linear(module: nn.Module, x: Tensor) -> Tensor:
     """``module(x)``, through the packed copy of its weight when ``x`` has
     ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows (see the module docstring)."""
-    if uses_packed(module, x):
-        assert isinstance(module, nn.Linear)
-        rows = x.numel() // x.shape[-1]
-        return torch.ops.mkl._mkl_linear(
-            x, _PACKED[module].packed, module.weight, module.bias, rows
-        )
-    return module(x)
+    packed = _usable(module, x)
+    if packed is None:
+        return module(x)
+    assert isinstance(module, nn.Linear)
+    rows = x.numel() // x.shape[-1]
+    return torch.ops.mkl._mkl_linear(x, packed.packed, module.weight, module.bias, rows)

@@ -96,12 +96,12 @@ class Transformer(nn.Module):
 
     def encode(self, src_ids: Tensor, src_pad: Tensor | None) -> Tensor:
         """Encoder output ``memory`` (B, S, d_model)."""
-        refresh(self)  # packed weights (aiayn.model.packing) that went stale are dropped
+        refresh()  # packed weights (aiayn.model.packing) that went stale are dropped
         return self.encoder(self.src_embed(src_ids), attention_mask(src_pad))
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
         """Decoder hidden states (B, T, d_model) for all target positions (causal)."""
-        refresh(self)
+        refresh()
         return self.decoder(self.tgt_embed(tgt_in), memory, attention_mask(src_pad))
 
     def project(self, hidden: Tensor) -> Tensor:
@@ -131,7 +131,7 @@ class Transformer(nn.Module):
             )
         if beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
-        refresh(self)
+        refresh()
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
