@@ -16,8 +16,8 @@ otherwise:
   ``copy_``), and any optimizer step drops every packed copy (fused Adam does not bump the
   version counter). Writes that bypass both (``weight.data`` or NumPy views) are not noticed:
   call :func:`unpack` after them;
-- the input is a contiguous float32 CPU tensor of the layer's width, the layer has no forward
-  hooks, and autocast is off.
+- the input is a contiguous float32 CPU tensor of the layer's width, and the layer has no
+  forward hooks.
 
 PyTorch's own ``_mkl_linear`` uses a packed matrix only for the row count it was packed for;
 here the actual row count is passed instead, which relies on MKL's packed layout of the weight
@@ -56,19 +56,19 @@ _CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_
 
 
 class _Packed:
-    __slots__ = ("data_ptr", "packed", "version", "weight")
+    __slots__ = ("data_ptr", "packed", "version", "weight_id")
 
     def __init__(self, packed: Tensor, weight: Tensor) -> None:
         self.packed = packed
         # id, not a weak reference: a weakly referenced tensor cannot be swapped in place
         # (torch.utils.swap_tensors); the storage pointer and version make the check.
-        self.weight = id(weight)
+        self.weight_id = id(weight)
         self.data_ptr = weight.data_ptr()
         self.version = weight._version
 
     def matches(self, weight: Tensor) -> bool:
         return (
-            id(weight) == self.weight
+            id(weight) == self.weight_id
             and weight.data_ptr() == self.data_ptr
             and weight._version == self.version
         )
