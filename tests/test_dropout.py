@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import aiayn.model.dropout as dropout_module
-from aiayn.model.dropout import drop_probability, dropout, keep_mask
+from aiayn.model.dropout import drop_probability, dropout, dropout_add, keep_mask
 
 CPU = torch.device("cpu")
 
@@ -113,3 +113,30 @@ def test_odd_sizes_and_shapes() -> None:
     for shape in [(1,), (3,), (5, 7), (2, 3, 5)]:
         mask = keep_mask(torch.Size(shape), 0.5, CPU)
         assert mask.shape == shape and mask.dtype == torch.bool
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.005])  # 0.005: the F.dropout fallback
+def test_dropout_add_is_the_residual_sum_with_the_same_mask_and_gradients(p: float) -> None:
+    """dropout_add(x, y) is x + dropout(y) for the same random state: same values (exactly),
+    same gradients."""
+    x1 = torch.randn(6, 7, 33, requires_grad=True)
+    y1 = torch.randn(6, 7, 33, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    y2 = y1.detach().clone().requires_grad_()
+    grad = torch.randn(6, 7, 33)
+    torch.manual_seed(11)
+    want = x1 + dropout(y1, p, training=True)
+    want.backward(grad)
+    torch.manual_seed(11)
+    got = dropout_add(x2, y2, p, training=True)
+    got.backward(grad)
+    assert torch.equal(got, want)
+    assert x2.grad is not None and x1.grad is not None and torch.equal(x2.grad, x1.grad)
+    assert y2.grad is not None and y1.grad is not None and torch.equal(y2.grad, y1.grad)
+    assert 0 < int((got == x2).sum()) < got.numel()  # some elements of y dropped, not all
+
+
+def test_dropout_add_without_dropout_is_the_sum() -> None:
+    x, y = torch.randn(4, 9), torch.randn(4, 9)
+    assert torch.equal(dropout_add(x, y, 0.1, training=False), x + y)
+    assert torch.equal(dropout_add(x, y, 0.0, training=True), x + y)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import LayerCache
-from aiayn.model.dropout import dropout as apply_dropout
+from aiayn.model.dropout import dropout_add
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 
@@ -24,8 +24,8 @@ def _residual(
     pre_norm: bool,
 ) -> Tensor:
     if pre_norm:
-        return x + apply_dropout(sublayer(norm(x)), dropout, training)
-    return norm(x + apply_dropout(sublayer(x), dropout, training))
+        return dropout_add(x, sublayer(norm(x)), dropout, training)
+    return norm(dropout_add(x, sublayer(x), dropout, training))
 
 
 def _attention(config: ModelConfig, self_attention: bool) -> MultiHeadAttention:
