@@ -77,7 +77,7 @@ class Translator:
     kept per sentence (at most the beam size). ``warn`` receives warnings (default: stderr).
     ``pack_weights`` packs the float32 linear layers for MKL on the CPU
     (:func:`aiayn.model.packing.pack_for_inference`): faster decoder steps over 4 to 128 rows
-    (one to 32 sentences with beam 4), for about one more copy of the weights in memory.
+    (one to 32 sentences with beam 4), for 1.25-1.8x the weights' size more memory.
     """
 
     def __init__(
