@@ -30,6 +30,15 @@ def drop_probability(p: float) -> float:
     return _drop_level(p) / _LEVELS
 
 
+def _grid_probability(p: float, device: torch.device) -> float | None:
+    """``drop_probability(p)`` where :func:`keep_mask` serves: on the CPU, for a p that the
+    2⁻¹⁶ grid moves by at most 0.1% of itself; None where ``F.dropout`` does instead."""
+    q = drop_probability(p)
+    if device.type != "cpu" or abs(q - p) > 1e-3 * p:
+        return None
+    return q
+
+
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
     """Bool mask of ``shape``, each element independently False with probability
     ``drop_probability(p)``."""
@@ -50,8 +59,8 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     ``F.dropout`` instead, which draws one float per element."""
     if not training or p == 0.0:
         return x
-    q = drop_probability(p)
-    if x.device.type != "cpu" or abs(q - p) > 1e-3 * p:
+    q = _grid_probability(p, x.device)
+    if q is None:
         return F.dropout(x, p, training)
     return torch.where(keep_mask(x.shape, p, x.device), x * (1.0 / (1.0 - q)), 0.0)
 
@@ -63,7 +72,7 @@ def dropout_add(x: Tensor, y: Tensor, p: float, training: bool) -> Tensor:
     mask and values as :func:`dropout` for the same random state."""
     if not training or p == 0.0:
         return x + y
-    q = drop_probability(p)
-    if y.device.type != "cpu" or abs(q - p) > 1e-3 * p:
+    q = _grid_probability(p, y.device)
+    if q is None:
         return x + F.dropout(y, p, training)
     return torch.addcmul(x, y, keep_mask(y.shape, p, y.device), value=1.0 / (1.0 - q))

@@ -186,12 +186,19 @@ def uses_packed(module: nn.Module, x: Tensor) -> bool:
     return _usable(module, x) is not None
 
 
-def linear(module: nn.Module, x: Tensor) -> Tensor:
-    """``module(x)``, through the packed copy of its weight when ``x`` has
-    ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows (see the module docstring)."""
+def packed_product(module: nn.Module, x: Tensor) -> Tensor | None:
+    """``module(x)`` through the packed copy of its weight, or None where :func:`linear` would
+    call the module itself."""
     packed = _usable(module, x)
     if packed is None:
-        return module(x)
+        return None
     assert isinstance(module, nn.Linear)
     rows = x.numel() // x.shape[-1]
     return torch.ops.mkl._mkl_linear(x, packed.packed, module.weight, module.bias, rows)
+
+
+def linear(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)``, through the packed copy of its weight when ``x`` has
+    ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows (see the module docstring)."""
+    out = packed_product(module, x)
+    return module(x) if out is None else out

@@ -10,7 +10,7 @@ from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
 from aiayn.model.embedding import Embeddings, PositionalEncoding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
-from aiayn.model.packing import linear, refresh, uses_packed
+from aiayn.model.packing import linear, packed_product, refresh
 
 
 class Encoder(nn.Module):
@@ -165,8 +165,8 @@ class Transformer(nn.Module):
         steps over few rows project with the packed matrix instead (into a new matrix)."""
         hidden = self._step_hidden(tokens, cache)  # (B, d_model)
         weight = self.out_proj.weight
-        if uses_packed(self.out_proj, hidden):
-            logits = linear(self.out_proj, hidden)
+        logits = packed_product(self.out_proj, hidden)
+        if logits is not None:
             return torch.log_softmax(logits, dim=-1, out=logits)
         if (
             torch.is_grad_enabled()
