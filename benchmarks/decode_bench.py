@@ -65,7 +65,9 @@ def aiayn_decoder(dw: DecodeWorkload, int8: bool, packed: bool = False) -> Decod
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
     from aiayn.model.transformer import build_model
+    from aiayn.runtime import reuse_decoding_memory
 
+    reuse_decoding_memory()  # as aiayn's Translator does on the CPU
     w = dw.model
     config = ModelConfig(
         vocab_size=w.vocab_size,

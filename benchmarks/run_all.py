@@ -58,7 +58,8 @@ DECODE_ARGS = {"full": ["--repeats", "3"], "quick": ["--repeats", "1", "--single
 
 
 # aiayn's training processes keep freed memory for reuse (``aiayn.runtime.retain_freed_memory``,
-# which its Trainer calls); ``--peer-malloc retained`` gives the peers' processes the same
+# which its Trainer calls; its decoding processes the bounded ``reuse_decoding_memory``, as its
+# Translator does); ``--peer-malloc retained`` gives the peers' processes the same
 # glibc setting through the environment, to show what it is worth to them.
 RETAINED_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(RETAIN_THRESHOLD),
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             "No GPU on this machine: the GPU benchmarks of the issue (bf16, flash attention, "
             "compile) were not run.",
             "aiayn's training processes keep freed memory for reuse (aiayn.runtime, as its "
-            "Trainer does; its decoding runs with malloc as it comes); the peers' processes ran "
+            "Trainer does), its decoding processes freed blocks under 16 MiB (as its Translator "
+            "does); the peers' processes ran "
             "with glibc's malloc "
             + (
                 "given the same setting (--peer-malloc retained)."

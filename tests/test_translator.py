@@ -223,6 +223,18 @@ def test_bad_settings() -> None:
         Translator(model, CharTokenizer(), replace(DecodeConfig(), beam_size=0))
 
 
+def test_cpu_translator_keeps_a_steps_freed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Translator on the CPU asks for the decoding allocator setting (aiayn.runtime)."""
+    import aiayn.inference.translator as translator_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(translator_module, "reuse_decoding_memory", lambda: calls.append("x"))
+    Translator(tiny_model(), CharTokenizer())
+    assert calls == ["x"]
+    Translator(tiny_model(), CharTokenizer(), device="meta")  # not the CPU: left alone
+    assert calls == ["x"]
+
+
 # -- the command line --------------------------------------------------------------------------
 
 

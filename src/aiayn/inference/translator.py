@@ -35,6 +35,7 @@ from aiayn.inference.textio import one_line
 from aiayn.model.cache import DecoderCache
 from aiayn.model.packing import pack_for_inference
 from aiayn.model.transformer import Transformer
+from aiayn.runtime import reuse_decoding_memory
 
 
 class TextTokenizer(Protocol):
@@ -108,6 +109,8 @@ class Translator:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.warn = warn if warn is not None else _print_warning
+        if self.device.type == "cpu":
+            reuse_decoding_memory()  # a step's freed blocks are reused (aiayn.runtime)
         if pack_weights and (self.device.type != "cpu" or pack_for_inference(self.model) == 0):
             self.warn(
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
