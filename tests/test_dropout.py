@@ -109,6 +109,15 @@ def test_gradient_is_the_scaled_mask() -> None:
     torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
 
 
+def test_a_float_mask_is_the_bool_mask_written_as_0_and_1() -> None:
+    torch.manual_seed(5)
+    as_bool = keep_mask(torch.Size([3, 1001]), 0.1, CPU)
+    torch.manual_seed(5)
+    as_float = keep_mask(torch.Size([3, 1001]), 0.1, CPU, torch.float32)
+    assert as_float.dtype == torch.float32 and as_float.shape == (3, 1001)
+    assert torch.equal(as_float, as_bool.float())
+
+
 def test_odd_sizes_and_shapes() -> None:
     for shape in [(1,), (3,), (5, 7), (2, 3, 5)]:
         mask = keep_mask(torch.Size(shape), 0.5, CPU)

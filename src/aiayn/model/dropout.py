@@ -6,8 +6,11 @@ project's 2-core benchmark machine, times 32 dropout sites in the base model. He
 draw serves four elements, each 16-bit quarter compared with a threshold: an independent
 Bernoulli keep mask per element, with the drop probability rounded to a multiple of 2⁻¹⁶
 (0.1 becomes 6,554 / 65,536 = 0.10000610; the kept elements are scaled by the exact
-1 / (1 - that), so the expectation is unchanged), kept as a bool tensor for the backward pass
-(1 byte per element instead of a 4-byte float mask). On other devices it is ``F.dropout``.
+1 / (1 - that), so the expectation is unchanged). :func:`dropout` keeps the mask as a bool
+tensor for the backward pass (1 byte per element); :func:`dropout_add` (the residual
+connections) makes it directly in float32 when the activations are float32, so that neither
+its forward nor its backward pass converts a bool mask (4 bytes per element). On other
+devices it is ``F.dropout``.
 """
 
 from __future__ import annotations
@@ -39,16 +42,19 @@ def _grid_probability(p: float, device: torch.device) -> float | None:
     return q
 
 
-def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
-    """Bool mask of ``shape``, each element independently False with probability
-    ``drop_probability(p)``."""
+def keep_mask(
+    shape: torch.Size, p: float, device: torch.device, dtype: torch.dtype = torch.bool
+) -> Tensor:
+    """Mask of ``shape``, each element independently False (0) with probability
+    ``drop_probability(p)``, else True (1): bool, or written directly as ``dtype``."""
     n = shape.numel()
     # Uniform over all 64-bit words (``random_()`` would leave the sign bit 0), so each of a
     # word's four 16-bit quarters is uniform over [-2¹⁵, 2¹⁵) and independent of the others.
     words = torch.randint(-(1 << 63), (1 << 63) - 1, ((n + 3) // 4,), device=device)
     quarters = words.view(torch.int16)[:n]
     threshold = _drop_level(p) - (1 << 15)  # P(quarter < threshold) = drop_probability(p)
-    return (quarters >= threshold).view(shape)
+    mask = torch.empty(n, dtype=dtype, device=device)
+    return torch.ge(quarters, threshold, out=mask).view(shape)
 
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -68,11 +74,14 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 def dropout_add(x: Tensor, y: Tensor, p: float, training: bool) -> Tensor:
     """``x + dropout(y, p, training)``, the residual connection around a sub-layer, in one
     pass on the CPU: ``addcmul(x, y, keep_mask, value=1 / (1 - p'))`` instead of a multiply,
-    a select and an add (and one pass instead of two for the gradient of ``y``). The same
-    mask and values as :func:`dropout` for the same random state."""
+    a select and an add (and one pass instead of two for the gradient of ``y``), with the
+    mask made in y's dtype where that is float32 (a bool mask would be converted to float
+    once forward and once backward). The same mask and values as :func:`dropout` for the
+    same random state."""
     if not training or p == 0.0:
         return x + y
     q = _grid_probability(p, y.device)
     if q is None:
         return x + F.dropout(y, p, training)
-    return torch.addcmul(x, y, keep_mask(y.shape, p, y.device), value=1.0 / (1.0 - q))
+    dtype = torch.float32 if y.dtype == torch.float32 else torch.bool
+    return torch.addcmul(x, y, keep_mask(y.shape, p, y.device, dtype), value=1.0 / (1.0 - q))
