@@ -18,16 +18,16 @@ leaves ``malloc`` as it is.
 
 Decoding keeps a bounded version, :func:`reuse_decoding_memory` (called by
 :class:`aiayn.inference.translator.Translator` on the CPU): blocks under 16 MiB come from the
-heap, and up to 16 MiB free at its top stays there. A step's activations, the search's
+heap, and up to 32 MiB free at its top stays there. A step's activations, the search's
 temporaries and a small batch's caches and vocabulary matrix are then reused from one step or
 batch to the next (the benchmark's beam 4 over 64 sentences: ~14,500 minor page faults per
 decode → ~0, 3-4% faster; greedy ~3%), while larger blocks, such as the caches of a big
 batch, are still mapped afresh and given back, so that a heap of many batches' different sizes
 does not fragment. Keeping everything instead (1 GiB, as in training) made ``aiayn
 translate`` on Multi30k val peak at 770-850 MB instead of 540 MB; with the bounded setting it
-peaks at 547 MB (559 MB without), in the same time (4.96-5.06 s). The settings are for the whole
-process and are only ever raised: where one process trains and then translates (``aiayn
-demo``), the translation runs with the training setting.
+peaks at 547-548 MB (528-554 MB without), in the same time (4.8-5.2 s). The settings are for
+the whole process and are only ever raised: where one process trains and then translates
+(``aiayn demo``), the translation runs with the training setting.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections.abc import Callable
 ENV_VAR = "AIAYN_MALLOC"
 THRESHOLD = 1 << 30  # 1 GiB: blocks below it come from (and go back to) the heap
 DECODING_MMAP_THRESHOLD = 16 << 20  # decoding: blocks below 16 MiB come from the heap
-DECODING_TRIM_THRESHOLD = 16 << 20  # ... and up to 16 MiB free at its top stays there
+DECODING_TRIM_THRESHOLD = 32 << 20  # ... and up to 32 MiB free at its top stays there
 
 # mallopt(3) parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -62,7 +62,7 @@ def retain_freed_memory() -> bool:
 
 
 def reuse_decoding_memory() -> bool:
-    """Keep freed blocks under 16 MiB in the heap, and up to 16 MiB free at its top
+    """Keep freed blocks under 16 MiB in the heap, and up to 32 MiB free at its top
     (decoding); a larger setting already in force (training's) stays. Returns True when these
     thresholds or larger ones are in force, under the same conditions as
     :func:`retain_freed_memory`."""
