@@ -8,9 +8,9 @@ Bernoulli keep mask per element, with the drop probability rounded to a multiple
 (0.1 becomes 6,554 / 65,536 = 0.10000610; the kept elements are scaled by the exact
 1 / (1 - that), so the expectation is unchanged). :func:`dropout` keeps the mask as a bool
 tensor for the backward pass (1 byte per element); :func:`dropout_add` (the residual
-connections) makes it directly in float32 when the activations are float32, so that neither
-its forward nor its backward pass converts a bool mask (4 bytes per element). On other
-devices it is ``F.dropout``.
+connections) makes it directly in the activations' dtype, so that neither its forward nor its
+backward pass converts a bool mask (4 bytes per element in float32). On other devices it is
+``F.dropout``.
 """
 
 from __future__ import annotations
@@ -75,13 +75,11 @@ def dropout_add(x: Tensor, y: Tensor, p: float, training: bool) -> Tensor:
     """``x + dropout(y, p, training)``, the residual connection around a sub-layer, in one
     pass on the CPU: ``addcmul(x, y, keep_mask, value=1 / (1 - p'))`` instead of a multiply,
     a select and an add (and one pass instead of two for the gradient of ``y``), with the
-    mask made in y's dtype where that is float32 (a bool mask would be converted to float
-    once forward and once backward). The same mask and values as :func:`dropout` for the
-    same random state."""
+    mask made in y's dtype (a bool mask would be converted once forward and once backward).
+    The same mask and values as :func:`dropout` for the same random state."""
     if not training or p == 0.0:
         return x + y
     q = _grid_probability(p, y.device)
     if q is None:
         return x + F.dropout(y, p, training)
-    dtype = torch.float32 if y.dtype == torch.float32 else torch.bool
-    return torch.addcmul(x, y, keep_mask(y.shape, p, y.device, dtype), value=1.0 / (1.0 - q))
+    return torch.addcmul(x, y, keep_mask(y.shape, p, y.device, y.dtype), value=1.0 / (1.0 - q))
