@@ -68,18 +68,20 @@ def _faults(result: dict[str, object], work: str) -> int:
 def test_retained_memory_is_reused_without_page_faults() -> None:
     tuned = _probe(None, "retain_freed_memory")
     assert tuned["applied"] == [True]
-    # 10 x 40 MiB = 102,400 pages if each allocation were mapped afresh; retained, at most
-    # one of them (seldom: the heap may still grow once) faults its 10,240 pages.
-    assert _faults(tuned, "40") < 25_000
-    assert _faults(tuned, "20") < 12_000
-    assert _faults(tuned, "8x1") < 5_000  # 10 x 8 MiB afresh: 20,480 pages
+    # Mapped afresh, 10 x 40 MiB fault 102,400 pages (the opt-out test). Retained, a block
+    # is reused, and only where a small allocation has taken part of the freed one does the
+    # heap grow and fault a new block's pages (0 to 4 of the ten in practice): so each bound
+    # is half of what mapping afresh costs.
+    assert _faults(tuned, "40") < 51_200
+    assert _faults(tuned, "20") < 25_600
+    assert _faults(tuned, "8x1") < 10_240  # 10 x 8 MiB afresh: 20,480 pages
 
 
 @glibc_only
 def test_decoding_reuses_blocks_under_16_mib_and_maps_larger_ones() -> None:
     decoding = _probe(None, "reuse_decoding_memory")
     assert decoding["applied"] == [True]
-    assert _faults(decoding, "8x1") < 5_000  # reused: 20,480 pages if faulted afresh
+    assert _faults(decoding, "8x1") < 10_240  # reused: 20,480 pages if faulted afresh
     # Above 16 MiB: mapped afresh and given back (10 x 20 MiB = 51,200 pages): bounded.
     assert _faults(decoding, "20") > 40_000
     assert _faults(decoding, "40") > 50_000
@@ -90,10 +92,10 @@ def test_settings_are_only_raised() -> None:
     # Training then decoding in one process (aiayn demo): the training setting stays.
     both = _probe(None, "retain_freed_memory", "reuse_decoding_memory")
     assert both["applied"] == [True, True]
-    assert _faults(both, "40") < 25_000
+    assert _faults(both, "40") < 51_200
     # Decoding then training: raised to the training setting.
     raised = _probe(None, "reuse_decoding_memory", "retain_freed_memory")
-    assert _faults(raised, "40") < 25_000
+    assert _faults(raised, "40") < 51_200
 
 
 @glibc_only
