@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from aiayn.data.collate import BOS_ID, EOS_ID
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID
 
 
 class SearchCache(Protocol):
@@ -69,6 +69,25 @@ class Hypothesis:
 def gnmt_length_penalty(length: float | Tensor, alpha: float) -> float | Tensor:
     """GNMT's length penalty ``lp(|Y|) = ((5 + |Y|) / 6) ** alpha`` (Wu et al., 2016, Eq. 14)."""
     return ((5 + length) / 6) ** alpha
+
+
+def never_pad_or_bos(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+) -> Callable[[Tensor, CacheT], Tensor]:
+    """``step_fn`` whose log-probabilities of PAD and BOS are -inf: they are never output.
+
+    What ``aiayn translate`` and validation BLEU decode with, so that both search the same
+    outputs. The row is changed in place (the step's buffer, see ``log_probs_step``)."""
+    banned: dict[torch.device, Tensor] = {}
+
+    def step(tokens: Tensor, cache: CacheT) -> Tensor:
+        log_probs = step_fn(tokens, cache)  # (rows, V)
+        ids = banned.get(log_probs.device)
+        if ids is None:
+            ids = banned[log_probs.device] = torch.tensor([PAD_ID, BOS_ID], device=log_probs.device)
+        return log_probs.index_fill_(1, ids, float("-inf"))
+
+    return step
 
 
 def max_output_lengths(src_lengths: Tensor, a: float, b: int, limit: int | None = None) -> Tensor:

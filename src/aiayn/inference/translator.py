@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from aiayn.config import DecodeConfig, RunConfig
-from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs
+from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.inference.search import (
     Hypothesis,
     beam_search,
     greedy_search,
     max_output_lengths,
+    never_pad_or_bos,
 )
 from aiayn.inference.textio import one_line
-from aiayn.model.cache import DecoderCache
 from aiayn.model.packing import pack_for_inference
 from aiayn.model.transformer import Transformer
 from aiayn.runtime import reuse_decoding_memory
@@ -116,7 +116,7 @@ class Translator:
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL); decoding without it"
             )
-        self._banned = torch.tensor([PAD_ID, BOS_ID], device=self.device)
+        self._step = never_pad_or_bos(self.model.log_probs_step)
 
     @classmethod
     def from_checkpoint(
@@ -206,10 +206,6 @@ class Translator:
                 results[i] = hyps
             start += count
         return results
-
-    def _step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        log_probs = self.model.log_probs_step(tokens, cache)  # (rows, V)
-        return log_probs.index_fill_(1, self._banned, float("-inf"))
 
     @torch.inference_mode()
     def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from aiayn.config import ConfigError, ResumeMismatch, RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import UserError
-from aiayn.inference.search import greedy_search, max_output_lengths
+from aiayn.inference.search import greedy_search, max_output_lengths, never_pad_or_bos
 from aiayn.model.transformer import Transformer
 from aiayn.runtime import retain_freed_memory
 from aiayn.training import checkpoint as ckpt
@@ -126,7 +126,8 @@ def greedy_decode(
     model: Transformer, src_ids: Tensor, src_pad: Tensor, max_len_a: float, max_len_b: int
 ) -> list[list[int]]:
     """Greedy decoding with the KV cache (output ids without BOS/EOS, one list per row);
-    at most ``max_len_a · source length + max_len_b`` output tokens."""
+    at most ``max_len_a · source length + max_len_b`` output tokens. PAD and BOS are never
+    output, as with ``aiayn translate --beam 1``."""
     src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
     limits = max_output_lengths(
         src_lengths, max_len_a, max_len_b, limit=model.config.max_positions - 1
@@ -134,7 +135,11 @@ def greedy_decode(
     memory = model.encode(src_ids, src_pad)
     cache = model.init_cache(memory, src_pad, int(limits.max()) + 1)
     hypotheses = greedy_search(
-        model.log_probs_step, cache, src_ids.size(0), max_len=limits, device=src_ids.device
+        never_pad_or_bos(model.log_probs_step),
+        cache,
+        src_ids.size(0),
+        max_len=limits,
+        device=src_ids.device,
     )
     return [h.tokens for h in hypotheses]
 
