@@ -18,3 +18,11 @@ def bible_cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("bible")
     write_bible_corpus(root / "bible")
     return root
+
+
+@pytest.fixture(scope="session")
+def reverse_data_dir(tmp_path_factory):
+    """A prepared data directory (aiayn prepare) of the word-reversal task, built once."""
+    from train_helpers import make_reverse_data
+
+    return make_reverse_data(tmp_path_factory.mktemp("reverse"))

@@ -1,17 +1,12 @@
+import os
+import stat
+
 import pytest
 import torch
 
 from aiayn.model.transformer import Transformer
 from aiayn.training import checkpoint as ckpt
-from aiayn.training.trainer import Trainer
-from train_helpers import (
-    FixedSampler,
-    ListCorpus,
-    make_reverse_data,
-    reverse_pairs,
-    single_thread,
-    tiny_config,
-)
+from train_helpers import make_reverse_data, single_thread, small_reverse_trainer, tiny_config
 
 __all__ = ["single_thread"]  # the autouse fixture
 
@@ -45,18 +40,7 @@ def test_atomic_save_leaves_no_temporary_and_loads_weights_only(tmp_path):
 
 def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys):
     config = tiny_config("train.max_steps=4", "train.save_interval_steps=2")
-    pairs = reverse_pairs(32, 4, 64, seed=0)
-    batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]
-    trainer = Trainer(
-        config,
-        Transformer(config.model),
-        ListCorpus(pairs),
-        FixedSampler(batches),
-        tmp_path,
-        show_progress=False,
-        tensorboard=False,
-    )
-    trainer.train()
+    small_reverse_trainer(config, tmp_path).train()
     newest = ckpt.step_checkpoint_path(tmp_path, 4)
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
@@ -70,13 +54,21 @@ def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys
     averaged = ckpt.load_checkpoint(ckpt.average_run(tmp_path, 1))
     assert averaged["step"] == 2 and averaged["metrics"]["averaged"] == 1.0
     assert "left out of the average" in capsys.readouterr().err
-    # Garbage and foreign files are refused too.
+    # Garbage and foreign files are refused too, saying what they are.
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+    with pytest.raises(ckpt.CheckpointError, match=r"junk\.pt is not an aiayn checkpoint \(not"):
         ckpt.load_checkpoint(tmp_path / "junk.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match=r"empty\.pt is empty"):
+        ckpt.load_checkpoint(tmp_path / "empty.pt")
     torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(ckpt.CheckpointError, match="not an aiayn checkpoint"):
         ckpt.load_checkpoint(tmp_path / "other.pt")
+    # A pickled module is refused without running it, and without pointing at unsafe loading.
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
+    with pytest.raises(ckpt.CheckpointError, match="holds Python objects") as refused:
+        ckpt.load_checkpoint(tmp_path / "module.pt")
+    assert "weights_only" not in str(refused.value)
 
 
 def test_averaging_identity_and_mean(tmp_path):
@@ -135,3 +127,60 @@ def test_load_for_inference_from_file_and_run_dir(tmp_path):
     assert ckpt.resolve_checkpoint(run).name == "averaged.pt"
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.load_for_inference(tmp_path / "nothing.pt")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
+def test_atomic_save_gets_the_permissions_of_a_plain_open(tmp_path, umask):
+    # mkstemp's 0600 would hide checkpoints from the other users whatever the umask.
+    previous = os.umask(umask)
+    try:
+        (tmp_path / "plain").write_bytes(b"")
+        _model_file(tmp_path / "best.pt", tiny_config(), seed=0)
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "best.pt").stat().st_mode)
+    assert mode == 0o666 & ~umask == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "plain"]
+
+
+def _train_and_truncate(run_dir, config):
+    """Train ``config``, then truncate its newest step checkpoint as a crash or a full disk
+    would; returns (a trainer resumed as the CLI does, the truncated file)."""
+
+    def trainer(config):
+        return small_reverse_trainer(config, run_dir)
+
+    trainer(config).train()
+    newest = ckpt.list_step_checkpoints(run_dir)[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])
+    return trainer, newest
+
+
+def test_checkpoints_after_the_resumed_step_are_removed_not_kept(tmp_path, capsys):
+    over = ["train.save_interval_steps=2", "train.keep_last=2"]
+    make, broken = _train_and_truncate(tmp_path, tiny_config("train.max_steps=6", *over))
+    assert broken.name == "step_00000006.pt"
+    _, state = ckpt.latest_valid_checkpoint(tmp_path, warn=False)
+    resumed = make(tiny_config("train.max_steps=5", *over))
+    resumed.load_state_dict(state)
+    capsys.readouterr()
+    resumed.train()
+    # The unreadable step 6 (the continuation that died) must not push out step 4.
+    names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
+    assert names == ["step_00000004.pt", "step_00000005.pt"]
+    assert "removed step_00000006.pt" in capsys.readouterr().err
+    averaged = ckpt.load_checkpoint(ckpt.average_run(tmp_path, 2))
+    assert averaged["metrics"]["averaged"] == 2.0
+    assert capsys.readouterr().err == ""  # no warning about a broken or missing file
+
+
+def test_a_fresh_start_removes_the_unreadable_checkpoints_of_the_dead_run(tmp_path, capsys):
+    over = ["train.save_interval_steps=1", "train.keep_last=2"]
+    make, broken = _train_and_truncate(tmp_path, tiny_config("train.max_steps=6", *over))
+    for path in ckpt.list_step_checkpoints(tmp_path):
+        if path != broken:
+            path.unlink()  # nothing readable: the CLI starts from scratch
+    assert ckpt.latest_valid_checkpoint(tmp_path, warn=False) is None
+    make(tiny_config("train.max_steps=2", *over)).train()
+    names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
+    assert names == ["step_00000001.pt", "step_00000002.pt"]

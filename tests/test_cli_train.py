@@ -12,17 +12,16 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.training import checkpoint as ckpt
-from train_helpers import make_reverse_data, single_thread
+from train_helpers import TINY, single_thread
 
 __all__ = ["single_thread"]  # the autouse fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.toml")
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_reverse_data(tmp_path_factory.mktemp("reverse"))
+def data_dir(reverse_data_dir):
+    return reverse_data_dir
 
 
 def _exact_match(run_dir, data_dir) -> float:

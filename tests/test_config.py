@@ -55,3 +55,43 @@ def test_config_roundtrips_through_a_plain_dict():
 def test_every_preset_builds(name):
     config = load_config(overrides=[f"preset={name}"])
     config.model.validate()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.n_heads=0", r"model\.n_heads must be positive, got 0"),
+        ("model.d_k=0", r"model\.d_k must be positive, got 0"),
+        ("model.dropout=1.0", r"model\.dropout must be in \[0, 1\)"),
+        ("data.max_tokens=0", r"data\.max_tokens must be positive"),
+        ("train.warmup_steps=0", r"train\.warmup_steps must be positive, got 0"),
+        ("train.warmup_steps=-1", r"train\.warmup_steps must be positive, got -1"),
+        ("train.label_smoothing=1.5", r"train\.label_smoothing must be in \[0, 1\)"),
+        ("train.adam_beta1=1.5", r"train\.adam_beta1 must be in \[0, 1\)"),
+        ("train.lr_scale=-1", r"train\.lr_scale must be 0 or more"),
+        ("train.max_steps=-5", r"train\.max_steps must be 0 or more, got -5"),
+        ("train.keep_last=-1", r"train\.keep_last must be 0 or more"),
+        ("decode.beam_size=0", r"decode\.beam_size must be positive, got 0"),
+        ("decode.batch_tokens=0", r"decode\.batch_tokens must be positive"),
+        ("decode.max_len_b=-1", r"decode\.max_len_b must be 0 or more"),
+    ],
+)
+def test_values_out_of_range_are_refused_when_read(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_zero_means_off_where_documented():
+    zeros = ["train.max_steps=0", "train.valid_interval=0", "train.clip_norm=0"]
+    zeros += ["train.patience=0", "train.average_last=0", "train.lr_scale=0", "decode.alpha=0"]
+    config = load_config(overrides=[*zeros, "train.max_minutes=5"])
+    assert config.train.valid_interval == 0 and config.decode.alpha == 0
+
+
+def test_unreadable_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b'preset = "tiny"\xff\n')
+    with pytest.raises(ConfigError, match=r"bad\.toml: not UTF-8"):
+        load_config(bad)

@@ -1,4 +1,7 @@
 import math
+import re
+import shutil
+import types
 
 import pytest
 import torch
@@ -16,7 +19,9 @@ LENGTH, BATCH = 6, 8
 TOKENS_PER_BATCH = BATCH * (LENGTH + 1)  # y + EOS
 
 
-def make_trainer(run_dir, config, seed=0, n_pairs=96, valid=None, tokenizer=b"spm"):
+def make_trainer(
+    run_dir, config, seed=0, n_pairs=96, valid=None, tokenizer=b"spm", show_progress=False
+):
     torch.manual_seed(config.train.seed)
     model = Transformer(config.model)
     corpus = ListCorpus(reverse_pairs(n_pairs, LENGTH, config.model.vocab_size, seed))
@@ -30,7 +35,7 @@ def make_trainer(run_dir, config, seed=0, n_pairs=96, valid=None, tokenizer=b"sp
         run_dir,
         valid=valid,
         tokenizer_bytes=tokenizer,
-        show_progress=False,
+        show_progress=show_progress,
         tensorboard=False,
     )
 
@@ -226,3 +231,73 @@ def test_resume_forgets_metrics_of_updates_it_will_redo(tmp_path):
         handle.write('{"kind": "tra')  # torn by a kill
     assert log.drop_after(3) == 3
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def reversal_valid_set(n_pairs=16, seed=7):
+    pairs = reverse_pairs(n_pairs, LENGTH, 64, seed=seed)
+    return ValidSet(
+        ListCorpus(pairs),
+        ListCorpus(pairs).src_lengths,
+        references=[" ".join(map(str, t)) for _, t in pairs],
+        detokenize=lambda ids: " ".join(map(str, ids)),
+    )
+
+
+def test_a_restart_forgets_the_records_of_a_run_killed_before_its_first_checkpoint(tmp_path):
+    config = tiny_config("train.max_steps=4", "train.log_interval=1")
+    make_trainer(tmp_path, config).train()
+    shutil.rmtree(tmp_path / ckpt.CHECKPOINT_DIR)  # as if killed before the first save
+    make_trainer(tmp_path, config).train()  # starts again from update 0
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_running_a_finished_run_again_records_its_average_once(tmp_path, capsys):
+    config = tiny_config(
+        "train.max_steps=4",
+        "train.valid_interval=2",
+        "train.save_interval_steps=2",
+        "train.average_last=3",  # only two checkpoints exist
+        f"train.update_tokens={TOKENS_PER_BATCH}",
+    )
+    valid = reversal_valid_set()
+    make_trainer(tmp_path, config, valid=valid).train()
+    err = capsys.readouterr().err
+    assert "only 2 checkpoint(s) available" in err
+    assert "averaged last 2: " in err and "averaged last 3" not in err
+    before = read_metrics(tmp_path)
+    again = make_trainer(tmp_path, config, valid=valid)
+    again.load_state_dict(ckpt.latest_valid_checkpoint(tmp_path)[1])
+    assert again.train().step == 4
+    after = read_metrics(tmp_path)
+    assert [(r["kind"], r["step"]) for r in after] == [(r["kind"], r["step"]) for r in before]
+    assert [r["kind"] for r in after].count("averaged") == 1
+
+
+def test_eta_counts_the_updates_done_since_the_clock_started(tmp_path, capsys, monkeypatch):
+    from aiayn.training import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def run(trainer, setup_seconds):
+        update = trainer._update
+
+        def one_second_update():
+            now[0] += 1.0
+            return update()
+
+        trainer._update = one_second_update
+        now[0] += setup_seconds  # loading data and the checkpoint: not training
+        capsys.readouterr()
+        trainer.train()
+        return re.findall(r" (\d+)/\d+ .* eta (\d+:\d\d:\d\d)", capsys.readouterr().err)
+
+    # One second per update: after update 2 of 4, two more take 0:00:02.
+    first = make_trainer(
+        tmp_path, tiny_config("train.max_steps=4", "train.log_interval=2"), show_progress=True
+    )
+    assert run(first, setup_seconds=60.0) == [("2", "0:00:02"), ("4", "0:00:00")]
+    config = tiny_config("train.max_steps=8", "train.log_interval=2")
+    resumed = make_trainer(tmp_path, config, show_progress=True)
+    resumed.load_state_dict(ckpt.latest_valid_checkpoint(tmp_path)[1])
+    assert run(resumed, setup_seconds=60.0) == [("6", "0:00:02"), ("8", "0:00:00")]

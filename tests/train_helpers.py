@@ -144,3 +144,24 @@ def make_reverse_data(folder: Path, n_train: int = 4000, n_valid: int = 100) -> 
         model_type="word",
     )
     return data
+
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+
+
+def small_reverse_trainer(config: RunConfig, run_dir: Path) -> Any:
+    """A Trainer over 32 reversal pairs of 4 tokens (ids < 64) in 8 fixed batches of 4, quiet."""
+    from aiayn.model.transformer import Transformer
+    from aiayn.training.trainer import Trainer
+
+    pairs = reverse_pairs(32, 4, 64, seed=0)
+    batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    return Trainer(
+        config,
+        Transformer(config.model),
+        ListCorpus(pairs),
+        FixedSampler(batches),
+        run_dir,
+        show_progress=False,
+        tensorboard=False,
+    )

@@ -35,6 +35,32 @@ class ResumeMismatch(ConfigError):
     model section or another tokenizer)."""
 
 
+def _require(section: object, prefix: str, rules: Mapping[str, tuple[Any, str]]) -> None:
+    """Raise ConfigError for the first field whose rule fails: ``rules`` maps a field name to
+    (predicate, what it must be)."""
+    for name, (ok, requirement) in rules.items():
+        value = getattr(section, name)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{prefix}.{name} must be {requirement}, got {value!r}")
+
+
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+def _non_negative(value: float) -> bool:
+    return value >= 0
+
+
+def _probability(value: float) -> bool:  # [0, 1)
+    return 0.0 <= value < 1.0
+
+
+_POSITIVE = (_positive, "positive")
+_NON_NEGATIVE = (_non_negative, "0 or more")
+_PROBABILITY = (_probability, "in [0, 1)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, named with the paper's symbols."""
@@ -73,19 +99,17 @@ class ModelConfig:
         return self.d_v if self.d_v is not None else self.d_model // self.n_heads
 
     def validate(self) -> None:
+        positive = ("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers")
+        _require(self, "model", {name: _POSITIVE for name in (*positive, "max_positions")})
+        probabilities = ("dropout", "attention_dropout", "relu_dropout")
+        _require(self, "model", {name: _PROBABILITY for name in probabilities})
+        _require(self, "model", {"layer_norm_eps": _POSITIVE})
         if self.d_k is None or self.d_v is None:
             if self.d_model % self.n_heads != 0:
                 raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     "set d_k and d_v explicitly"
                 )
-        for name in ("vocab_size", "d_model", "d_ff", "n_heads", "n_layers", "max_positions"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        for name in ("dropout", "attention_dropout", "relu_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ConfigError(f"model.{name} must be in [0, 1), got {value}")
 
 
 @dataclass(frozen=True)
@@ -98,6 +122,9 @@ class DataConfig:
     max_len: int = 256
     # Pairs whose length ratio (longer / shorter) exceeds this are dropped (and counted).
     max_len_ratio: float = 3.0
+
+    def validate(self) -> None:
+        _require(self, "data", {"max_tokens": _POSITIVE, "max_len": _POSITIVE})
 
 
 @dataclass(frozen=True)
@@ -136,6 +163,39 @@ class TrainConfig:
     patience: int = 0
     max_bad_steps: int = 10
 
+    def validate(self) -> None:
+        _require(
+            self,
+            "train",
+            {
+                "adam_beta1": _PROBABILITY,
+                "adam_beta2": _PROBABILITY,
+                "adam_eps": _POSITIVE,
+                "warmup_steps": _POSITIVE,
+                "lr_scale": _NON_NEGATIVE,
+                "weight_decay": _NON_NEGATIVE,
+                "label_smoothing": _PROBABILITY,
+                "update_tokens": _POSITIVE,
+                "log_interval": _POSITIVE,
+                "max_bad_steps": _POSITIVE,
+                **{
+                    name: _NON_NEGATIVE
+                    for name in (
+                        "clip_norm",
+                        "max_steps",
+                        "max_epochs",
+                        "max_minutes",
+                        "valid_interval",
+                        "save_interval_steps",
+                        "save_interval_minutes",
+                        "keep_last",
+                        "average_last",
+                        "patience",
+                    )
+                },
+            },
+        )
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -147,6 +207,11 @@ class DecodeConfig:
     max_len_a: float = 1.0
     max_len_b: int = 50
     batch_tokens: int = 4096
+
+    def validate(self) -> None:
+        rules = {"beam_size": _POSITIVE, "alpha": _NON_NEGATIVE, "max_len_a": _NON_NEGATIVE}
+        rules |= {"max_len_b": _NON_NEGATIVE, "batch_tokens": _POSITIVE}
+        _require(self, "decode", rules)
 
 
 @dataclass(frozen=True)
@@ -288,7 +353,8 @@ def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
         name: build_section(cls, merged.get(name, {}), name) for name, cls in _SECTIONS.items()
     }
     config = RunConfig(preset=preset, **sections)
-    config.model.validate()
+    for section in (config.model, config.data, config.train, config.decode):
+        section.validate()
     return config
 
 
@@ -302,6 +368,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raw = tomllib.load(handle)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory") from None
+        except OSError as err:
+            raise ConfigError(f"config file {path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 (byte {err.start}): {err.reason}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: invalid TOML: {err}") from None
     return config_from_dict(_merge(raw, parse_overrides(overrides or [])))

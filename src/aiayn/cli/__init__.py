@@ -9,6 +9,7 @@ or :class:`aiayn.config.ConfigError` and become a one-line message with exit sta
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,17 +31,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parse_args``, except that KEY=VALUE overrides may come after options too
+    (``train --config C train.max_steps=5 --no-progress model.dropout=0.2``): argparse
+    fills the ``overrides`` positional from the first run of them only."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = getattr(args, "overrides", None)
+    if extra and overrides is not None and all(_is_override(item) for item in extra):
+        args.overrides = [*overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _is_override(item: str) -> bool:
+    return "=" in item and not item.startswith("-")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught below, not at exit
+        return code
     except (CLIError, ConfigError, UserError) as err:
         print(f"aiayn {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"aiayn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`aiayn params | head -1`): stop quietly, as other tools do.
+        # stdout now points at /dev/null, so that flushing it at exit raises nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
 
 
 __all__ = ["CLIError", "build_parser", "main"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from aiayn.errors import CLIError
 
@@ -27,12 +28,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast.
-    import torch
 
+    from aiayn.cli.paths import check_output_dir
     from aiayn.inference.attention_maps import token_labeler, write_attention_pictures
     from aiayn.inference.translator import Translator
+    from aiayn.training.distributed import pick_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_output_dir(Path(args.out), "--out")
+    device = pick_device(args.device or "auto")
     overrides = {"beam_size": args.beam, "alpha": args.alpha}
     try:
         translator, _ = Translator.from_checkpoint(

@@ -23,8 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.cli.paths import check_output_file
     from aiayn.training.checkpoint import average_run
 
+    if args.out is not None:
+        check_output_file(args.out, "--out")
     path = average_run(args.run_dir, args.last, args.out)
     print(path)
     return 0

@@ -33,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.inference.textio import read_lines
 
     hypotheses = read_lines(args.hypotheses)
+    if not hypotheses:
+        raise UserError(f"{args.hypotheses} has no lines: nothing to score")
     references = []
     for path in args.references:
         lines = read_lines(path)

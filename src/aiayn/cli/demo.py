@@ -73,8 +73,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.cli.paths import check_output_dir
     from aiayn.demo import DemoOptions, run_demo
 
+    check_output_dir(args.out, "--out")
     for name in ("train_pairs", "test_pairs"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -21,7 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.cli.paths import check_output_file
     from aiayn.training.plot import plot_run
+
+    if args.out is not None:
+        check_output_file(args.out, "--out")
 
     print(plot_run(args.run_dir, args.out))
     return 0

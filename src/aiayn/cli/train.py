@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from aiayn.cli.paths import check_output_dir
 from aiayn.errors import CLIError
 
 
@@ -57,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.launch import CONFIG_NAME, resolve_config, saved_run_info, train_run
 
     run_dir: Path = args.out
+    check_output_dir(run_dir, "--out")
     has_checkpoints = bool(ckpt.list_step_checkpoints(run_dir))
+    if args.resume and not has_checkpoints and args.config is None:
+        where = "does not exist" if not run_dir.exists() else "holds no checkpoint"
+        raise CLIError(f"--resume: {run_dir} {where}; start a run there with --config and --data")
     config_path = args.config
     data_dir = args.data
     if has_checkpoints or args.resume:

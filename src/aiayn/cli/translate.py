@@ -110,12 +110,12 @@ def _interactive(translator: Translator, nbest: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast.
-    import torch
 
     from aiayn.inference.textio import read_lines, split_lines
     from aiayn.inference.translator import Translator
+    from aiayn.training.distributed import pick_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device or "auto")
     try:
         translator, _ = Translator.from_checkpoint(
             args.checkpoint,

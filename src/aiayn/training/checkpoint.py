@@ -35,10 +35,11 @@ Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newe
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
+import secrets
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,14 +87,25 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def remove_step_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
+    """Delete the step checkpoints of updates after ``step``; returns them."""
+    removed = []
+    for path in list_step_checkpoints(run_dir):
+        if _step_of(path) > step:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
     """``torch.save`` to a temporary file in the same directory, flush, fsync, rename.
 
     A crash at any moment leaves either the old file or the complete new one, never a part.
+    The file gets the mode a plain ``open(path, "wb")`` would give it (0666 less the umask).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(obj, handle)
@@ -104,6 +116,23 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new empty file ``.NAME.RANDOM.tmp`` beside ``path``, open for writing.
+
+    Not ``tempfile.mkstemp``: it creates mode 0600, which would hide the models from the
+    other users whatever the umask. Creating with 0666 lets the kernel apply the umask (and a
+    default ACL) as for any file; ``O_EXCL`` keeps the name our own.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no unused temporary file name beside {path}")  # pragma: no cover
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
@@ -130,14 +159,31 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Any]:
     """Read and check one checkpoint with ``weights_only=True``; CheckpointError if unusable."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    with path.open("rb") as handle:
+        head = handle.read(4)
+    if not head:
+        raise CheckpointError(f"checkpoint {path} is empty (truncated?)")
+    if head != _ZIP_MAGIC:  # torch.save writes a zip archive
+        raise CheckpointError(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as err:  # truncated zip, bad magic, unpickling refused, ...
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower():
+            raise CheckpointError(f"checkpoint {path} is unreadable (corrupt?): {err}") from None
+        # Loading it would mean running the code it names: never done here.
+        raise CheckpointError(
+            f"{path} is not an aiayn checkpoint: it holds Python objects that only loading "
+            "it as code could rebuild (aiayn checkpoints hold tensors and plain data)"
+        ) from None
+    except Exception as err:  # truncated zip, missing records, ...
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}"

@@ -179,8 +179,8 @@ def train_run(
                 print(f"removed {path.name}, left by an interrupted save", file=sys.stderr)
         barrier(info)
         tok_path = tokenizer_path(data_dir)
+        tokenizer = Tokenizer.load(tok_path)  # a missing or broken file: a UserError naming it
         tokenizer_bytes = tok_path.read_bytes()
-        tokenizer = Tokenizer.from_bytes(tokenizer_bytes)
         corpus = Corpus.open(data_dir, "train")
         try:
             sampler = TokenBatchSampler(

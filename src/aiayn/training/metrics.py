@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,10 +39,15 @@ class MetricsLog:
             else:
                 self._writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], replace: bool = False) -> None:
+        """Append ``record``; with ``replace``, first drop the records of the same kind and
+        step (a result computed again, e.g. the average of a finished run that is run again)."""
         if not self.enabled:
             return
         clean = {k: _plain(v) for k, v in record.items()}
+        if replace:
+            kind, step = clean.get("kind"), int(clean.get("step", 0))
+            self._keep_only(lambda r: r.get("kind") != kind or int(r.get("step", 0)) != step)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(clean, sort_keys=False) + "\n")
         if self._writer is not None:
@@ -53,6 +60,11 @@ class MetricsLog:
     def drop_after(self, step: int) -> int:
         """Forget the records of updates after ``step`` (a resumed run redoes them); returns
         how many were dropped."""
+        return self._keep_only(lambda r: int(r.get("step", 0)) <= step)
+
+    def _keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> int:
+        """Rewrite the file (atomically) with the records that ``keep`` accepts, dropping torn
+        lines too (a torn last line would swallow the next record); returns how many went."""
         if not self.enabled or not self.path.is_file():
             return 0
         lines = self.path.read_text(encoding="utf-8").splitlines()
@@ -62,11 +74,14 @@ class MetricsLog:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a kill
-            if int(record.get("step", 0)) <= step:
+            if keep(record):
                 kept.append(line)
         if len(kept) != len(lines):
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+            with tmp.open("w", encoding="utf-8") as handle:
+                handle.write("".join(k + "\n" for k in kept))
+                handle.flush()
+                os.fsync(handle.fileno())
             tmp.replace(self.path)
         return len(lines) - len(kept)
 
@@ -124,8 +139,13 @@ class Progress:
         self.enabled = enabled  # False: nothing at all (ranks other than 0)
         self.bar = bar  # False: messages only, no progress lines
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.begin(0)
+
+    def begin(self, step: int) -> None:
+        """Start the ETA's clock now, at update ``step`` (0, or where a run resumes): the ETA
+        is the time per update done since then."""
         self.start = time.monotonic()
-        self.start_step: int | None = None
+        self.start_step = step
 
     def update(
         self,
@@ -140,8 +160,6 @@ class Progress:
         """Draw the line; ``minutes`` is the run's training time so far (resumes included)."""
         if not (self.enabled and self.bar):
             return
-        if self.start_step is None:
-            self.start_step = step - 1
         elapsed = time.monotonic() - self.start
         run_seconds = minutes * 60.0 if minutes is not None else elapsed
         done = step - self.start_step

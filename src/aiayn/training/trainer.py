@@ -335,11 +335,22 @@ class Trainer:
         else:
             self.sampler.load_state_dict(samplers[self.info.rank])
         ckpt.restore_rng(rngs[self.info.rank] if same_world else rngs[0])
-        self.metrics.drop_after(self.step)
         self._batches = None
         self._fresh = False
         self._saved_step = self._validated_step = self.step
         self._start = self._last_save_time = time.monotonic()
+
+    def _abandon_what_follows(self) -> None:
+        """Starting at update S (0 or a resumed checkpoint's) abandons what a dead process did
+        after S: its step checkpoints (often the unreadable one that made resume fall back)
+        would otherwise take ``keep_last`` slots from this run's and be averaged with them, and
+        its ``metrics.jsonl`` records would give the steps it reached twice."""
+        if not self.info.is_main:
+            return
+        where = f"resumes at update {self.step}" if self.step else "starts from scratch"
+        for path in ckpt.remove_step_checkpoints_after(self.run_dir, self.step):
+            self._log(f"removed {path.name}: written after the point where this run {where}")
+        self.metrics.drop_after(self.step)
 
     def save(self) -> Path | None:
         """Write a step checkpoint (rank 0) and prune old ones; collective under DDP."""
@@ -653,6 +664,8 @@ class Trainer:
         elif reason is None:
             self._log(f"resuming at update {self.step} (epoch {self.epoch})")
         interrupted = False
+        self._abandon_what_follows()
+        self.progress.begin(self.step)
         while reason is None:
             stats = self._update()
             interval["loss"] += stats["loss_sum"]
@@ -717,17 +730,21 @@ class Trainer:
             averaged = broadcast_object(averaged, self.info)
             if self.valid is not None:
                 # Rank 0 reads the file and sends the weights: no shared filesystem needed.
-                weights = None
+                weights, count = None, 0
                 if self.info.is_main:
-                    weights = ckpt.load_checkpoint(averaged)["model"]
+                    state = ckpt.load_checkpoint(averaged)
+                    weights, count = state["model"], int(state["metrics"]["averaged"])
+                weights, count = broadcast_object((weights, count), self.info)
                 model = Transformer(self.config.model).to(self.device)
-                model.load_state_dict(broadcast_object(weights, self.info))
+                model.load_state_dict(weights)
                 metrics = self.validate(model)
+                # replace: a finished run run again averages again, and keeps one record.
                 self.metrics.write(
-                    {"kind": "averaged", "step": self.step, "minutes": self.minutes, **metrics}
+                    {"kind": "averaged", "step": self.step, "minutes": self.minutes, **metrics},
+                    replace=True,
                 )
                 text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-                self._log(f"averaged last {self.train_cfg.average_last}: {text} -> {averaged}")
+                self._log(f"averaged last {count}: {text} -> {averaged}")
         self.metrics.close()
         return TrainResult(
             step=self.step,

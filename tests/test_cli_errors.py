@@ -1,0 +1,110 @@
+"""User mistakes on the command line end in one line naming what is wrong (exit status 2),
+never in a traceback: bad config values and files, devices, output paths, empty inputs, a
+closed output pipe, and overrides given after options."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.cli import _parse as parse_command_line
+from aiayn.cli import build_parser, main
+from aiayn.errors import UserError
+from aiayn.training.distributed import pick_device
+from train_helpers import TINY, single_thread
+
+__all__ = ["single_thread"]  # the autouse fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(reverse_data_dir):
+    return reverse_data_dir
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture, message: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_overrides_may_follow_options():
+    argv = ["train", "--config", "c.toml", "--out", "o", "train.max_steps=5", "--no-progress"]
+    args = parse_command_line(build_parser(), [*argv, "train.valid_interval=0"])
+    assert args.overrides == ["train.max_steps=5", "train.valid_interval=0"]
+    assert args.no_progress
+    with pytest.raises(SystemExit):  # anything else left over is still an error
+        parse_command_line(build_parser(), [*argv, "--bogus"])
+    with pytest.raises(SystemExit):  # and so is a KEY=VALUE for a command without overrides
+        parse_command_line(build_parser(), ["average", "run", "a=b"])
+
+
+def test_bad_config_values_and_files(data_dir, tmp_path, capsys):
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    _fails([*args, "train.warmup_steps=0"], capsys, "train.warmup_steps must be positive, got 0")
+    _fails([*args, "model.n_heads=0"], capsys, "model.n_heads must be positive, got 0")
+    _fails([*args, "decode.beam_size=0"], capsys, "decode.beam_size must be positive")
+    config_dir = tmp_path / "configs"
+    config_dir.mkdir()
+    args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    _fails([*args, "--config", str(config_dir)], capsys, "is a directory")
+    assert not (tmp_path / "run").exists()
+
+
+def test_devices_that_do_not_exist_here():
+    with pytest.raises(UserError, match="unknown device 'gpu'"):
+        pick_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA is not available"):
+            pick_device("cuda")
+        with pytest.raises(UserError, match="CUDA is not available"):
+            pick_device("cuda:1")
+        assert pick_device("auto") == torch.device("cpu")
+    assert pick_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_translate_on_a_missing_gpu(tmp_path, capsys):
+    _fails(["translate", str(tmp_path / "x.pt"), "--device", "cuda"], capsys, "CUDA")
+
+
+def test_output_paths_of_the_wrong_kind(data_dir, tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x\n")
+    train = ["train", "--config", TINY, "--data", str(data_dir)]
+    _fails([*train, "--out", str(a_file)], capsys, "is a file, not a directory")
+    _fails([*train, "--out", str(a_file / "run")], capsys, "is a file, not a directory")
+    _fails(["average", str(tmp_path), "--out", str(tmp_path)], capsys, "is a directory")
+    _fails(["attention", "x.pt", "a b", "--out", str(a_file)], capsys, "is a file")
+    _fails(["plot", str(tmp_path), "--out", str(tmp_path)], capsys, "is a directory")
+    assert a_file.read_text() == "x\n"
+
+
+def test_resume_with_nothing_to_resume(tmp_path, capsys):
+    _fails(["train", "--out", str(tmp_path / "nowhere"), "--resume"], capsys, "does not exist")
+    _fails(["train", "--out", str(tmp_path), "--resume"], capsys, "holds no checkpoint")
+
+
+def test_missing_tokenizer_model(data_dir, tmp_path, capsys):
+    broken = tmp_path / "data"
+    shutil.copytree(data_dir, broken)
+    (broken / "spm.model").unlink()
+    argv = ["train", "--config", TINY, "--data", str(broken), "--out", str(tmp_path / "run")]
+    _fails(argv, capsys, "spm.model: tokenizer model not found")
+
+
+def test_bleu_of_empty_files(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _fails(["bleu", str(empty), str(empty)], capsys, "has no lines: nothing to score")
+
+
+def test_a_closed_output_pipe_ends_quietly():
+    command = f"{sys.executable} -m aiayn params | head -1"
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
+    assert done.stdout.startswith("preset")
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
