@@ -73,3 +73,29 @@ def test_reorder_moves_lineage_not_keys_and_values():
         assert mask is not None and mask.shape == (2, 1, 2, 4)
         allowed = (mask[0, 0] == 0).tolist()
         assert allowed == [[False, True, True, False], [False, True, False, True]]
+
+
+def test_keep_moves_only_the_rows_that_change_place():
+    """keep() in any order (duplicates too) gives what index_select would, in the same
+    buffers; search's order keeps every sentence that stays among the first n in place."""
+    from aiayn.inference.search import kept_in_place
+
+    done = torch.tensor([False, True, False, False, True, False, False])
+    order = kept_in_place(done)
+    assert order.tolist() == [0, 5, 2, 3, 6]  # 1 and 4 finished: 5 and 6 take their places
+    assert kept_in_place(torch.tensor([False, False])).tolist() == [0, 1]
+    assert kept_in_place(torch.tensor([True, True])).numel() == 0
+    model = _model()
+    src_ids = torch.randint(4, 40, (7, 5))
+    for rows in (order, torch.tensor([3, 0, 0, 6]), torch.tensor([6, 5, 4, 3, 2, 1, 0])):
+        with torch.no_grad():
+            cache = model.init_cache(model.encode(src_ids, None), None, max_len=4)
+            for _ in range(2):
+                model.decode_step(torch.randint(4, 40, (7,)), cache)
+        layer = cache.layers[0]
+        expected = [t.index_select(0, rows).clone() for t in (layer.self_k, layer.cross_v)]
+        pointers = layer.self_k.data_ptr(), layer.cross_v.data_ptr()
+        cache.keep(rows)
+        assert (layer.self_k.data_ptr(), layer.cross_v.data_ptr()) == pointers
+        assert torch.equal(layer.self_k[:, :, :2], expected[0][:, :, :2])
+        assert torch.equal(layer.cross_v, expected[1])

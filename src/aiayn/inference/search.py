@@ -90,6 +90,18 @@ def never_pad_or_bos(
     return step
 
 
+def kept_in_place(done: Tensor) -> Tensor:
+    """The sentences not ``done`` (b,), in the order that moves fewest cache rows: of the n
+    that stay, each keeps its place among the first n, and the places of finished ones there
+    are taken by the ones beyond n. ``cache.keep`` then copies a row per finished sentence at
+    most, instead of every row after the first finished one."""
+    stay = ~done
+    n = int(stay.sum())
+    order = torch.arange(n, device=done.device)
+    order[done[:n].nonzero().squeeze(1)] = stay[n:].nonzero().squeeze(1) + n
+    return order
+
+
 def max_output_lengths(src_lengths: Tensor, a: float, b: int, limit: int | None = None) -> Tensor:
     """Per-sentence output limits ``floor(a * src_len + b)``, capped at ``limit`` when given."""
     lengths = torch.floor(src_lengths.double() * a + b).long().clamp(min=0)
@@ -278,7 +290,7 @@ def beam_search(
             out_logp[where] = pool_logp[gone]
             out_len[where] = pool_len[gone]
             out_tok[where] = pool_tok[gone]
-            stay = (~done).nonzero().squeeze(1)
+            stay = kept_in_place(done)
             if stay.numel() == 0:
                 break
             rows = parents[stay].view(-1)
@@ -361,7 +373,7 @@ def _one_token_search(
             out_tok[where, 0] = history[gone]
             out_len[where, 0] = t
             out_logp[where, 0] = log_prob[gone]
-            stay = (~done).nonzero().squeeze(1)
+            stay = kept_in_place(done)
             if stay.numel() == 0:
                 break
             cache.keep(stay)

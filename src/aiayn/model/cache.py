@@ -48,28 +48,31 @@ class LayerCache:
             self.self_v[:, :, :length].flatten(2, 3),
         )
 
-    def select(self, sentences: Tensor, length: int) -> None:
-        """Keep only ``sentences`` (in that order); of the self-attention buffers only the
-        ``length`` positions written so far are copied."""
-        self.self_k = _select_prefix(self.self_k, sentences, length)
-        self.self_v = _select_prefix(self.self_v, sentences, length)
-        self.cross_k = self.cross_k.index_select(0, sentences)
-        self.cross_v = self.cross_v.index_select(0, sentences)
+    def select(self, moves: tuple[Tensor, Tensor] | None, n: int, length: int) -> None:
+        """Keep ``n`` sentences, after ``moves`` (see :func:`_keep_rows`); of the
+        self-attention buffers only the ``length`` positions written so far are copied."""
+        self.self_k = _keep_rows(self.self_k, moves, n, length)
+        self.self_v = _keep_rows(self.self_v, moves, n, length)
+        self.cross_k = _keep_rows(self.cross_k, moves, n)
+        self.cross_v = _keep_rows(self.cross_v, moves, n)
 
 
-def _select_prefix(buffer: Tensor, sentences: Tensor, length: int) -> Tensor:
-    """``len(sentences)`` rows holding ``buffer[sentences, :, :length]`` (positions beyond
-    ``length`` unset). Increasing indices (search keeps sentences in order) are moved down
-    within ``buffer`` itself, whose first rows are returned: no new buffer, so the memory of a
-    batch's cache is allocated once. Any other order gets a new buffer."""
-    n = sentences.numel()
-    if n > 1 and not bool((sentences[1:] > sentences[:-1]).all()):
-        out = buffer.new_empty((n, *buffer.shape[1:]))
-        torch.index_select(buffer[:, :, :length], 0, sentences, out=out[:, :, :length])
-        return out
-    # Row i comes from row sentences[i] >= i, so no row is overwritten before it is read
-    # (the gather makes a temporary copy of the kept prefix first in any case).
-    buffer[:n, :, :length] = buffer[sentences, :, :length]
+def _keep_rows(
+    buffer: Tensor, moves: tuple[Tensor, Tensor] | None, n: int, length: int | None = None
+) -> Tensor:
+    """The first ``n`` rows of ``buffer`` after copying rows ``src`` to rows ``dst``
+    (``moves = (dst, src)``; of a self-attention buffer only positions ``:length``).
+
+    In place: a batch's cache is allocated once, and only the rows that change place are
+    copied (the gather reads them all before any is written, so any order is safe). Search
+    keeps a sentence where it is and fills the place of a finished one from the end of the
+    batch, so that a step where a few sentences finish moves a few rows, not the batch."""
+    if moves is not None:
+        dst, src = moves
+        if length is None:
+            buffer[dst] = buffer[src]
+        else:
+            buffer[dst, :, :length] = buffer[src, :, :length]
     return buffer[:n]
 
 
@@ -166,8 +169,14 @@ class DecoderCache:
             self._select(rows)
 
     def _select(self, sentences: Tensor) -> None:
+        order = sentences.tolist()  # one host sync for every layer's buffers
+        dst = [i for i, s in enumerate(order) if s != i]
+        moves = None
+        if dst:
+            rows = torch.tensor(dst, device=sentences.device)
+            moves = rows, sentences[rows]
         for layer in self.layers:
-            layer.select(sentences, self.length)
+            layer.select(moves, len(order), self.length)
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, sentences)
 
