@@ -156,31 +156,56 @@ def _train_and_truncate(run_dir, config):
     return trainer, newest
 
 
-def test_checkpoints_after_the_resumed_step_are_removed_not_kept(tmp_path, capsys):
+def test_corrupt_newer_checkpoints_are_set_aside_when_a_run_resumes(tmp_path, capsys):
     over = ["train.save_interval_steps=2", "train.keep_last=2"]
     make, broken = _train_and_truncate(tmp_path, tiny_config("train.max_steps=6", *over))
     assert broken.name == "step_00000006.pt"
-    _, state = ckpt.latest_valid_checkpoint(tmp_path, warn=False)
+    # A newer checkpoint that fails for another reason (here: a newer format) stays put.
+    state = ckpt.load_checkpoint(ckpt.step_checkpoint_path(tmp_path, 4))
+    newer = ckpt.step_checkpoint_path(tmp_path, 8)
+    ckpt.save_atomic({**state, "format_version": ckpt.CHECKPOINT_VERSION + 1}, newer)
+    capsys.readouterr()
+    path, state = ckpt.resume_point(tmp_path)  # what train_run resumes from
+    assert path.name == "step_00000004.pt"
+    assert "set step_00000006.pt aside as step_00000006.pt.broken" in capsys.readouterr().err
+    assert (tmp_path / ckpt.CHECKPOINT_DIR / "step_00000006.pt.broken").is_file()
+    newer.unlink()
     resumed = make(tiny_config("train.max_steps=5", *over))
     resumed.load_state_dict(state)
-    capsys.readouterr()
     resumed.train()
-    # The unreadable step 6 (the continuation that died) must not push out step 4.
+    # The corrupt step 6 (the continuation that died) does not push out step 4.
     names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
     assert names == ["step_00000004.pt", "step_00000005.pt"]
-    assert "removed step_00000006.pt" in capsys.readouterr().err
+    capsys.readouterr()
     averaged = ckpt.load_checkpoint(ckpt.average_run(tmp_path, 2))
     assert averaged["metrics"]["averaged"] == 2.0
     assert capsys.readouterr().err == ""  # no warning about a broken or missing file
 
 
-def test_a_fresh_start_removes_the_unreadable_checkpoints_of_the_dead_run(tmp_path, capsys):
-    over = ["train.save_interval_steps=1", "train.keep_last=2"]
-    make, broken = _train_and_truncate(tmp_path, tiny_config("train.max_steps=6", *over))
-    for path in ckpt.list_step_checkpoints(tmp_path):
-        if path != broken:
-            path.unlink()  # nothing readable: the CLI starts from scratch
-    assert ckpt.latest_valid_checkpoint(tmp_path, warn=False) is None
-    make(tiny_config("train.max_steps=2", *over)).train()
-    names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
-    assert names == ["step_00000001.pt", "step_00000002.pt"]
+def test_a_readable_checkpoint_is_never_set_aside(tmp_path):
+    """Only corrupt files move: a fresh Trainer in a run directory keeps its checkpoints."""
+    over = ["train.save_interval_steps=1", "train.keep_last=3"]
+    make, _ = _train_and_truncate(tmp_path, tiny_config("train.max_steps=3", *over))
+    make(tiny_config("train.max_steps=1", *over)).train()  # from scratch, by the Python API
+    assert [p.name for p in ckpt.list_step_checkpoints(tmp_path)][:2] == [
+        "step_00000001.pt",
+        "step_00000002.pt",
+    ]
+
+
+def test_a_checkpoint_that_cannot_be_read_now_is_not_called_corrupt(tmp_path, monkeypatch):
+    """An I/O error (a network filesystem's EIO) is about the file, not its bytes: a
+    CheckpointError naming it, not CheckpointCorrupt, so resume leaves the file where it is."""
+    config = tiny_config("train.max_steps=2", "train.save_interval_steps=1")
+    small_reverse_trainer(config, tmp_path).train()
+
+    def failing_load(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(torch, "load", failing_load)
+    newest = ckpt.step_checkpoint_path(tmp_path, 2)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be read: Input/output error") as err:
+        ckpt.load_checkpoint(newest)
+    assert not isinstance(err.value, ckpt.CheckpointCorrupt)
+    assert ckpt.resume_point(tmp_path) is None
+    assert newest.is_file()

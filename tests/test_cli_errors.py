@@ -84,9 +84,19 @@ def test_output_paths_of_the_wrong_kind(data_dir, tmp_path, capsys):
     assert a_file.read_text() == "x\n"
 
 
-def test_resume_with_nothing_to_resume(tmp_path, capsys):
+def test_resume_with_nothing_to_resume(data_dir, tmp_path, capsys):
     _fails(["train", "--out", str(tmp_path / "nowhere"), "--resume"], capsys, "does not exist")
     _fails(["train", "--out", str(tmp_path), "--resume"], capsys, "holds no checkpoint")
+    # A run killed before its first checkpoint left its config: --resume starts it again.
+    run = tmp_path / "run"
+    quick = ["train.max_steps=2", "train.valid_interval=0", "train.average_last=0"]
+    assert (
+        main(["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), *quick]) == 0
+    )
+    shutil.rmtree(run / "checkpoints")
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 0
+    assert "reached train.max_steps=2" in capsys.readouterr().out
 
 
 def test_missing_tokenizer_model(data_dir, tmp_path, capsys):

@@ -99,3 +99,23 @@ def test_keep_moves_only_the_rows_that_change_place():
         assert (layer.self_k.data_ptr(), layer.cross_v.data_ptr()) == pointers
         assert torch.equal(layer.self_k[:, :, :2], expected[0][:, :, :2])
         assert torch.equal(layer.cross_v, expected[1])
+
+
+def test_search_with_autograd_on_drops_finished_sentences_too():
+    """With autograd recording, keep() gathers into new tensors (the cross-attention keys and
+    values are views autograd will not let change in place) and decodes as without it."""
+    from aiayn.inference.search import beam_search, greedy_search
+
+    model = _model()
+    src_ids = torch.randint(4, 40, (3, 5))
+    limits = torch.tensor([2, 10, 5])  # sentences stop at different steps: keep() runs
+    results = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            memory = model.encode(src_ids, None)
+            cache = model.init_cache(memory, None, 11)
+            greedy = greedy_search(model.log_probs_step, cache, 3, max_len=limits)
+            cache = model.init_cache(memory, None, 11, beam_size=2)
+            beams = beam_search(model.log_probs_step, cache, 3, beam_size=2, max_len=limits)
+        results.append(([h.tokens for h in greedy], [h[0].tokens for h in beams]))
+    assert results[0] == results[1]

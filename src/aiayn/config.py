@@ -100,10 +100,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         positive = ("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers")
-        _require(self, "model", {name: _POSITIVE for name in (*positive, "max_positions")})
         probabilities = ("dropout", "attention_dropout", "relu_dropout")
-        _require(self, "model", {name: _PROBABILITY for name in probabilities})
-        _require(self, "model", {"layer_norm_eps": _POSITIVE})
+        rules = {name: _POSITIVE for name in (*positive, "max_positions", "layer_norm_eps")}
+        _require(self, "model", rules | {name: _PROBABILITY for name in probabilities})
         if self.d_k is None or self.d_v is None:
             if self.d_model % self.n_heads != 0:
                 raise ConfigError(
@@ -176,8 +175,6 @@ class TrainConfig:
                 "weight_decay": _NON_NEGATIVE,
                 "label_smoothing": _PROBABILITY,
                 "update_tokens": _POSITIVE,
-                "log_interval": _POSITIVE,
-                "max_bad_steps": _POSITIVE,
                 **{
                     name: _NON_NEGATIVE
                     for name in (
@@ -191,6 +188,8 @@ class TrainConfig:
                         "keep_last",
                         "average_last",
                         "patience",
+                        "log_interval",
+                        "max_bad_steps",
                     )
                 },
             },
@@ -209,8 +208,7 @@ class DecodeConfig:
     batch_tokens: int = 4096
 
     def validate(self) -> None:
-        rules = {"beam_size": _POSITIVE, "alpha": _NON_NEGATIVE, "max_len_a": _NON_NEGATIVE}
-        rules |= {"max_len_b": _NON_NEGATIVE, "batch_tokens": _POSITIVE}
+        rules = {"beam_size": _POSITIVE, "max_len_a": _NON_NEGATIVE, "batch_tokens": _POSITIVE}
         _require(self, "decode", rules)
 
 
@@ -334,8 +332,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return nested
 
 
-def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
-    """Build a :class:`RunConfig` from a nested dict: ``preset`` first, then the sections."""
+def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConfig:
+    """Build a :class:`RunConfig` from a nested dict: ``preset`` first, then the sections.
+
+    Every section's values are range-checked, except for a ``stored`` config (read back from a
+    checkpoint): only its ``[model]`` then, which must build; the rest is what that run used,
+    and an older aiayn may have accepted values that this one refuses."""
     from aiayn.presets import preset_overrides
 
     raw = dict(raw)
@@ -353,7 +355,8 @@ def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
         name: build_section(cls, merged.get(name, {}), name) for name, cls in _SECTIONS.items()
     }
     config = RunConfig(preset=preset, **sections)
-    for section in (config.model, config.data, config.train, config.decode):
+    every = (config.model, config.data, config.train, config.decode)
+    for section in every[:1] if stored else every:
         section.validate()
     return config
 

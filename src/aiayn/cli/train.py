@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir: Path = args.out
     check_output_dir(run_dir, "--out")
     has_checkpoints = bool(ckpt.list_step_checkpoints(run_dir))
-    if args.resume and not has_checkpoints and args.config is None:
+    started = (run_dir / CONFIG_NAME).is_file()  # a run killed before its first checkpoint
+    if args.resume and not has_checkpoints and not started and args.config is None:
         where = "does not exist" if not run_dir.exists() else "holds no checkpoint"
         raise CLIError(f"--resume: {run_dir} {where}; start a run there with --config and --data")
     config_path = args.config

@@ -66,7 +66,14 @@ def _keep_rows(
     In place: a batch's cache is allocated once, and only the rows that change place are
     copied (the gather reads them all before any is written, so any order is safe). Search
     keeps a sentence where it is and fills the place of a finished one from the end of the
-    batch, so that a step where a few sentences finish moves a few rows, not the batch."""
+    batch, so that a step where a few sentences finish moves a few rows, not the batch.
+    With autograd recording, a gather into a new tensor instead (the cross-attention keys and
+    values are then views that autograd does not let change in place)."""
+    if moves is not None and buffer.requires_grad and torch.is_grad_enabled():
+        dst, src = moves
+        rows = torch.arange(n, device=buffer.device)
+        rows[dst] = src
+        return buffer.index_select(0, rows)
     if moves is not None:
         dst, src = moves
         if length is None:

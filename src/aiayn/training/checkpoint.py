@@ -67,6 +67,12 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be read: missing, truncated, corrupt or of another format."""
 
 
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file whose bytes are damaged (empty, truncated, corrupt): what a crash, a
+    kill or a full disk leaves behind; unlike a file of a newer format or one that cannot be
+    read right now, it will never load."""
+
+
 # -- files ---------------------------------------------------------------------------------
 
 
@@ -87,14 +93,12 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def remove_step_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
-    """Delete the step checkpoints of updates after ``step``; returns them."""
-    removed = []
-    for path in list_step_checkpoints(run_dir):
-        if _step_of(path) > step:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
+def set_aside(path: Path) -> Path:
+    """Rename a corrupt step checkpoint to ``NAME.broken``: no longer a step checkpoint (it
+    takes no ``keep_last`` slot, is never averaged), but kept for whoever wants to look."""
+    target = path.with_name(path.name + ".broken")
+    path.replace(target)
+    return target
 
 
 def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
@@ -167,17 +171,23 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dic
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    with path.open("rb") as handle:
-        head = handle.read(4)
-    if not head:
-        raise CheckpointError(f"checkpoint {path} is empty (truncated?)")
-    if head != _ZIP_MAGIC:  # torch.save writes a zip archive
-        raise CheckpointError(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
     try:
+        with path.open("rb") as handle:
+            head = handle.read(4)
+        if not head:
+            raise CheckpointCorrupt(f"checkpoint {path} is empty (truncated?)")
+        if head != _ZIP_MAGIC:  # torch.save writes a zip archive
+            raise CheckpointError(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
         state = torch.load(path, map_location=device, weights_only=True)
+    except CheckpointError:
+        raise
+    except OSError as err:  # the file, not its bytes: permissions, I/O errors
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror or err}") from None
+    except MemoryError:
+        raise
     except pickle.UnpicklingError as err:
         if "weights only" not in str(err).lower():
-            raise CheckpointError(f"checkpoint {path} is unreadable (corrupt?): {err}") from None
+            raise CheckpointCorrupt(f"checkpoint {path} is unreadable (corrupt?): {err}") from None
         # Loading it would mean running the code it names: never done here.
         raise CheckpointError(
             f"{path} is not an aiayn checkpoint: it holds Python objects that only loading "
@@ -185,7 +195,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dic
         ) from None
     except Exception as err:  # truncated zip, missing records, ...
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
+        raise CheckpointCorrupt(
             f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}"
         ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
@@ -203,16 +213,39 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dic
 
 
 def latest_valid_checkpoint(
-    run_dir: str | Path, device: str | torch.device = "cpu", warn: bool = True
+    run_dir: str | Path,
+    device: str | torch.device = "cpu",
+    warn: bool = True,
+    failed: dict[Path, CheckpointError] | None = None,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest step checkpoint that loads, falling back past broken ones (with a message)."""
+    """The newest step checkpoint that loads, falling back past broken ones (with a message);
+    ``failed``, when given, receives each newer one passed over and why."""
     for path in reversed(list_step_checkpoints(run_dir)):
         try:
             return path, load_checkpoint(path, device)
         except CheckpointError as err:
+            if failed is not None:
+                failed[path] = err
             if warn:
                 print(f"warning: {err}; falling back to the previous checkpoint", file=sys.stderr)
     return None
+
+
+def resume_point(
+    run_dir: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Path, dict[str, Any]] | None:
+    """Where a run resumes: :func:`latest_valid_checkpoint`, after which each corrupt newer
+    checkpoint (what a dead process left) is set aside (:func:`set_aside`, said on stderr), so
+    that it takes no ``keep_last`` slot from the resumed run's checkpoints and is never
+    averaged. Newer ones that fail otherwise (a newer format, a file that cannot be read right
+    now) stay where they are."""
+    failed: dict[Path, CheckpointError] = {}
+    found = latest_valid_checkpoint(run_dir, device, failed=failed)
+    for path, err in failed.items():
+        if isinstance(err, CheckpointCorrupt):
+            moved = set_aside(path)
+            print(f"set {path.name} aside as {moved.name} (it will never load)", file=sys.stderr)
+    return found
 
 
 # -- pieces of state -----------------------------------------------------------------------
@@ -406,7 +439,7 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
         )
     target = Path(out) if out is not None else run_dir / AVERAGED_NAME
     payload = model_checkpoint(
-        config_from_dict(newest["config"]),
+        config_from_dict(newest["config"], stored=True),
         total.mean(),
         newest["tokenizer"],
         newest["step"],
@@ -453,7 +486,7 @@ def load_for_inference(
 
     path, state = _resolve_and_load(path)
     try:
-        config = config_from_dict(state["config"])
+        config = config_from_dict(state["config"], stored=True)
     except ConfigError as err:
         raise CheckpointError(f"{path}: stored config is invalid: {err}") from None
     model = Transformer(config.model)

@@ -213,7 +213,7 @@ def train_run(
         # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
         state = None
         if info.is_main:
-            found = ckpt.latest_valid_checkpoint(run_dir)
+            found = ckpt.resume_point(run_dir)
             if found is not None:
                 print(f"resuming from {found[0]}", file=sys.stderr)
                 state = found[1]

@@ -291,7 +291,7 @@ class Trainer:
         tokenizer must match (``ResumeMismatch`` otherwise)."""
         if state.get("kind") != "train":
             raise ckpt.CheckpointError("a model-only checkpoint cannot be resumed (no optimizer)")
-        saved = config_from_dict(state["config"])
+        saved = config_from_dict(state["config"], stored=True)
         if saved.model != self.config.model:
             diffs = [
                 f"{name}: checkpoint {getattr(saved.model, name)!r} vs now "
@@ -339,18 +339,6 @@ class Trainer:
         self._fresh = False
         self._saved_step = self._validated_step = self.step
         self._start = self._last_save_time = time.monotonic()
-
-    def _abandon_what_follows(self) -> None:
-        """Starting at update S (0 or a resumed checkpoint's) abandons what a dead process did
-        after S: its step checkpoints (often the unreadable one that made resume fall back)
-        would otherwise take ``keep_last`` slots from this run's and be averaged with them, and
-        its ``metrics.jsonl`` records would give the steps it reached twice."""
-        if not self.info.is_main:
-            return
-        where = f"resumes at update {self.step}" if self.step else "starts from scratch"
-        for path in ckpt.remove_step_checkpoints_after(self.run_dir, self.step):
-            self._log(f"removed {path.name}: written after the point where this run {where}")
-        self.metrics.drop_after(self.step)
 
     def save(self) -> Path | None:
         """Write a step checkpoint (rank 0) and prune old ones; collective under DDP."""
@@ -664,7 +652,8 @@ class Trainer:
         elif reason is None:
             self._log(f"resuming at update {self.step} (epoch {self.epoch})")
         interrupted = False
-        self._abandon_what_follows()
+        # Updates after this one that a dead process logged are redone: one record per step.
+        self.metrics.drop_after(self.step)
         self.progress.begin(self.step)
         while reason is None:
             stats = self._update()
@@ -734,9 +723,8 @@ class Trainer:
                 if self.info.is_main:
                     state = ckpt.load_checkpoint(averaged)
                     weights, count = state["model"], int(state["metrics"]["averaged"])
-                weights, count = broadcast_object((weights, count), self.info)
                 model = Transformer(self.config.model).to(self.device)
-                model.load_state_dict(weights)
+                model.load_state_dict(broadcast_object(weights, self.info))
                 metrics = self.validate(model)
                 # replace: a finished run run again averages again, and keeps one record.
                 self.metrics.write(
