@@ -28,7 +28,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast.
-
     from aiayn.cli.paths import check_output_dir
     from aiayn.inference.attention_maps import token_labeler, write_attention_pictures
     from aiayn.inference.translator import Translator

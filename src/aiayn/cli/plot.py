@@ -26,6 +26,5 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_output_file(args.out, "--out")
-
     print(plot_run(args.run_dir, args.out))
     return 0

@@ -69,17 +69,17 @@ def _keep_rows(
     batch, so that a step where a few sentences finish moves a few rows, not the batch.
     With autograd recording, a gather into a new tensor instead (the cross-attention keys and
     values are then views that autograd does not let change in place)."""
-    if moves is not None and buffer.requires_grad and torch.is_grad_enabled():
-        dst, src = moves
+    if moves is None:
+        return buffer[:n]
+    dst, src = moves
+    if buffer.requires_grad and torch.is_grad_enabled():
         rows = torch.arange(n, device=buffer.device)
         rows[dst] = src
         return buffer.index_select(0, rows)
-    if moves is not None:
-        dst, src = moves
-        if length is None:
-            buffer[dst] = buffer[src]
-        else:
-            buffer[dst, :, :length] = buffer[src, :, :length]
+    if length is None:
+        buffer[dst] = buffer[src]
+    else:
+        buffer[dst, :, :length] = buffer[src, :, :length]
     return buffer[:n]
 
 
