@@ -46,7 +46,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "performance.md"
 DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
-TRAIN_SYSTEMS = ["aiayn", "torch", "hf"]
+TRAIN_SYSTEMS = ["aiayn", "aiayn-bf16", "torch", "hf"]
 DECODE_SYSTEMS = ["aiayn", "aiayn-int8", "aiayn-packed", "torch", "hf", "ct2-float32", "ct2-int8"]
 
 # (warm-up updates, timed updates) per round.

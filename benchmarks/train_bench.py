@@ -32,18 +32,20 @@ from benchmarks.common import (
 )
 from benchmarks.peers import available
 
-SYSTEMS = ("aiayn", "torch", "hf")
+SYSTEMS = ("aiayn", "aiayn-bf16", "torch", "hf")
 Update = Callable[[], None]
 
 # The peers' optimiser: Adam with the paper's betas and epsilon, PyTorch's default kernel.
 ADAM_BETAS, ADAM_EPS, PEER_LR = (0.9, 0.98), 1e-9, 1e-4
 
 
-def aiayn_update(w: Workload, batch: TrainBatch) -> Update:
+def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     """The core of ``aiayn.training.trainer.Trainer._update`` for one batch on the CPU in fp32:
     the library's model, its fused projection + label-smoothed loss
     (``projected_label_smoothed_nll``), ``build_optimizer`` (fused Adam) and
-    ``build_schedule``."""
+    ``build_schedule``. With ``bf16``, what ``train.precision=bf16`` does on the CPU
+    (opt-in, outside the issue's fp32 workloads): the model under bfloat16 autocast and the
+    fused loss with bfloat16 products."""
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.model.transformer import build_model
     from aiayn.runtime import retain_freed_memory
@@ -68,10 +70,15 @@ def aiayn_update(w: Workload, batch: TrainBatch) -> Update:
     eps = train.label_smoothing
     weight = model.out_proj.weight
 
+    dtype = torch.bfloat16 if bf16 else None
+
     def update() -> None:
         optimizer.zero_grad(set_to_none=True)
-        hidden = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=False)
-        loss_sum, _ = projected_label_smoothed_nll(hidden, weight, batch.tgt_out, eps, PAD_ID)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            hidden = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=False)
+        loss_sum, _ = projected_label_smoothed_nll(
+            hidden, weight, batch.tgt_out, eps, PAD_ID, dtype
+        )
         (loss_sum / n_tokens).backward()
         optimizer.step()
         schedule.step()
@@ -133,6 +140,7 @@ def hf_update(w: Workload, batch: TrainBatch) -> Update:
 
 BUILDERS: dict[str, Callable[[Workload, TrainBatch], Update]] = {
     "aiayn": aiayn_update,
+    "aiayn-bf16": lambda w, batch: aiayn_update(w, batch, bf16=True),
     "torch": torch_update,
     "hf": hf_update,
 }
@@ -151,6 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     if needed and not available(needed):
         skip(args.system, f"{needed} is not installed (pip install -e '.[bench]')")
         return
+    if args.system == "aiayn-bf16":
+        from aiayn.training.trainer import cpu_has_bfloat16
+
+        if not cpu_has_bfloat16():
+            skip(args.system, "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX)")
+            return
     w = WORKLOADS[args.workload]
     batch = training_batch(w)
     start = time.perf_counter()

@@ -305,3 +305,25 @@ def test_translator_packs_on_request_and_says_when_it_cannot() -> None:
     assert all(is_packed(m) for m in _linears(model)) and warnings == []
     Translator(model.double(), Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
     assert len(warnings) == 1 and "nothing to pack" in warnings[0]
+
+
+@pytest.mark.parametrize(("rows", "seen"), [(70, 128), (128, 128), (64, 64), (40, 40)])
+def test_bf16_products_on_the_cpu_see_rows_padded_to_a_multiple_of_64(rows: int, seen: int):
+    # oneDNN compiles a kernel per new row count of a bfloat16 product: row counts above 64
+    # are padded to a multiple of 64, and the padding is cut off again (values and gradients).
+    layer = nn.Linear(16, 8)
+    sizes: list[int] = []
+    layer.register_forward_pre_hook(lambda _, args: sizes.append(args[0].numel() // 16))
+    x = torch.randn(rows, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear(layer, x.view(1, rows, 16))
+        want = layer(x.view(1, rows, 16))
+    assert sizes == [seen, rows] and got.shape == want.shape == (1, rows, 8)
+    assert_close(got, want, rtol=1e-2, atol=1e-2)
+    grad = torch.randn(1, rows, 8)
+    (first,) = torch.autograd.grad(got, x, grad)
+    (second,) = torch.autograd.grad(want, x, grad)
+    assert_close(first, second, rtol=1e-2, atol=1e-2)
+    sizes.clear()
+    linear(layer, torch.randn(rows, 16))  # float32 outside autocast: as it is
+    assert sizes == [rows]

@@ -144,6 +144,18 @@ def greedy_decode(
     return [h.tokens for h in hypotheses]
 
 
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), as PyTorch's
+    CPU feature checks report; where they are missing, assume it does."""
+    checks = [
+        getattr(torch.cpu, name, None)
+        for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    if any(check is None for check in checks):
+        return True
+    return any(check() for check in checks if check is not None)
+
+
 class Trainer:
     """Trains ``model`` on batches of ``corpus`` drawn by ``sampler`` into ``run_dir``.
 
@@ -194,9 +206,11 @@ class Trainer:
         if self.train_cfg.compile:
             self.train_module = torch.compile(self.train_module)  # type: ignore[assignment]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # fp32 on the CPU: the projection and the loss fused, without (N, V) logits
-        # (training/loss.py; 1.2-1.9x faster for that part). Elsewhere the plain loss.
-        self._fused_loss = self.device.type == "cpu" and precision == "fp32"
+        # On the CPU: the projection and the loss fused, without (N, V) logits
+        # (training/loss.py; 1.2-1.9x faster for that part in fp32, 2.7x in bf16, whose
+        # products it runs in bfloat16). Elsewhere the plain loss.
+        self._fused_loss = self.device.type == "cpu" and precision in ("fp32", "bf16")
+        self._loss_dtype = torch.bfloat16 if precision == "bf16" else None
         # Progress, saved in every checkpoint.
         self.step = 0
         self.epoch = 0
@@ -222,6 +236,11 @@ class Trainer:
             bar=show_progress,
             total_minutes=self.train_cfg.max_minutes,
         )
+        if precision == "bf16" and self.device.type == "cpu" and not cpu_has_bfloat16():
+            self._log(
+                "warning: train.precision=bf16 on a CPU without bfloat16 instructions "
+                "(AVX512-BF16 or AMX): its products are emulated, slower than fp32"
+            )
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -241,9 +260,14 @@ class Trainer:
         """Summed label-smoothed loss and NLL of one micro-batch (through DDP/compile)."""
         eps = self.train_cfg.label_smoothing
         if self._fused_loss:
-            hidden = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in, project=False)
+            with self._autocast():
+                hidden = self.train_module(
+                    batch.src_ids, batch.src_pad, batch.tgt_in, project=False
+                )
             weight = self.model.out_proj.weight
-            return projected_label_smoothed_nll(hidden, weight, batch.tgt_out, eps, PAD_ID)
+            return projected_label_smoothed_nll(
+                hidden, weight, batch.tgt_out, eps, PAD_ID, self._loss_dtype
+            )
         with self._autocast():
             logits = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in)
         return label_smoothed_nll(logits, batch.tgt_out, eps, PAD_ID)
