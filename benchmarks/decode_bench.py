@@ -25,6 +25,7 @@ from torch import Tensor
 from benchmarks.common import (
     DECODE,
     EOS_ID,
+    THREADS,
     DecodeWorkload,
     decode_sources,
     emit,
@@ -36,7 +37,16 @@ from benchmarks.common import (
 )
 from benchmarks.peers import available
 
-SYSTEMS = ("aiayn", "aiayn-int8", "aiayn-packed", "torch", "hf", "ct2-float32", "ct2-int8")
+SYSTEMS = (
+    "aiayn",
+    "aiayn-int8",
+    "aiayn-packed",
+    "torch",
+    "hf",
+    "ct2-float32",
+    "ct2-int8",
+    "ct2-float32-1thread",
+)
 MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
 ALPHA = 0.6
 
@@ -154,9 +164,13 @@ def hf_decoder(dw: DecodeWorkload) -> Decode:
     return decode
 
 
-def ct2_decoder(dw: DecodeWorkload, quantization: str, model_dir: Path | None) -> Decode:
+def ct2_decoder(
+    dw: DecodeWorkload, quantization: str, model_dir: Path | None, threads: int = THREADS
+) -> Decode:
     """``model_dir`` holds the converted models (``run_all`` converts them in a process of
-    its own, so that this process's RSS is CTranslate2's alone); None converts here."""
+    its own, so that this process's RSS is CTranslate2's alone); None converts here.
+    ``threads``: CTranslate2's intra-op threads (the workload's 2; 1 for the extra row that
+    shows CTranslate2 on a machine where its 2-thread mode is slower than one thread)."""
     import ctranslate2
 
     from benchmarks.peers import convert_to_ctranslate2, vocabulary
@@ -168,7 +182,7 @@ def ct2_decoder(dw: DecodeWorkload, quantization: str, model_dir: Path | None) -
         str(model_dir / f"ct2-{quantization}"),
         device="cpu",
         compute_type=quantization,
-        intra_threads=2,
+        intra_threads=threads,
         inter_threads=1,
     )
     tokens = vocabulary(dw.model)
@@ -195,6 +209,8 @@ def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
         return torch_decoder(dw)
     if system == "hf":
         return hf_decoder(dw)
+    if system.endswith("-1thread"):
+        return ct2_decoder(dw, system.removeprefix("ct2-").removesuffix("-1thread"), ct2_dir, 1)
     return ct2_decoder(dw, system.removeprefix("ct2-"), ct2_dir)
 
 
@@ -203,6 +219,7 @@ REQUIRES = {
     "hf": ["transformers"],
     "ct2-float32": ["ctranslate2", "transformers"],
     "ct2-int8": ["ctranslate2", "transformers"],
+    "ct2-float32-1thread": ["ctranslate2", "transformers"],
 }
 
 

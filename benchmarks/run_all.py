@@ -47,7 +47,16 @@ DOC = ROOT / "docs" / "performance.md"
 DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 TRAIN_SYSTEMS = ["aiayn", "aiayn-bf16", "torch", "hf"]
-DECODE_SYSTEMS = ["aiayn", "aiayn-int8", "aiayn-packed", "torch", "hf", "ct2-float32", "ct2-int8"]
+DECODE_SYSTEMS = [
+    "aiayn",
+    "aiayn-int8",
+    "aiayn-packed",
+    "torch",
+    "hf",
+    "ct2-float32",
+    "ct2-int8",
+    "ct2-float32-1thread",
+]
 
 # (warm-up updates, timed updates) per round.
 TRAIN_STEPS = {

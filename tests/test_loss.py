@@ -126,7 +126,10 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
-def test_projected_loss_in_bfloat16_follows_its_written_out_rounding(monkeypatch, hidden_dtype):
+@pytest.mark.parametrize("n_rows", [37, 11])  # 30 rows kept: two groups; 9: one
+def test_projected_loss_in_bfloat16_follows_its_written_out_rounding(
+    monkeypatch, hidden_dtype, n_rows
+):
     # train.precision=bf16 on the CPU: the three products in bfloat16 (inputs, logits and the
     # gradient rounded to it), everything between them in float32. The reference writes that
     # out in float64, with chunks of 8 rows and groups of 16 rows (the last partial).
@@ -134,8 +137,15 @@ def test_projected_loss_in_bfloat16_follows_its_written_out_rounding(monkeypatch
 
     monkeypatch.setattr(loss_module, "PROJECTION_CHUNK_ROWS", 8)
     monkeypatch.setattr(loss_module, "LOW_PRECISION_GROUP_ROWS", 16)
-    monkeypatch.setattr(loss_module, "BF16_ROW_MULTIPLE", 4)  # 30 rows padded to 32
-    epsilon, n_rows, d, vocab = 0.1, 37, 16, 50
+    monkeypatch.setattr(loss_module, "BF16_ROW_MULTIPLE", 4)  # 30 rows -> 32, 9 -> 12
+    # Buffers come filled with NaN, so that a padding row left unzeroed shows.
+    empty = torch.empty
+    monkeypatch.setattr(
+        loss_module.torch,
+        "empty",
+        lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")),
+    )
+    epsilon, d, vocab = 0.1, 16, 50
     gen = torch.Generator().manual_seed(5)
     hidden = torch.randn(n_rows, d, generator=gen).to(hidden_dtype)
     weight = torch.randn(vocab, d, generator=gen) * 0.5
@@ -167,11 +177,13 @@ def test_projected_loss_in_bfloat16_follows_its_written_out_rounding(monkeypatch
     )
     (upstream * got_loss).backward()
     assert h.grad.dtype == hidden_dtype and w.grad.dtype == torch.float32
-    torch.testing.assert_close(got_loss.double(), loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_nll.double(), nll, rtol=1e-5, atol=1e-5)
-    tolerance = 1e-2 if hidden_dtype == torch.bfloat16 else 1e-5  # bf16 result: one rounding
-    torch.testing.assert_close(h.grad.double(), want_hidden, rtol=tolerance, atol=1e-5)
-    torch.testing.assert_close(w.grad.double(), want_weight, rtol=1e-5, atol=1e-5)
+    # Where float32 accumulation inside a bfloat16 product tips a value across a rounding
+    # boundary, one element differs by a bfloat16 step (0.4%): the tolerances allow that
+    # (this CPU matches to 1e-5), not a misplaced row or a missing term.
+    torch.testing.assert_close(got_loss.double(), loss, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got_nll.double(), nll, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(h.grad.double(), want_hidden, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(w.grad.double(), want_weight, rtol=1e-2, atol=1e-3)
     assert torch.count_nonzero(h.grad[~keep]) == 0
 
 

@@ -101,9 +101,16 @@ def test_bfloat16_attention_on_the_cpu_runs_in_float32(mask_kind):
     assert torch.equal(scaled_dot_product(q, k, v, mask, 0.0, causal), want)
 
 
-def test_bfloat16_attention_passes_gradients_in_bfloat16():
+def test_bfloat16_attention_gradients_are_float32_attention_gradients_rounded():
     from aiayn.model.attention import scaled_dot_product
 
-    q, k, v = (torch.randn(1, 2, 3, 4).bfloat16().requires_grad_() for _ in range(3))
-    scaled_dot_product(q, k, v, None, 0.0, True).float().sum().backward()
-    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, 2, 3, 4, generator=gen).bfloat16() for _ in range(3)]
+    grad_out = torch.randn(1, 2, 3, 4, generator=gen).bfloat16()
+    ours = [t.clone().requires_grad_() for t in inputs]
+    scaled_dot_product(*ours, None, 0.0, True).backward(grad_out)
+    wide = [t.float().requires_grad_() for t in inputs]
+    out = torch.nn.functional.scaled_dot_product_attention(*wide, is_causal=True)
+    out.backward(grad_out.float())
+    for mine, reference in zip(ours, wide, strict=True):
+        assert torch.equal(mine.grad, reference.grad.bfloat16())

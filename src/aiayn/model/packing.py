@@ -200,14 +200,17 @@ def packed_product(module: nn.Module, x: Tensor) -> Tensor | None:
 # bfloat16 on the CPU (autocast, train.precision=bf16): oneDNN compiles a kernel for every
 # new row count of a product (~2 ms per product and direction, measured: a 256 -> 1,024
 # layer's forward + backward takes 8.9 ms at a row count seen for the first time, 2.7 ms
-# after), and token batches bring a new row count nearly every update. Rows are padded with
-# zeros up to a multiple of this, so that a run sees a few dozen row counts.
+# after), and token batches bring a new row count nearly every update. Row counts above this
+# are padded with zeros up to a multiple of it, so that a run sees a few dozen row counts
+# (at most this many below it: decoder steps, for instance, are left as they are).
 BF16_ROW_MULTIPLE = 64
 
 
-def _bf16_rows_padded(x: Tensor) -> int | None:
+def _bf16_rows_padded(module: nn.Module, x: Tensor) -> int | None:
     """The row count to pad ``x`` to for a bfloat16 product on the CPU, or None."""
-    if x.device.type != "cpu" or x.dim() < 2:
+    if x.device.type != "cpu" or x.dim() < 2 or type(module) is not nn.Linear:
+        return None
+    if module.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if not (x.dtype is torch.bfloat16 or torch.is_autocast_enabled("cpu")):
         return None
@@ -221,11 +224,11 @@ def _bf16_rows_padded(x: Tensor) -> int | None:
 def linear(module: nn.Module, x: Tensor) -> Tensor:
     """``module(x)``, through the packed copy of its weight when ``x`` has
     ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows (see the module docstring); in bfloat16
-    on the CPU with its rows padded to a multiple of :data:`BF16_ROW_MULTIPLE`."""
+    on the CPU, more than :data:`BF16_ROW_MULTIPLE` rows are padded to a multiple of it."""
     out = packed_product(module, x)
     if out is not None:
         return out
-    padded = _bf16_rows_padded(x)
+    padded = _bf16_rows_padded(module, x)
     if padded is None:
         return module(x)
     rows = x.numel() // x.shape[-1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import platform
 import signal
 import sys
 import time
@@ -145,8 +146,11 @@ def greedy_decode(
 
 
 def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), as PyTorch's
-    CPU feature checks report; where they are missing, assume it does."""
+    """Whether this CPU multiplies bfloat16 natively. On x86, AVX512-BF16 or AMX as PyTorch's
+    CPU feature checks report; elsewhere (Arm's bf16 extension, which PyTorch does not
+    report) and where those checks are missing, assume it does."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
     checks = [
         getattr(torch.cpu, name, None)
         for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
