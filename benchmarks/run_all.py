@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the ``benchmarks`` packag
     sys.path.insert(0, str(ROOT))
 
 from aiayn.runtime import THRESHOLD as RETAIN_THRESHOLD  # noqa: E402
+from benchmarks import decode_bench, train_bench  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     THREADS,
     WORKLOADS,
@@ -46,17 +47,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "performance.md"
 DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
-TRAIN_SYSTEMS = ["aiayn", "aiayn-bf16", "torch", "hf"]
-DECODE_SYSTEMS = [
-    "aiayn",
-    "aiayn-int8",
-    "aiayn-packed",
-    "torch",
-    "hf",
-    "ct2-float32",
-    "ct2-int8",
-    "ct2-float32-1thread",
-]
+# Every system each benchmark knows, in that order.
+TRAIN_SYSTEMS = list(train_bench.SYSTEMS)
+DECODE_SYSTEMS = list(decode_bench.SYSTEMS)
 
 # (warm-up updates, timed updates) per round.
 TRAIN_STEPS = {
@@ -80,8 +73,12 @@ PEER_MALLOC: dict[str, str] = {}
 def child_env(system: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    # The 1-thread CTranslate2 row is one thread throughout: with OMP_NUM_THREADS=2 its MKL
+    # products still fork, and on the 2-core machine one sentence at a time took 69-94 ms
+    # instead of 20-30 ms.
+    threads = 1 if system is not None and system.endswith("-1thread") else THREADS
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[name] = str(THREADS)
+        env[name] = str(threads)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("HF_HUB_OFFLINE", "1")
     if system is not None and not system.startswith("aiayn"):

@@ -208,13 +208,15 @@ BF16_ROW_MULTIPLE = 64
 
 def _bf16_rows_padded(module: nn.Module, x: Tensor) -> int | None:
     """The row count to pad ``x`` to for a bfloat16 product on the CPU, or None."""
+    # The cheapest test first: float32 outside autocast (training in fp32, decoding) ends here.
+    autocast = torch.is_autocast_enabled("cpu")
+    if not autocast and x.dtype is not torch.bfloat16:
+        return None
+    if autocast and torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+        return None
     if x.device.type != "cpu" or x.dim() < 2 or type(module) is not nn.Linear:
         return None
     if module.weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if not (x.dtype is torch.bfloat16 or torch.is_autocast_enabled("cpu")):
-        return None
-    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != torch.bfloat16:
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     padded = -(-rows // BF16_ROW_MULTIPLE) * BF16_ROW_MULTIPLE
