@@ -263,18 +263,16 @@ class Trainer:
     def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """Summed label-smoothed loss and NLL of one micro-batch (through DDP/compile)."""
         eps = self.train_cfg.label_smoothing
+        with self._autocast():  # the fused loss takes the decoder output, unprojected
+            out = self.train_module(
+                batch.src_ids, batch.src_pad, batch.tgt_in, project=not self._fused_loss
+            )
         if self._fused_loss:
-            with self._autocast():
-                hidden = self.train_module(
-                    batch.src_ids, batch.src_pad, batch.tgt_in, project=False
-                )
             weight = self.model.out_proj.weight
             return projected_label_smoothed_nll(
-                hidden, weight, batch.tgt_out, eps, PAD_ID, self._loss_dtype
+                out, weight, batch.tgt_out, eps, PAD_ID, self._loss_dtype
             )
-        with self._autocast():
-            logits = self.train_module(batch.src_ids, batch.src_pad, batch.tgt_in)
-        return label_smoothed_nll(logits, batch.tgt_out, eps, PAD_ID)
+        return label_smoothed_nll(out, batch.tgt_out, eps, PAD_ID)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         precision = self.train_cfg.precision
