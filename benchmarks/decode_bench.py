@@ -41,6 +41,7 @@ SYSTEMS = (
     "aiayn",
     "aiayn-int8",
     "aiayn-packed",
+    "aiayn-bf16",
     "torch",
     "hf",
     "ct2-float32",
@@ -71,7 +72,9 @@ def suppress_eos(step_fn: StepFn, steps: int) -> StepFn:
     return step
 
 
-def aiayn_decoder(dw: DecodeWorkload, int8: bool, packed: bool = False) -> Decode:
+def aiayn_decoder(
+    dw: DecodeWorkload, int8: bool, packed: bool = False, bf16: bool = False
+) -> Decode:
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
     from aiayn.model.transformer import build_model
@@ -97,6 +100,11 @@ def aiayn_decoder(dw: DecodeWorkload, int8: bool, packed: bool = False) -> Decod
         from aiayn.model.packing import pack_for_inference
 
         pack_for_inference(model)
+    if bf16:  # what Translator(precision="bf16") / translate --precision bf16 do
+        from aiayn.model.packing import pack_for_inference
+
+        model.to(torch.bfloat16)
+        pack_for_inference(model)  # for oneDNN
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:
@@ -203,8 +211,13 @@ def ct2_decoder(
 
 
 def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
-    if system in ("aiayn", "aiayn-int8", "aiayn-packed"):
-        return aiayn_decoder(dw, int8=system == "aiayn-int8", packed=system == "aiayn-packed")
+    if system.startswith("aiayn"):
+        return aiayn_decoder(
+            dw,
+            int8=system == "aiayn-int8",
+            packed=system == "aiayn-packed",
+            bf16=system == "aiayn-bf16",
+        )
     if system == "torch":
         return torch_decoder(dw)
     if system == "hf":
@@ -260,6 +273,12 @@ def main(argv: list[str] | None = None) -> None:
 
         if not packing_available():
             skip(args.system, "this PyTorch has no MKL packed-linear operators")
+            return
+    if args.system == "aiayn-bf16":
+        from aiayn.runtime import cpu_has_bfloat16
+
+        if not cpu_has_bfloat16():
+            skip(args.system, "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX)")
             return
     dw = DECODE
     src = decode_sources(dw)

@@ -17,6 +17,7 @@ DECODE_NAMES = {
     "aiayn": "aiayn (fp32)",
     "aiayn-int8": "aiayn int8 (opt-in)",
     "aiayn-packed": "aiayn fp32, packed weights (opt-in)",
+    "aiayn-bf16": "aiayn bf16 (opt-in)",
     "torch": "torch.nn.Transformer (no cache)",
     "hf": "HF Marian generate",
     "ct2-float32": "CTranslate2 float32",

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         skip(args.system, f"{needed} is not installed (pip install -e '.[bench]')")
         return
     if args.system == "aiayn-bf16":
-        from aiayn.training.trainer import cpu_has_bfloat16
+        from aiayn.runtime import cpu_has_bfloat16
 
         if not cpu_has_bfloat16():
             skip(args.system, "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX)")

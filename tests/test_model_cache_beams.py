@@ -119,3 +119,25 @@ def test_search_with_autograd_on_drops_finished_sentences_too():
             beams = beam_search(model.log_probs_step, cache, 3, beam_size=2, max_len=limits)
         results.append(([h.tokens for h in greedy], [h[0].tokens for h in beams]))
     assert results[0] == results[1]
+
+
+def test_bfloat16_model_caches_in_float32_on_the_cpu():
+    """On the CPU a bfloat16 model's cache holds float32 keys and values (its attention runs
+    in float32 there), and cached steps give the teacher-forced logits of the same model; the
+    step's log-probabilities are float32, in the cache's scratch buffer."""
+    model = _model().to(torch.bfloat16)
+    src_ids = torch.randint(4, 40, (3, 7))
+    src_pad = torch.zeros_like(src_ids, dtype=torch.bool)
+    src_pad[1, 4:] = True
+    tgt_in = torch.randint(4, 40, (3, 5))
+    with torch.inference_mode():
+        full = model(src_ids, src_pad, tgt_in)  # (3, 5, V), bfloat16
+        cache = model.init_cache(model.encode(src_ids, src_pad), src_pad, max_len=5)
+        layer = cache.layers[0]
+        assert {layer.self_k.dtype, layer.self_v.dtype, layer.cross_k.dtype} == {torch.float32}
+        for t in range(4):
+            assert_close(model.decode_step(tgt_in[:, t], cache), full[:, t])
+        log_probs = model.log_probs_step(tgt_in[:, 4], cache)
+    assert log_probs.dtype == torch.float32
+    assert log_probs.data_ptr() == cache.scratch(3, 40).data_ptr()
+    assert_close(log_probs, torch.log_softmax(full[:, 4].float(), -1))

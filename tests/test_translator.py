@@ -3,6 +3,7 @@ line-for-line output with empty and over-long lines."""
 
 from __future__ import annotations
 
+import copy
 import io
 import random
 import sys
@@ -250,6 +251,42 @@ def test_bad_settings() -> None:
         Translator(model, CharTokenizer(), replace(DecodeConfig(), beam_size=0))
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_bf16_precision_translates_as_fp32(copy_model: Transformer, beam: int) -> None:
+    """precision="bf16" converts the model and decodes with bfloat16 products and float32
+    scores: on the copy model it finds the fp32 translation for most lines, with the score
+    within bfloat16's rounding. (The tiny model is barely trained: its best hypotheses score
+    -3 to -5, and bfloat16's rounding of its small matrices flips 1-4 of 48 near ties.)"""
+    decode = DecodeConfig(beam_size=beam, max_len_b=6, batch_tokens=120)
+    lines = sentences(48, seed=4, longest=6)
+    reference = Translator(copy_model, CharTokenizer(), decode).translate_nbest(lines)
+    model = copy.deepcopy(copy_model)
+    translator = Translator(model, CharTokenizer(), decode, precision="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    results = translator.translate_nbest(lines)
+    same = [(r[0], f[0]) for r, f in zip(results, reference, strict=True) if r[0].text == f[0].text]
+    assert len(same) >= 40
+    assert [r.score for r, _ in same] == pytest.approx([f.score for _, f in same], abs=0.15)
+
+
+def test_precision_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiayn.inference.translator as translator_module
+
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        Translator(tiny_model(), CharTokenizer(), precision="fp8")
+    with pytest.raises(ValueError, match="fp16 decoding needs a CUDA device"):
+        Translator(tiny_model(), CharTokenizer(), precision="fp16")
+    warnings: list[str] = []
+    monkeypatch.setattr(translator_module, "cpu_has_bfloat16", lambda: False)
+    model = tiny_model()
+    Translator(model, CharTokenizer(), precision="bf16", warn=warnings.append)
+    assert len(warnings) == 1 and "without bfloat16 instructions" in warnings[0]
+    assert model.out_proj.weight.dtype == torch.bfloat16
+    fp32 = tiny_model()
+    Translator(fp32, CharTokenizer(), precision="fp32", warn=warnings.append)
+    assert len(warnings) == 1 and fp32.out_proj.weight.dtype == torch.float32
+
+
 def test_cpu_translator_keeps_a_steps_freed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Translator on the CPU asks for the decoding allocator setting (aiayn.runtime)."""
     import aiayn.inference.translator as translator_module
@@ -279,6 +316,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         quantize: str | None = None,
         warn: object = None,
         pack_weights: bool = False,
+        precision: str = "fp32",
     ) -> tuple[Translator, None]:
         decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
         translator = cls(
@@ -352,6 +390,12 @@ def test_end_to_end_with_a_real_checkpoint(tmp_path: Path, capsys: pytest.Captur
     assert capsys.readouterr().out == captured.out  # the same translations
     assert main([*args, "--device", "cpu", "--quantize", "int8"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
+    assert main([*args, "--device", "cpu", "--precision", "bf16"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert main([*args, "--device", "cpu", "--precision", "bf16", "--quantize", "int8"]) == 2
+    assert "not with bf16" in capsys.readouterr().err
+    assert main([*args, "--device", "cpu", "--precision", "fp16"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
 
     out_dir = tmp_path / "maps"
     argv = ["attention", str(tmp_path / "m.pt"), "abc de", "--out", str(out_dir), "--beam", "2"]

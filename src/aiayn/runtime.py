@@ -103,3 +103,20 @@ def _mallopt() -> Callable[[int, int], int] | None:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt
+
+
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively. On x86, AVX512-BF16 or AMX as PyTorch's
+    CPU feature checks report; elsewhere (Arm's bf16 extension, which PyTorch does not
+    report) and where those checks are missing, assume it does."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    checks = [
+        getattr(torch.cpu, name, None)
+        for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    if any(check is None for check in checks):
+        return True
+    return any(check() for check in checks if check is not None)

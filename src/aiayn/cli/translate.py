@@ -58,6 +58,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "time (interactive use), no gain for large batches; 1.25-1.8x the weights' size "
         "more memory",
     )
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="weights and products in this dtype (default fp32): bf16 on a CPU with bfloat16 "
+        "instructions (AVX512-BF16 or AMX) or a GPU, fp16 on a GPU; faster batches, slower "
+        "one-sentence steps on the CPU; log-probabilities and beam scores stay float32",
+    )
     parser.set_defaults(run=run)
 
 
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             nbest=args.nbest,
             quantize=args.quantize,
             pack_weights=args.pack_weights,
+            precision=args.precision,
         )
     except ValueError as err:
         raise CLIError(str(err)) from None

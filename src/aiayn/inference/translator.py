@@ -35,7 +35,7 @@ from aiayn.inference.search import (
 from aiayn.inference.textio import one_line
 from aiayn.model.packing import pack_for_inference
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import reuse_decoding_memory
+from aiayn.runtime import cpu_has_bfloat16, reuse_decoding_memory
 
 
 class TextTokenizer(Protocol):
@@ -69,6 +69,35 @@ def quantize_int8(model: Transformer) -> Transformer:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
+# Decoding precisions: the weights' and the products' dtype. Beam scores, log-probabilities
+# and (on the CPU) attention and the cached keys and values stay float32.
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def inference_dtype(
+    precision: str, device: torch.device, warn: Callable[[str], None]
+) -> torch.dtype:
+    """The dtype for ``precision`` on ``device``; ValueError where it cannot run (fp16 on
+    the CPU), a warning where it runs slowly (bf16 on a CPU without bfloat16 instructions,
+    where its products are emulated)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} (one of {', '.join(PRECISIONS)})")
+    if precision == "fp32":
+        return torch.float32
+    if precision == "fp16" and device.type == "cpu":
+        raise ValueError("fp16 decoding needs a CUDA device; on the CPU, use bf16")
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_bfloat16():
+        warn(
+            "precision bf16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): "
+            "its products are emulated, slower than fp32"
+        )
+    return PRECISIONS[precision]
+
+
 class Translator:
     """Translates sentences with a trained :class:`Transformer`.
 
@@ -79,6 +108,12 @@ class Translator:
     ``pack_weights`` packs the float32 linear layers for MKL on the CPU
     (:func:`aiayn.model.packing.pack_for_inference`): faster decoder steps over 4 to 128 rows
     (one to 32 sentences with beam 4), for 1.25-1.8x the weights' size more memory.
+
+    ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
+    ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or CUDA) or
+    ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
+    log-softmax and the beam scores stay in float32 (see :data:`PRECISIONS`). bf16 on the
+    CPU packs the weights for oneDNN (:func:`aiayn.model.packing.pack_for_inference`).
     """
 
     def __init__(
@@ -91,6 +126,7 @@ class Translator:
         device: torch.device | str | None = None,
         warn: Callable[[str], None] | None = None,
         pack_weights: bool = False,
+        precision: str = "fp32",
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
         if self.decode.beam_size < 1:
@@ -111,7 +147,14 @@ class Translator:
         self.warn = warn if warn is not None else _print_warning
         if self.device.type == "cpu":
             reuse_decoding_memory()  # a step's freed blocks are reused (aiayn.runtime)
-        if pack_weights and (self.device.type != "cpu" or pack_for_inference(self.model) == 0):
+        dtype = inference_dtype(precision, self.device, self.warn)
+        if dtype is not torch.float32:
+            self.model.to(dtype)
+        if dtype is torch.bfloat16 and self.device.type == "cpu":
+            # oneDNN's bfloat16 products with the weights packed once are faster at every
+            # row count, 1.3-3x (docs/performance.md).
+            pack_for_inference(self.model)
+        elif pack_weights and (self.device.type != "cpu" or pack_for_inference(self.model) == 0):
             self.warn(
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL); decoding without it"
@@ -129,6 +172,7 @@ class Translator:
         quantize: str | None = None,
         warn: Callable[[str], None] | None = None,
         pack_weights: bool = False,
+        precision: str = "fp32",
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
@@ -141,6 +185,10 @@ class Translator:
                 raise ValueError(f"unknown quantization {quantize!r} (only int8)")
             if torch.device(device).type != "cpu":
                 raise ValueError("int8 dynamic quantization runs on the CPU only")
+            if precision != "fp32":
+                raise ValueError(
+                    f"int8 quantization is a precision of its own: not with {precision}"
+                )
             model = quantize_int8(model)
         translator = cls(
             model,
@@ -150,6 +198,7 @@ class Translator:
             device=device,
             warn=warn,
             pack_weights=pack_weights,
+            precision=precision,
         )
         return translator, config
 

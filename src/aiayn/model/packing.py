@@ -53,13 +53,15 @@ MAX_PACKED_ROWS = 128
 # MKL chooses its packed blocking for a row count; the decoder's typical one.
 PACK_FOR_ROWS = 64
 _CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_PACKED_ROWS)
+_CHECK_ROWS_BF16 = (1, 3, 4, 31, PACK_FOR_ROWS, 65, 200)
 
 
 class _Packed:
-    __slots__ = ("data_ptr", "packed", "version", "weight_id")
+    __slots__ = ("data_ptr", "onednn", "packed", "version", "weight_id")
 
-    def __init__(self, packed: Tensor, weight: Tensor) -> None:
+    def __init__(self, packed: Tensor, weight: Tensor, onednn: bool = False) -> None:
         self.packed = packed
+        self.onednn = onednn  # a bfloat16 weight packed for oneDNN, not a float32 one for MKL
         # id, not a weak reference: a weakly referenced tensor cannot be swapped in place
         # (torch.utils.swap_tensors); the storage pointer and version make the check.
         self.weight_id = id(weight)
@@ -90,11 +92,46 @@ def packing_available() -> bool:
     return hasattr(ops, "_mkl_reorder_linear_weight") and hasattr(ops, "_mkl_linear")
 
 
+def onednn_packing_available() -> bool:
+    """Whether this PyTorch has oneDNN and its packed-linear operators (for bfloat16)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
 def _packable(module: nn.Module) -> bool:
     if type(module) is not nn.Linear:  # e.g. int8 dynamic quantization's own modules
         return False
     weight = module.weight
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.float32:
+        return packing_available()
+    return weight.dtype == torch.bfloat16 and onednn_packing_available()
+
+
+def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a bfloat16 product over ``rows`` rows runs at: up to 64 rows, the next
+    multiple of 16; above, of 64. oneDNN builds (and keeps) a kernel for every row count it
+    meets, ~1 ms each, and a decode meets hundreds (its batches and the shrinking row counts
+    as sentences finish); padded, a few dozen."""
+    step = 16 if rows <= BF16_ROW_MULTIPLE else BF16_ROW_MULTIPLE
+    return -(-rows // step) * step
+
+
+def _onednn_padded(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    padded = onednn_rows(rows)
+    if padded == rows:
+        return _onednn_linear(x, packed, bias)
+    flat = F.pad(x.reshape(rows, width), (0, 0, 0, padded - rows))
+    return _onednn_linear(flat, packed, bias)[:rows].view(*x.shape[:-1], -1)
 
 
 @torch.no_grad()
@@ -103,8 +140,21 @@ def _pack(module: nn.Linear) -> _Packed | None:
     # An inference tensor has no version counter to tell whether it changed after packing.
     if not weight.is_contiguous() or module.weight.is_inference():
         return None
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_FOR_ROWS)
     generator = torch.Generator().manual_seed(0)
+    if weight.dtype == torch.bfloat16:
+        try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+            for rows in _CHECK_ROWS_BF16:
+                x = torch.randn(rows, weight.size(1), generator=generator).bfloat16()
+                got = _onednn_linear(x, packed, module.bias).float()
+                want = F.linear(x, weight, module.bias).float()
+                # Both round their float32 sums to bfloat16: a step of 2^-8 apart at most.
+                if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+                    return None
+        except RuntimeError:
+            return None
+        return _Packed(packed, module.weight, onednn=True)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_FOR_ROWS)
     for rows in _CHECK_ROWS:
         x = torch.randn(rows, weight.size(1), generator=generator)
         got = torch.ops.mkl._mkl_linear(x, packed, weight, module.bias, rows)
@@ -115,14 +165,13 @@ def _pack(module: nn.Linear) -> _Packed | None:
 
 
 def pack_for_inference(model: nn.Module) -> int:
-    """Packs the weight of every float32 CPU ``nn.Linear`` in ``model`` for :func:`linear`;
-    returns how many were packed (0 where MKL's packed operators are missing).
+    """Packs the weight of every float32 CPU ``nn.Linear`` in ``model`` for MKL and of every
+    bfloat16 one for oneDNN, for :func:`linear`; returns how many were packed (0 where the
+    packed operators are missing).
 
     The packed copies take more memory than the weights (see the module docstring), for as
     long as the model lives or until :func:`unpack`. Call it once the weights are final."""
     global _hook
-    if not packing_available():
-        return 0
     if _hook is None:  # any optimizer step makes packed copies stale
         _hook = register_optimizer_step_post_hook(_drop_all_after_step)
     count = 0
@@ -159,20 +208,26 @@ def refresh() -> None:
 
 
 def _usable(module: nn.Module, x: Tensor) -> _Packed | None:
-    if not _PACKED:
-        return None
-    width = x.shape[-1] if x.dim() else 0
-    # The cheapest tests first: most calls (one row, or training batches) end here.
-    if not width or not MIN_PACKED_ROWS <= x.numel() // width <= MAX_PACKED_ROWS:
+    if not _PACKED:  # training ends here: an optimizer step drops every packed copy
         return None
     packed = _PACKED.get(module)
+    if packed is None or not x.dim():
+        return None
+    width = x.shape[-1]
+    if packed.onednn:  # bfloat16: packed is faster at every row count
+        if x.dtype is not torch.bfloat16:
+            return None
+    elif (
+        x.dtype is not torch.float32
+        or not width
+        or not MIN_PACKED_ROWS <= x.numel() // width <= MAX_PACKED_ROWS
+        or not x.is_contiguous()
+    ):
+        return None
     if (
-        packed is None
-        or torch.is_grad_enabled()
+        torch.is_grad_enabled()
         or not isinstance(module, nn.Linear)
         or width != module.in_features
-        or x.dtype is not torch.float32
-        or not x.is_contiguous()
         or torch.is_autocast_enabled("cpu")  # the packed product would skip autocast
         or module._forward_hooks
         or module._forward_pre_hooks
@@ -193,6 +248,8 @@ def packed_product(module: nn.Module, x: Tensor) -> Tensor | None:
     if packed is None:
         return None
     assert isinstance(module, nn.Linear)
+    if packed.onednn:
+        return _onednn_padded(x, packed.packed, module.bias)
     rows = x.numel() // x.shape[-1]
     return torch.ops.mkl._mkl_linear(x, packed.packed, module.weight, module.bias, rows)
 

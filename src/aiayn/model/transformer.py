@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
-from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
+from aiayn.model.cache import DecoderCache, LayerCache, cache_dtype, empty_self_kv
 from aiayn.model.embedding import Embeddings, PositionalEncoding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.model.packing import linear, packed_product, refresh
@@ -135,6 +135,8 @@ class Transformer(nn.Module):
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
+            dtype = cache_dtype(memory)
+            cross_k, cross_v = cross_k.to(dtype), cross_v.to(dtype)
             self_k, self_v = empty_self_kv(
                 memory.size(0),
                 self.config.n_heads,
@@ -157,26 +159,33 @@ class Transformer(nn.Module):
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
 
-        Without autograd or autocast, on a float32 model, the result lives in a (rows, V)
-        buffer that the cache keeps and every call overwrites: it is valid until the next call
-        on this cache (search uses it within the step). A step then allocates no
+        Without autograd or autocast, the result lives in a (rows, V) float32 buffer that the
+        cache keeps and every call overwrites: it is valid until the next call on this cache
+        (search uses it within the step). On a float32 model a step then allocates no
         vocabulary-sized matrix: the logits are written into the buffer and the
-        log-probabilities over them. After :func:`aiayn.model.packing.pack_for_inference`,
-        steps over few rows project with the packed matrix instead (into a new matrix)."""
+        log-probabilities over them (a bfloat16 or float16 model's logits are computed in its
+        dtype and their log-softmax written there in float32). After
+        :func:`aiayn.model.packing.pack_for_inference`, steps over few rows project with the
+        packed matrix instead (into a new matrix)."""
         hidden = self._step_hidden(tokens, cache)  # (B, d_model)
         weight = self.out_proj.weight
         logits = packed_product(self.out_proj, hidden)
         if logits is not None:
+            if logits.dtype != torch.float32:  # bfloat16 (oneDNN): float32 in the scratch
+                scratch = cache.scratch(hidden.size(0), logits.size(-1))
+                return torch.log_softmax(logits, -1, dtype=torch.float32, out=scratch)
             return torch.log_softmax(logits, dim=-1, out=logits)
         if (
             torch.is_grad_enabled()
             or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast
             or type(self.out_proj) is not nn.Linear  # int8: the quantized module packs it
-            or hidden.dtype != torch.float32
-            or weight.dtype != torch.float32
+            or hidden.dtype != weight.dtype
         ):
             return torch.log_softmax(self.project(hidden).float(), dim=-1)
-        logits = torch.mm(hidden, weight.t(), out=cache.scratch(hidden.size(0), weight.size(0)))
+        scratch = cache.scratch(hidden.size(0), weight.size(0))
+        if weight.dtype != torch.float32:  # a bf16 / fp16 model: its logits, then float32
+            return torch.log_softmax(self.project(hidden), -1, dtype=torch.float32, out=scratch)
+        logits = torch.mm(hidden, weight.t(), out=scratch)
         return torch.log_softmax(logits, dim=-1, out=logits)
 
     def _step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import platform
 import signal
 import sys
 import time
@@ -34,7 +33,7 @@ from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import UserError
 from aiayn.inference.search import greedy_search, max_output_lengths, never_pad_or_bos
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import retain_freed_memory
+from aiayn.runtime import cpu_has_bfloat16, retain_freed_memory
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -143,21 +142,6 @@ def greedy_decode(
         device=src_ids.device,
     )
     return [h.tokens for h in hypotheses]
-
-
-def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively. On x86, AVX512-BF16 or AMX as PyTorch's
-    CPU feature checks report; elsewhere (Arm's bf16 extension, which PyTorch does not
-    report) and where those checks are missing, assume it does."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return True
-    checks = [
-        getattr(torch.cpu, name, None)
-        for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    ]
-    if any(check is None for check in checks):
-        return True
-    return any(check() for check in checks if check is not None)
 
 
 class Trainer:
