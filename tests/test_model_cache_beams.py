@@ -5,6 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from aiayn.config import ModelConfig
+from aiayn.model.cache import cache_dtype
 from aiayn.model.transformer import Transformer
 
 
@@ -141,3 +142,14 @@ def test_bfloat16_model_caches_in_float32_on_the_cpu():
     assert log_probs.dtype == torch.float32
     assert log_probs.data_ptr() == cache.scratch(3, 40).data_ptr()
     assert_close(log_probs, torch.log_softmax(full[:, 4].float(), -1))
+
+
+def test_the_cache_keeps_its_dtype_except_bfloat16_on_the_cpu():
+    for device, dtype, stored in [
+        ("cpu", torch.bfloat16, torch.float32),
+        ("cpu", torch.float32, torch.float32),
+        ("cpu", torch.float16, torch.float16),
+        ("meta", torch.bfloat16, torch.bfloat16),  # e.g. CUDA, where attention runs in bf16
+        ("meta", torch.float16, torch.float16),
+    ]:
+        assert cache_dtype(torch.empty(2, dtype=dtype, device=device)) is stored

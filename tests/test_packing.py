@@ -19,13 +19,11 @@ from aiayn.model.packing import (
     MIN_PACKED_ROWS,
     is_packed,
     linear,
-    onednn_rows,
     pack_for_inference,
     unpack,
     uses_packed,
 )
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import cpu_has_bfloat16
 
 pytestmark = pytest.mark.skipif(
     not packing.packing_available(), reason="PyTorch without MKL's packed-linear operators"
@@ -329,88 +327,3 @@ def test_bf16_products_on_the_cpu_see_rows_padded_to_a_multiple_of_64(rows: int,
     sizes.clear()
     linear(layer, torch.randn(rows, 16))  # float32 outside autocast: as it is
     assert sizes == [rows]
-
-
-# -- bfloat16 weights packed for oneDNN -------------------------------------------------------
-
-needs_bf16 = pytest.mark.skipif(
-    not (packing.onednn_packing_available() and cpu_has_bfloat16()),
-    reason="PyTorch without oneDNN's packed-linear operators, or a CPU without bfloat16",
-)
-
-
-@pytest.fixture
-def onednn_rows_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Row counts of the products that went through oneDNN's packed operator."""
-    calls: list[int] = []
-    real = packing._onednn_linear
-
-    def spy(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        calls.append(x.numel() // x.shape[-1])
-        return real(x, packed, bias)
-
-    monkeypatch.setattr(packing, "_onednn_linear", spy)
-    return calls
-
-
-def test_onednn_rows_pads_to_16_then_64() -> None:
-    for rows in range(1, 400):
-        padded = onednn_rows(rows)
-        step = 16 if rows <= 64 else 64
-        assert padded % step == 0 and rows <= padded < rows + step
-
-
-@needs_bf16
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
-def test_bf16_linear_goes_through_the_onednn_pack_at_every_row_count(
-    rows: int, onednn_rows_seen: list[int]
-) -> None:
-    torch.manual_seed(1)
-    layer = nn.Linear(48, 80).to(torch.bfloat16)
-    assert pack_for_inference(layer) == 1 and is_packed(layer)
-    onednn_rows_seen.clear()  # the pack's own check
-    x = torch.randn(rows, 1, 48).bfloat16()  # a decoder step's (B, 1, d) input
-    with torch.no_grad():
-        got = linear(layer, x)
-        want = layer(x)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (rows, 1, 80)
-    # Both round float32 sums to bfloat16: at most a step of 2^-8 apart.
-    assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.abs().max()))
-    assert onednn_rows_seen == [onednn_rows(rows)]
-    with torch.no_grad():
-        assert uses_packed(layer, x)
-        assert not uses_packed(layer, x.float())  # a float32 input: the layer itself
-    x.requires_grad_()
-    assert linear(layer, x).requires_grad and onednn_rows_seen == [onednn_rows(rows)]
-
-
-@needs_bf16
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_bf16_decoder_steps_equal_the_unpacked_bf16_model(
-    rows: int, onednn_rows_seen: list[int]
-) -> None:
-    model = _model().to(torch.bfloat16)
-    want = _step_log_probs(model, rows)
-    assert onednn_rows_seen == []
-    assert pack_for_inference(model) == len(_linears(model))
-    got = _step_log_probs(model, rows)
-    assert got.dtype == want.dtype == torch.float32
-    assert_close(got, want, rtol=0.02, atol=0.05)
-    assert onednn_rows_seen
-
-
-@needs_bf16
-def test_translator_in_bf16_packs_for_onednn() -> None:
-    from aiayn.inference.translator import Translator
-
-    class Letters:
-        def encode(self, text: str) -> list[int]:
-            return [4 + (ord(c) % 40) for c in text]
-
-        def decode(self, ids: list[int]) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
-    model = _model()
-    translator = Translator(model, Letters(), precision="bf16")  # type: ignore[arg-type]
-    assert all(is_packed(m) and m.weight.dtype == torch.bfloat16 for m in _linears(model))
-    assert len(translator.translate(["hello", "", "abc"])) == 3

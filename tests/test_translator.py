@@ -20,7 +20,7 @@ from aiayn.config import DecodeConfig, load_config, replace
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs
 from aiayn.inference.attention_maps import attention_weights
 from aiayn.inference.search import beam_search, max_output_lengths
-from aiayn.inference.translator import Translator
+from aiayn.inference.translator import Translator, quantize_int8
 from aiayn.model.transformer import Transformer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz "
@@ -276,6 +276,8 @@ def test_precision_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         Translator(tiny_model(), CharTokenizer(), precision="fp8")
     with pytest.raises(ValueError, match="fp16 decoding needs a CUDA device"):
         Translator(tiny_model(), CharTokenizer(), precision="fp16")
+    with pytest.raises(ValueError, match="int8 quantization is a precision of its own"):
+        Translator(quantize_int8(tiny_model()), CharTokenizer(), precision="bf16")
     warnings: list[str] = []
     monkeypatch.setattr(translator_module, "cpu_has_bfloat16", lambda: False)
     model = tiny_model()

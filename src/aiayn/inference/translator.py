@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
 from aiayn.config import DecodeConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
@@ -149,10 +150,14 @@ class Translator:
             reuse_decoding_memory()  # a step's freed blocks are reused (aiayn.runtime)
         dtype = inference_dtype(precision, self.device, self.warn)
         if dtype is not torch.float32:
+            if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
+                raise ValueError(
+                    f"int8 quantization is a precision of its own: not with {precision}"
+                )
             self.model.to(dtype)
         if dtype is torch.bfloat16 and self.device.type == "cpu":
-            # oneDNN's bfloat16 products with the weights packed once are faster at every
-            # row count, 1.3-3x (docs/performance.md).
+            # oneDNN's bfloat16 products with their weights packed once are faster than the
+            # plain bfloat16 ones at every row count (docs/performance.md).
             pack_for_inference(self.model)
         elif pack_weights and (self.device.type != "cpu" or pack_for_inference(self.model) == 0):
             self.warn(

@@ -1,4 +1,5 @@
-"""Pre-packed weight matrices for CPU inference on few rows (MKL's packed GEMM).
+"""Pre-packed weight matrices for CPU inference: MKL's packed GEMM for float32 weights on few
+rows, oneDNN's packed bfloat16 products at every row count.
 
 At every call, MKL's ``sgemm`` first copies the weight matrix into the blocked layout its
 kernels read. With many rows that copy is amortised; a decoder step has one row per sentence
@@ -30,6 +31,15 @@ benchmark model, 29 MB of weights: +44-52 MB; BASE, 241 MB: +302 MB). Packed cop
 a table keyed by module, not in the module: ``state_dict``, ``copy.deepcopy`` and pickling
 never see them (MKL's packed buffers must not move in memory), and a copied model simply
 multiplies without them.
+
+A bfloat16 ``nn.Linear`` (a model decoding with ``precision="bf16"``) is packed for oneDNN
+instead (``torch.ops.mkldnn._reorder_linear_weight``, multiplied by
+``torch.ops.mkldnn._linear_pointwise``). On a CPU with AMX that is faster than the plain
+bfloat16 product at every row count measured, 1 to 1,536 (1.5-2.4x up to 64 rows, level at
+1,536: docs/performance.md), so it is used for any bfloat16 input under the same conditions
+(inference, unchanged weight, no hooks; contiguity is not needed). oneDNN builds and keeps a
+kernel for every row count it meets, so the rows are padded (:func:`onednn_rows`). Packing
+checks the product against ``F.linear`` at seven row counts, to bfloat16's rounding.
 """
 
 from __future__ import annotations
@@ -116,10 +126,13 @@ def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def onednn_rows(rows: int) -> int:
-    """The row count a bfloat16 product over ``rows`` rows runs at: up to 64 rows, the next
-    multiple of 16; above, of 64. oneDNN builds (and keeps) a kernel for every row count it
-    meets, ~1 ms each, and a decode meets hundreds (its batches and the shrinking row counts
-    as sentences finish); padded, a few dozen."""
+    """The row count a bfloat16 product over ``rows`` rows runs at: up to 16 rows, ``rows``
+    (padding would cost one-sentence steps more than it saves); up to 64, the next multiple
+    of 16; above, of 64. oneDNN builds (and keeps) a kernel for every row count it meets,
+    ~1 ms each, and a decode meets hundreds (its batches and the shrinking row counts as
+    sentences finish); padded, a few dozen."""
+    if rows <= 16:
+        return rows
     step = 16 if rows <= BF16_ROW_MULTIPLE else BF16_ROW_MULTIPLE
     return -(-rows // step) * step
 
@@ -259,7 +272,8 @@ def packed_product(module: nn.Module, x: Tensor) -> Tensor | None:
 # layer's forward + backward takes 8.9 ms at a row count seen for the first time, 2.7 ms
 # after), and token batches bring a new row count nearly every update. Row counts above this
 # are padded with zeros up to a multiple of it, so that a run sees a few dozen row counts
-# (at most this many below it: decoder steps, for instance, are left as they are).
+# (at most this many below it). The packed bfloat16 products of decoding pad the same way
+# above it and to a multiple of 16 from 17 rows (:func:`onednn_rows`).
 BF16_ROW_MULTIPLE = 64
 
 
@@ -281,9 +295,10 @@ def _bf16_rows_padded(module: nn.Module, x: Tensor) -> int | None:
 
 
 def linear(module: nn.Module, x: Tensor) -> Tensor:
-    """``module(x)``, through the packed copy of its weight when ``x`` has
-    ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows (see the module docstring); in bfloat16
-    on the CPU, more than :data:`BF16_ROW_MULTIPLE` rows are padded to a multiple of it."""
+    """``module(x)``, through the packed copy of its weight where there is one and it serves
+    (float32: ``MIN_PACKED_ROWS`` to ``MAX_PACKED_ROWS`` rows; bfloat16: any, padded by
+    :func:`onednn_rows`; see the module docstring); otherwise, in bfloat16 on the CPU, more
+    than :data:`BF16_ROW_MULTIPLE` rows are padded to a multiple of it."""
     out = packed_product(module, x)
     if out is not None:
         return out

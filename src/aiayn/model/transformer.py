@@ -135,7 +135,7 @@ class Transformer(nn.Module):
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
-            dtype = cache_dtype(memory)
+            dtype = cache_dtype(cross_k)  # under autocast, the projection's dtype
             cross_k, cross_v = cross_k.to(dtype), cross_v.to(dtype)
             self_k, self_v = empty_self_kv(
                 memory.size(0),
@@ -159,14 +159,14 @@ class Transformer(nn.Module):
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
 
-        Without autograd or autocast, the result lives in a (rows, V) float32 buffer that the
-        cache keeps and every call overwrites: it is valid until the next call on this cache
-        (search uses it within the step). On a float32 model a step then allocates no
-        vocabulary-sized matrix: the logits are written into the buffer and the
-        log-probabilities over them (a bfloat16 or float16 model's logits are computed in its
-        dtype and their log-softmax written there in float32). After
-        :func:`aiayn.model.packing.pack_for_inference`, steps over few rows project with the
-        packed matrix instead (into a new matrix)."""
+        Without autograd or autocast, on a float32, bfloat16 or float16 model (not an int8
+        one), the result lives in a (rows, V) float32 buffer that the cache keeps and every
+        call overwrites: it is valid until the next call on this cache (search uses it within
+        the step). On a float32 model a step then allocates no vocabulary-sized matrix: the
+        logits are written into the buffer and the log-probabilities over them; a bfloat16 or
+        float16 model's logits are computed in its dtype and their log-softmax written there in
+        float32. After :func:`aiayn.model.packing.pack_for_inference`, float32 steps over 4 to
+        128 rows project with the packed matrix into a new matrix instead."""
         hidden = self._step_hidden(tokens, cache)  # (B, d_model)
         weight = self.out_proj.weight
         logits = packed_product(self.out_proj, hidden)
