@@ -24,6 +24,7 @@ from aiayn.model.packing import (
     uses_packed,
 )
 from aiayn.model.transformer import Transformer
+from decode_helpers import step_log_probs
 
 pytestmark = pytest.mark.skipif(
     not packing.packing_available(), reason="PyTorch without MKL's packed-linear operators"
@@ -108,15 +109,7 @@ def test_not_with_autograd_non_contiguous_input_or_a_layer_without_a_pack(
 
 
 def _step_log_probs(model: Transformer, rows: int) -> Tensor:
-    torch.manual_seed(2)
-    src = torch.randint(4, 50, (rows, 9))
-    src_pad = torch.zeros_like(src, dtype=torch.bool)
-    src_pad[0, 6:] = True
-    with torch.inference_mode():
-        cache = model.init_cache(model.encode(src, src_pad), src_pad, max_len=4)
-        tokens = torch.randint(4, 50, (rows,))
-        out = [model.log_probs_step(tokens, cache).clone() for _ in range(3)]
-    return torch.stack(out)
+    return step_log_probs(model, rows)[0]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])

@@ -14,6 +14,7 @@ from aiayn.model import packing
 from aiayn.model.packing import is_packed, linear, onednn_rows, pack_for_inference, uses_packed
 from aiayn.model.transformer import Transformer
 from aiayn.runtime import cpu_has_bfloat16
+from decode_helpers import step_log_probs
 
 needs_bf16 = pytest.mark.skipif(
     not (packing.onednn_packing_available() and cpu_has_bfloat16()),
@@ -77,30 +78,16 @@ def test_bf16_linear_goes_through_the_pack_at_every_row_count(
     assert onednn_rows_seen == [onednn_rows(rows)]
 
 
-def _step_log_probs(model: Transformer, rows: int) -> tuple[Tensor, bool]:
-    """Three steps' log-probabilities, and whether the last was in the cache's buffer."""
-    torch.manual_seed(2)
-    src = torch.randint(4, 50, (rows, 9))
-    src_pad = torch.zeros_like(src, dtype=torch.bool)
-    src_pad[0, 6:] = True
-    with torch.inference_mode():
-        cache = model.init_cache(model.encode(src, src_pad), src_pad, max_len=4)
-        tokens = torch.randint(4, 50, (rows,))
-        out = [model.log_probs_step(tokens, cache) for _ in range(3)]
-        in_scratch = out[-1].data_ptr() == cache.scratch(rows, 50).data_ptr()
-    return torch.stack([o.clone() for o in out]), in_scratch
-
-
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_bf16_decoder_steps_equal_the_unpacked_bf16_model(
     rows: int, onednn_rows_seen: list[int]
 ) -> None:
     model = _model()
-    want, _ = _step_log_probs(model, rows)
+    want, _ = step_log_probs(model, rows)
     assert onednn_rows_seen == []
     assert pack_for_inference(model) == len(_linears(model))
-    got, in_scratch = _step_log_probs(model, rows)
+    got, in_scratch = step_log_probs(model, rows)
     assert onednn_rows_seen
     # float32 log-probabilities, written into the cache's buffer
     assert got.dtype == want.dtype == torch.float32 and in_scratch
