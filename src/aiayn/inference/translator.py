@@ -190,10 +190,6 @@ class Translator:
                 raise ValueError(f"unknown quantization {quantize!r} (only int8)")
             if torch.device(device).type != "cpu":
                 raise ValueError("int8 dynamic quantization runs on the CPU only")
-            if precision != "fp32":
-                raise ValueError(
-                    f"int8 quantization is a precision of its own: not with {precision}"
-                )
             model = quantize_int8(model)
         translator = cls(
             model,

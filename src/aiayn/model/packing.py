@@ -45,6 +45,8 @@ checks the product against ``F.linear`` at seven row counts, to bfloat16's round
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -133,18 +135,26 @@ def onednn_rows(rows: int) -> int:
     sentences finish); padded, a few dozen."""
     if rows <= 16:
         return rows
-    step = 16 if rows <= BF16_ROW_MULTIPLE else BF16_ROW_MULTIPLE
-    return -(-rows // step) * step
+    return round_up(rows, 16 if rows <= BF16_ROW_MULTIPLE else BF16_ROW_MULTIPLE)
 
 
-def _onednn_padded(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    width = x.shape[-1]
-    rows = x.numel() // width if width else 0
-    padded = onednn_rows(rows)
+def round_up(rows: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``rows``."""
+    return -(-rows // multiple) * multiple
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _on_padded_rows(fn: Callable[[Tensor], Tensor], x: Tensor, padded: int) -> Tensor:
+    """``fn(x)`` for a row-wise ``fn``, run over x's rows padded with zeros to ``padded``;
+    the padding rows are cut off again (autograd sees them get no gradient)."""
+    rows = _rows(x)
     if padded == rows:
-        return _onednn_linear(x, packed, bias)
-    flat = F.pad(x.reshape(rows, width), (0, 0, 0, padded - rows))
-    return _onednn_linear(flat, packed, bias)[:rows].view(*x.shape[:-1], -1)
+        return fn(x)
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    return fn(flat)[:rows].view(*x.shape[:-1], -1)
 
 
 @torch.no_grad()
@@ -262,7 +272,8 @@ def packed_product(module: nn.Module, x: Tensor) -> Tensor | None:
         return None
     assert isinstance(module, nn.Linear)
     if packed.onednn:
-        return _onednn_padded(x, packed.packed, module.bias)
+        product = partial(_onednn_linear, packed=packed.packed, bias=module.bias)
+        return _on_padded_rows(product, x, onednn_rows(_rows(x)))
     rows = x.numel() // x.shape[-1]
     return torch.ops.mkl._mkl_linear(x, packed.packed, module.weight, module.bias, rows)
 
@@ -289,8 +300,8 @@ def _bf16_rows_padded(module: nn.Module, x: Tensor) -> int | None:
         return None
     if module.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    padded = -(-rows // BF16_ROW_MULTIPLE) * BF16_ROW_MULTIPLE
+    rows = _rows(x)
+    padded = round_up(rows, BF16_ROW_MULTIPLE)
     return padded if padded != rows and rows > BF16_ROW_MULTIPLE else None
 
 
@@ -303,8 +314,4 @@ def linear(module: nn.Module, x: Tensor) -> Tensor:
     if out is not None:
         return out
     padded = _bf16_rows_padded(module, x)
-    if padded is None:
-        return module(x)
-    rows = x.numel() // x.shape[-1]
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
-    return module(flat)[:rows].view(*x.shape[:-1], -1)
+    return module(x) if padded is None else _on_padded_rows(module, x, padded)

@@ -170,23 +170,24 @@ class Transformer(nn.Module):
         hidden = self._step_hidden(tokens, cache)  # (B, d_model)
         weight = self.out_proj.weight
         logits = packed_product(self.out_proj, hidden)
-        if logits is not None:
-            if logits.dtype != torch.float32:  # bfloat16 (oneDNN): float32 in the scratch
-                scratch = cache.scratch(hidden.size(0), logits.size(-1))
-                return torch.log_softmax(logits, -1, dtype=torch.float32, out=scratch)
+        if logits is None:
+            if (
+                torch.is_grad_enabled()
+                or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast
+                or type(self.out_proj) is not nn.Linear  # int8: the quantized module packs it
+                or hidden.dtype != weight.dtype
+            ):
+                return torch.log_softmax(self.project(hidden).float(), dim=-1)
+            if weight.dtype == torch.float32:
+                scratch = cache.scratch(hidden.size(0), weight.size(0))
+                logits = torch.mm(hidden, weight.t(), out=scratch)
+            else:
+                logits = self.project(hidden)
+        if logits.dtype == torch.float32:  # the scratch, or a packed product's new matrix
             return torch.log_softmax(logits, dim=-1, out=logits)
-        if (
-            torch.is_grad_enabled()
-            or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast
-            or type(self.out_proj) is not nn.Linear  # int8: the quantized module packs it
-            or hidden.dtype != weight.dtype
-        ):
-            return torch.log_softmax(self.project(hidden).float(), dim=-1)
-        scratch = cache.scratch(hidden.size(0), weight.size(0))
-        if weight.dtype != torch.float32:  # a bf16 / fp16 model: its logits, then float32
-            return torch.log_softmax(self.project(hidden), -1, dtype=torch.float32, out=scratch)
-        logits = torch.mm(hidden, weight.t(), out=scratch)
-        return torch.log_softmax(logits, dim=-1, out=logits)
+        # a bf16 / fp16 model's logits: their log-softmax in float32, into the scratch
+        scratch = cache.scratch(hidden.size(0), logits.size(-1))
+        return torch.log_softmax(logits, -1, dtype=torch.float32, out=scratch)
 
     def _step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         if cache.length >= cache.max_len:

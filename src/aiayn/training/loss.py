@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.model.packing import BF16_ROW_MULTIPLE
+from aiayn.model.packing import BF16_ROW_MULTIPLE, round_up
 
 
 def label_smoothed_nll(
@@ -128,7 +128,7 @@ def _low_precision_forward(
     n, vocab = hidden.size(0), weight.size(0)
     device = hidden.device
     multiple = BF16_ROW_MULTIPLE
-    padded = -(-n // multiple) * multiple
+    padded = round_up(n, multiple)
     h_low = F.pad(hidden.to(dtype), (0, 0, 0, padded - n))
     w_low = weight.to(dtype)
     grad_hidden = torch.empty_like(h_low)
