@@ -1,6 +1,7 @@
 import pytest
 
-from aiayn.config import ConfigError, load_config
+from aiayn.config import load_config
+from aiayn.errors import ConfigError
 from aiayn.presets import PRESETS
 
 
@@ -110,3 +111,16 @@ def test_a_stored_config_is_checked_for_its_model_only():
     raw["model"]["n_heads"] = 0
     with pytest.raises(ConfigError, match="n_heads"):
         config_from_dict(raw, stored=True)
+
+
+def test_table3_rows_are_scored_without_averaging_and_base_big_with_it():
+    # §6.1: base averages the last 5 checkpoints, big the last 20; §6.2 scores the
+    # variations of Table 3 (rows A to E) "with no checkpoint averaging".
+    from aiayn.presets import TABLE3_ROWS
+
+    assert load_config(None, ["preset=base"]).train.average_last == 5
+    assert load_config(None, ["preset=big"]).train.average_last == 20
+    variations = [row for row in TABLE3_ROWS if row not in ("base", "big")]
+    assert variations and all(row[0] in "abcde" for row in variations)
+    for row in variations:
+        assert load_config(None, [f"preset={row}"]).train.average_last == 0, row

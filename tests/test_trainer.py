@@ -184,7 +184,7 @@ def test_time_limit_stops_and_is_carried_across_resume(tmp_path):
 
 
 def test_resume_refuses_another_model_or_tokenizer(tmp_path):
-    from aiayn.config import ResumeMismatch
+    from aiayn.errors import ResumeMismatch
 
     first = make_trainer(tmp_path / "a", tiny_config("train.max_steps=2"))
     first.train()
@@ -199,7 +199,7 @@ def test_resume_refuses_another_model_or_tokenizer(tmp_path):
 
 
 def test_fp16_needs_cuda(tmp_path):
-    from aiayn.config import ConfigError
+    from aiayn.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fp16 needs CUDA"):
         make_trainer(tmp_path, tiny_config("train.precision=fp16"))

@@ -23,16 +23,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from aiayn.errors import ConfigError
+from aiayn.presets import preset_overrides
+
 CONFIG_FORMAT_VERSION = 1
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be built: unknown key, wrong type or inconsistent values."""
-
-
-class ResumeMismatch(ConfigError):
-    """A run directory's checkpoint that the current config or data cannot continue (another
-    model section or another tokenizer)."""
 
 
 def _require(section: object, prefix: str, rules: Mapping[str, tuple[Any, str]]) -> None:
@@ -338,8 +332,6 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     Every section's values are range-checked, except for a ``stored`` config (read back from a
     checkpoint): only its ``[model]`` then, which must build; the rest is what that run used,
     and an older aiayn may have accepted values that this one refuses."""
-    from aiayn.presets import preset_overrides
-
     raw = dict(raw)
     raw.pop("format_version", None)
     preset = raw.pop("preset", "base")

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from aiayn.config import ResumeMismatch, RunConfig
-from aiayn.errors import UserError
+from aiayn.config import RunConfig
+from aiayn.errors import ResumeMismatch, UserError
 
 if TYPE_CHECKING:
     from aiayn.inference.translator import Translator

@@ -13,3 +13,12 @@ class UserError(Exception):
     Library code raises it (or a subclass) with a message that names the file and, where it
     applies, the line; the command line prints the message alone and exits with status 2.
     """
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be built: unknown key, wrong type or inconsistent values."""
+
+
+class ResumeMismatch(ConfigError):
+    """A run directory's checkpoint that the current config or data cannot continue (another
+    model section or another tokenizer)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiayn.config import ConfigError
+from aiayn.errors import ConfigError
 
 Preset = dict[str, dict[str, Any]]
 
@@ -32,29 +32,33 @@ PRESETS: dict[str, Preset] = {
         "model": {"d_model": 1024, "d_ff": 4096, "n_heads": 16, "dropout": 0.1},
         "train": {"max_steps": 300000, "average_last": 20},
     },
+    # Rows (A) to (E): §6.2 evaluates the variations "with no checkpoint averaging".
     # Row (A): number of heads, with d_k = d_v = d_model / h keeping computation constant.
-    "a_h1_dk512": {"model": {"n_heads": 1, "d_k": 512, "d_v": 512}},
-    "a_h4_dk128": {"model": {"n_heads": 4, "d_k": 128, "d_v": 128}},
-    "a_h16_dk32": {"model": {"n_heads": 16, "d_k": 32, "d_v": 32}},
-    "a_h32_dk16": {"model": {"n_heads": 32, "d_k": 16, "d_v": 16}},
+    "a_h1_dk512": {"model": {"n_heads": 1, "d_k": 512, "d_v": 512}, "train": {"average_last": 0}},
+    "a_h4_dk128": {"model": {"n_heads": 4, "d_k": 128, "d_v": 128}, "train": {"average_last": 0}},
+    "a_h16_dk32": {"model": {"n_heads": 16, "d_k": 32, "d_v": 32}, "train": {"average_last": 0}},
+    "a_h32_dk16": {"model": {"n_heads": 32, "d_k": 16, "d_v": 16}, "train": {"average_last": 0}},
     # Row (B): attention key size d_k alone (d_v stays 64).
-    "b_dk16": {"model": {"d_k": 16, "d_v": 64}},
-    "b_dk32": {"model": {"d_k": 32, "d_v": 64}},
+    "b_dk16": {"model": {"d_k": 16, "d_v": 64}, "train": {"average_last": 0}},
+    "b_dk32": {"model": {"d_k": 32, "d_v": 64}, "train": {"average_last": 0}},
     # Row (C): depth, width and feed-forward size.
-    "c_n2": {"model": {"n_layers": 2}},
-    "c_n4": {"model": {"n_layers": 4}},
-    "c_n8": {"model": {"n_layers": 8}},
-    "c_dmodel256": {"model": {"d_model": 256, "d_k": 32, "d_v": 32}},
-    "c_dmodel1024": {"model": {"d_model": 1024, "d_k": 128, "d_v": 128}},
-    "c_dff1024": {"model": {"d_ff": 1024}},
-    "c_dff4096": {"model": {"d_ff": 4096}},
+    "c_n2": {"model": {"n_layers": 2}, "train": {"average_last": 0}},
+    "c_n4": {"model": {"n_layers": 4}, "train": {"average_last": 0}},
+    "c_n8": {"model": {"n_layers": 8}, "train": {"average_last": 0}},
+    "c_dmodel256": {"model": {"d_model": 256, "d_k": 32, "d_v": 32}, "train": {"average_last": 0}},
+    "c_dmodel1024": {
+        "model": {"d_model": 1024, "d_k": 128, "d_v": 128},
+        "train": {"average_last": 0},
+    },
+    "c_dff1024": {"model": {"d_ff": 1024}, "train": {"average_last": 0}},
+    "c_dff4096": {"model": {"d_ff": 4096}, "train": {"average_last": 0}},
     # Row (D): residual dropout and label smoothing.
-    "d_dropout0": {"model": {"dropout": 0.0}},
-    "d_dropout0_2": {"model": {"dropout": 0.2}},
-    "d_ls0": {"train": {"label_smoothing": 0.0}},
-    "d_ls0_2": {"train": {"label_smoothing": 0.2}},
+    "d_dropout0": {"model": {"dropout": 0.0}, "train": {"average_last": 0}},
+    "d_dropout0_2": {"model": {"dropout": 0.2}, "train": {"average_last": 0}},
+    "d_ls0": {"train": {"average_last": 0, "label_smoothing": 0.0}},
+    "d_ls0_2": {"train": {"average_last": 0, "label_smoothing": 0.2}},
     # Row (E): learned positional embeddings instead of sinusoids.
-    "e_learned_pos": {"model": {"positional": "learned"}},
+    "e_learned_pos": {"model": {"positional": "learned"}, "train": {"average_last": 0}},
     # Not in the paper: sizes for CPUs and tests.
     # "small": the 256-wide 3+3 model of the benchmarks and the CPU demo.
     "small": {

@@ -14,8 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from aiayn.cli import attention, average, bleu, demo, params, plot, prepare, train, translate
-from aiayn.config import ConfigError
-from aiayn.errors import CLIError, UserError
+from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [demo, params, prepare, train, average, plot, translate, bleu, attention]
 

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from aiayn.config import ConfigError, RunConfig, config_from_dict
-from aiayn.errors import UserError
+from aiayn.config import RunConfig, config_from_dict
+from aiayn.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from aiayn.data.tokenizer import Tokenizer

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiayn.config import ConfigError, RunConfig, load_config, parse_overrides
+from aiayn.config import RunConfig, load_config, parse_overrides
+from aiayn.errors import ConfigError
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from aiayn.config import ConfigError, ResumeMismatch, RunConfig, config_from_dict
+from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
-from aiayn.errors import UserError
+from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference.search import greedy_search, max_output_lengths, never_pad_or_bos
 from aiayn.model.transformer import Transformer
 from aiayn.runtime import cpu_has_bfloat16, retain_freed_memory
