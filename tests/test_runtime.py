@@ -16,10 +16,13 @@ import pytest
 # default each maps fresh pages; (b) one 20 MiB tensor; (c) eight 1 MiB tensors alive
 # together, as in a decoder step. Prints the minor page faults of each. What glibc's automatic
 # thresholds do with (b) and (c) depends on what the process allocated before (it varies from
-# run to run), so only the settings' effects on them are tested.
+# run to run), so only the settings' effects on them are tested. The model is imported
+# first, as in a training or decoding process: how often a small allocation splits a freed
+# block (and the heap then grows instead of reusing it) depends on the heap's state.
 _PROBE = """
 import json, resource, sys
 import torch
+import aiayn.model.transformer
 from aiayn import runtime
 applied = [getattr(runtime, name)() for name in sys.argv[1:]]
 def one_big():
