@@ -13,7 +13,7 @@ def _seed():
 def bible_cache(tmp_path_factory):
     """A cache directory holding the embedded Bible corpus text (``bible/``), built once from
     the SWORD modules that scripts/setup_env.sh installs."""
-    from aiayn.data.sources import write_bible_corpus
+    from aiayn.data.sources.bible import write_bible_corpus
 
     root = tmp_path_factory.mktemp("bible")
     write_bible_corpus(root / "bible")

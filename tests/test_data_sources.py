@@ -8,20 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.data import sources
 from aiayn.data.corpus import Corpus, tokenizer_path
 from aiayn.data.prepare import prepare_corpus
-from aiayn.data.sources import (
-    VALID_BUCKETS,
-    align_lengths,
-    bible_pairs,
-    bible_split,
-    clean_markup,
-    download_multi30k,
-    download_wmt14,
-    sgm_segments,
-    write_bible_corpus,
-)
+from aiayn.data.sources import bible, download, wmt14
+from aiayn.data.sources.bible import bible_pairs, write_bible_corpus
+from aiayn.data.sources.bible_text import VALID_BUCKETS, align_lengths, bible_split, clean_markup
+from aiayn.data.sources.multi30k import download_multi30k
+from aiayn.data.sources.wmt14 import download_wmt14, sgm_segments
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 
@@ -163,7 +156,7 @@ def test_bible_corpus_is_reused_when_present(bible_dir, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("should not be read again")
 
-    monkeypatch.setattr(sources, "bible_pairs", fail)
+    monkeypatch.setattr(bible, "bible_pairs", fail)
     prefixes = write_bible_corpus(bible_dir / "bible")
     assert Path(f"{prefixes['train']}.en").is_file()
 
@@ -184,7 +177,7 @@ def test_prepare_bible_corpus_end_to_end(bible_dir, tmp_path):
 
 def test_bible_from_a_module_zip(tmp_path):
     archive = tmp_path / "modules.zip"
-    root = sources.DEBIAN_SWORD_DIR
+    root = bible.DEBIAN_SWORD_DIR
     with zipfile.ZipFile(archive, "w") as zf:
         for path in root.rglob("*"):
             if path.is_file():
@@ -209,7 +202,7 @@ def test_sword_module_download_uses_crosswire(tmp_path, monkeypatch):
             "https://www.crosswire.org/ftpmirror/pub/sword/packages/rawzip/SpaRV1909.zip": b"zip",
         },
     )
-    paths = sources.download_sword_modules(tmp_path)
+    paths = bible.download_sword_modules(tmp_path)
     assert len(requested) == 2
     assert [p.name for p in paths] == ["WEB.zip", "SpaRV1909.zip"]
     assert all(p.read_bytes() == b"zip" for p in paths)
@@ -228,7 +221,7 @@ def _serve(monkeypatch, files: dict[str, bytes]) -> list[str]:
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(files[url])
 
-    monkeypatch.setattr(sources, "fetch", fake_fetch)
+    monkeypatch.setattr(download, "fetch", fake_fetch)
     return requested
 
 
@@ -321,7 +314,7 @@ def test_wmt14_download_concatenates_the_training_corpora(tmp_path, monkeypatch)
 
 def test_damaged_archive_is_a_user_error(tmp_path, monkeypatch):
     url = "https://www.statmt.org/wmt14/dev.tgz"
-    files = {u: _tgz({}) for u, _ in sources.WMT14_TRAIN}
+    files = {u: _tgz({}) for u, _ in wmt14.WMT14_TRAIN}
     files[url] = b"this is not a tar file"
     _serve(monkeypatch, files)
     (tmp_path / "wmt14").mkdir()
@@ -336,9 +329,9 @@ def test_fetch_failure_is_a_user_error_and_leaves_no_file(tmp_path, monkeypatch)
     def refuse(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(sources.urllib.request, "urlopen", refuse)
+    monkeypatch.setattr(download.urllib.request, "urlopen", refuse)
     with pytest.raises(UserError, match="download failed"):
-        sources.fetch("https://example.invalid/file.gz", tmp_path / "file.gz")
+        download.fetch("https://example.invalid/file.gz", tmp_path / "file.gz")
     assert list(tmp_path.iterdir()) == []
 
 

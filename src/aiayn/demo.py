@@ -168,8 +168,9 @@ def _slice(prefixes: dict[str, Path], out: Path, train: int | None, test: int | 
 
 def prepare_demo_data(options: DemoOptions, log: Log) -> dict:
     """Step 1: the Bible corpus, prepared into ``options.data_dir`` (reused when unchanged)."""
-    from aiayn.data import sources
     from aiayn.data.prepare import prepare_corpus, prepare_data
+    from aiayn.data.sources.bible import write_bible_corpus
+    from aiayn.data.sources.download import default_cache_dir
 
     if options.train_pairs is None and options.test_pairs is None:
         return prepare_corpus(
@@ -180,8 +181,8 @@ def prepare_demo_data(options: DemoOptions, log: Log) -> dict:
             sword_path=options.sword_path,
             log=log,
         )
-    cache = options.cache_dir if options.cache_dir is not None else sources.default_cache_dir()
-    prefixes = sources.write_bible_corpus(cache / "bible", options.sword_path, log=log)
+    cache = options.cache_dir if options.cache_dir is not None else default_cache_dir()
+    prefixes = write_bible_corpus(cache / "bible", options.sword_path, log=log)
     text_dir = options.data_dir.with_name(options.data_dir.name + "-text")
     sliced = _slice(prefixes, text_dir, options.train_pairs, options.test_pairs)
     return prepare_data(

@@ -557,28 +557,29 @@ def prepare_corpus(
     ``bible``: the embedded English-Spanish corpus from local SWORD modules (with ``download``,
     CrossWire's module zips are fetched into the cache when none are installed); its text goes
     to ``cache_dir/bible``. ``multi30k`` and ``wmt14`` are downloaded into ``cache_dir``
-    (default :func:`aiayn.data.sources.default_cache_dir`). ``src``/``tgt`` default to the
-    corpus's own pair (en-es, en-de) and may be swapped to translate the other way.
+    (default :func:`aiayn.data.sources.download.default_cache_dir`). ``src``/``tgt`` default to
+    the corpus's own pair (en-es, en-de) and may be swapped to translate the other way.
     """
-    from aiayn.data import sources
+    from aiayn.data.sources import bible, multi30k, wmt14
+    from aiayn.data.sources.download import default_cache_dir
 
     if corpus not in CORPORA:
         raise UserError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
-    cache = Path(cache_dir) if cache_dir is not None else sources.default_cache_dir()
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     default_src, default_tgt = _CORPUS_LANGS[corpus]
     src, tgt = src or default_src, tgt or default_tgt
     if corpus == "bible":
-        if {src, tgt} != set(sources.BIBLE_LANGS):
+        if {src, tgt} != set(bible.BIBLE_LANGS):
             raise UserError("the Bible corpus is English-Spanish: --src/--tgt must be en and es")
-        if sword_path is None and download and not sources.sword_paths(None):
-            sword_path = sources.download_sword_modules(cache, log=log)
-        prefixes = sources.write_bible_corpus(cache / "bible", sword_path, log=log)
+        if sword_path is None and download and not bible.sword_paths(None):
+            sword_path = bible.download_sword_modules(cache, log=log)
+        prefixes = bible.write_bible_corpus(cache / "bible", sword_path, log=log)
     elif corpus == "multi30k":
-        prefixes = sources.download_multi30k(cache, src, tgt, log=log)
+        prefixes = multi30k.download_multi30k(cache, src, tgt, log=log)
     else:
         if {src, tgt} != {"en", "de"}:
             raise UserError("WMT14 here is English-German: --src/--tgt must be en and de")
-        prefixes = sources.download_wmt14(cache, log=log)
+        prefixes = wmt14.download_wmt14(cache, log=log)
     return prepare_data(
         prefixes["train"],
         prefixes["valid"],
