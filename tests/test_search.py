@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import typing
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from aiayn.inference import search
 from aiayn.inference.search import (
+    BEAM_RULES,
     Hypothesis,
     beam_search,
     filter_logits,
@@ -116,21 +118,26 @@ def test_without_length_penalty_the_short_hypothesis_wins() -> None:
     assert cache.batch_sizes == [2]
 
 
-def test_length_penalty_changes_the_winner() -> None:
-    [[best]], cache = run_beam(SHORT_OR_LONG, 1, 2, alpha=0.6, max_len=10)
+@pytest.mark.parametrize("rule", BEAM_RULES)
+def test_length_penalty_changes_the_winner(rule: str) -> None:
+    [[best]], cache = run_beam(SHORT_OR_LONG, 1, 2, alpha=0.6, max_len=10, rule=rule)
     logp_long = math.log(0.38) + math.log(0.98)
     assert best.tokens == [A]
     assert best.log_prob == pytest.approx(logp_long, rel=1e-6)
     assert best.score == pytest.approx(logp_long / lp(2, 0.6), rel=1e-6)
     # The short one scores log(0.40) / lp(1) = log(0.40), worse than logp_long / lp(2).
     assert math.log(0.40) / lp(1, 0.6) < best.score
-    # Step 1 finishes [A] and [B]: three finished hypotheses spend a beam of two.
+    # Step 1 finishes [A] and [B]. By fairseq's rule three finished hypotheses spend a beam of
+    # two; by the paper's, the live [B, A] and [B, B] (log 0.22 + log 0.25 each) cannot beat [A]
+    # even at the longest length, 11 positions. Either way the search stops there.
     assert cache.batch_sizes == [2, 2]
+    assert (math.log(0.22) + math.log(0.25)) / lp(11, 0.6) < best.score
 
 
+@pytest.mark.parametrize("rule", BEAM_RULES)
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_nbest_lists_are_ordered_by_score(alpha: float) -> None:
-    [hyps], _ = run_beam(SHORT_OR_LONG, 1, 2, alpha=alpha, max_len=10, nbest=2)
+def test_nbest_lists_are_ordered_by_score(alpha: float, rule: str) -> None:
+    [hyps], _ = run_beam(SHORT_OR_LONG, 1, 2, alpha=alpha, max_len=10, nbest=2, rule=rule)
     expected = {
         (): math.log(0.40) / lp(1, alpha),
         (A,): (math.log(0.38) + math.log(0.98)) / lp(2, alpha),
@@ -161,7 +168,9 @@ def test_beam_finds_what_greedy_misses() -> None:
     [[beam]], _ = run_beam(GREEDY_TRAP, 1, 2, alpha=0.0, max_len=10)
     assert beam.tokens == [B]
     assert beam.log_prob == pytest.approx(math.log(0.40) + math.log(0.90))
-    [[one]], _ = run_beam(GREEDY_TRAP, 1, 1, alpha=0.0, max_len=10)
+    [[paper]], _ = run_beam(GREEDY_TRAP, 1, 2, alpha=0.0, max_len=10, rule="paper")
+    assert paper == beam
+    [[one]], _ = run_beam(GREEDY_TRAP, 1, 1, alpha=0.0, max_len=10, rule="fairseq")
     assert one.tokens == greedy.tokens
 
 
@@ -169,10 +178,11 @@ def test_beam_finds_what_greedy_misses() -> None:
 ENDLESS = table({}, default={A: 0.7, B: 0.2999, EOS: 0.0001})
 
 
+@pytest.mark.parametrize("rule", BEAM_RULES)
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_max_len_is_honoured_per_sentence(k: int) -> None:
+def test_max_len_is_honoured_per_sentence(k: int, rule: str) -> None:
     limits = torch.tensor([0, 1, 3, 5])
-    results, cache = run_beam(ENDLESS, 4, k, alpha=0.6, max_len=limits)
+    results, cache = run_beam(ENDLESS, 4, k, alpha=0.6, max_len=limits, rule=rule)
     for hyps, limit in zip(results, limits.tolist(), strict=True):
         best = hyps[0]
         assert best.tokens == [A] * limit
@@ -211,7 +221,7 @@ def random_table(seed: int) -> LogProbFn:
 
 
 def reference_beam(
-    logp: LogProbFn, sentence: int, k: int, alpha: float, max_len: int, nbest: int
+    logp: LogProbFn, sentence: int, k: int, alpha: float, max_len: int, nbest: int, rule: str
 ) -> list[tuple[tuple[int, ...], float]]:
     """The rules of the search module, one sentence at a time, written plainly."""
     live: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
@@ -227,7 +237,8 @@ def reference_beam(
             candidates += [(score + x, prefix, v) for v, x in enumerate(row)]
         candidates.sort(key=lambda c: -c[0])
         top = candidates[: 2 * k]
-        for score, prefix, v in top[:k]:
+        # The paper's rule finishes EOS among the best 2K candidates, fairseq's among the best K.
+        for score, prefix, v in top[: 2 * k if rule == "paper" else k]:
             if v == EOS and score > NEG:
                 finished.append((prefix, score / lp(t + 1, alpha)))
                 n_finished += 1
@@ -235,21 +246,27 @@ def reference_beam(
         finished = sorted(finished, key=lambda h: -h[1])[:nbest]
         worst = finished[-1][1] if len(finished) == nbest else NEG
         bound = live[0][1] / max(lp(max_len + 1, alpha), lp(t + 2, alpha))
-        if n_finished >= k or t >= max_len or worst >= bound:
+        spent = rule == "fairseq" and n_finished >= k  # only fairseq's rule stops on a count
+        if spent or t >= max_len or worst >= bound:
             return finished
         t += 1
 
 
+@pytest.mark.parametrize("rule", BEAM_RULES)
 @pytest.mark.parametrize(("k", "alpha", "nbest"), [(1, 0.0, 1), (3, 0.6, 2), (4, 1.0, 4)])
-def test_batched_beam_matches_reference(k: int, alpha: float, nbest: int) -> None:
+def test_batched_beam_matches_reference(k: int, alpha: float, nbest: int, rule: str) -> None:
     logp = random_table(seed=k)
     limits = [4, 9, 1, 12, 7, 0, 12, 5]
     n = len(limits)
-    results, cache = run_beam(logp, n, k, alpha=alpha, max_len=torch.tensor(limits), nbest=nbest)
+    results, cache = run_beam(
+        logp, n, k, alpha=alpha, max_len=torch.tensor(limits), nbest=nbest, rule=rule
+    )
     assert cache.batch_sizes[0] == n * k and cache.batch_sizes[-1] < n * k
     for i, hyps in enumerate(results):
-        expected = reference_beam(logp, i, k, alpha, limits[i], nbest)
+        expected = reference_beam(logp, i, k, alpha, limits[i], nbest, rule)
         assert [tuple(h.tokens) for h in hyps] == [y for y, _ in expected]
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)  # best first
         assert [h.score for h in hyps] == pytest.approx([s for _, s in expected], abs=1e-4)
         for h in hyps:
             assert len(h.tokens) <= limits[i]
@@ -261,24 +278,25 @@ def test_batched_beam_matches_reference(k: int, alpha: float, nbest: int) -> Non
             assert h.score == pytest.approx(h.log_prob / lp(len(h.tokens) + 1, alpha), abs=1e-4)
 
 
-def test_results_do_not_depend_on_batch_composition() -> None:
+@pytest.mark.parametrize("rule", BEAM_RULES)
+def test_results_do_not_depend_on_batch_composition(rule: str) -> None:
     logp = random_table(seed=7)
     limits = torch.tensor([6, 2, 11, 8, 3])
-    together, _ = run_beam(logp, 5, 3, alpha=0.6, max_len=limits, nbest=3)
+    together, _ = run_beam(logp, 5, 3, alpha=0.6, max_len=limits, nbest=3, rule=rule)
     # Sentence i alone: a one-sentence table that answers for sentence i.
     for i in range(5):
 
         def alone(_: int, prefix: tuple[int, ...], i: int = i) -> list[float]:
             return logp(i, prefix)
 
-        [single], _ = run_beam(alone, 1, 3, alpha=0.6, max_len=int(limits[i]), nbest=3)
+        [single], _ = run_beam(alone, 1, 3, alpha=0.6, max_len=int(limits[i]), nbest=3, rule=rule)
         assert single == together[i]
 
 
-def test_beam_size_one_equals_greedy() -> None:
+def test_beam_size_one_equals_greedy_by_fairseqs_rule() -> None:
     logp = random_table(seed=11)
     limits = torch.tensor([3, 10, 10, 0, 7, 10])
-    [*beams], _ = run_beam(logp, 6, 1, alpha=0.6, max_len=limits)
+    [*beams], _ = run_beam(logp, 6, 1, alpha=0.6, max_len=limits, rule="fairseq")
     greedy = run_greedy(logp, 6, max_len=limits, alpha=0.6)
     for [beam], g in zip(beams, greedy, strict=True):
         assert beam.tokens == g.tokens
@@ -292,6 +310,145 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="beam_size"):
         run_beam(SHORT_OR_LONG, 1, 0, max_len=5)
     assert run_beam(SHORT_OR_LONG, 0, 2, max_len=5)[0] == []
+    with pytest.raises(ValueError, match="'paper', 'fairseq'"):
+        run_beam(SHORT_OR_LONG, 1, 2, max_len=5, rule="t2t")
+    assert typing.get_args(search.BeamRule) == BEAM_RULES
+
+
+# -- the paper's rule against exhaustive search -------------------------------------------------
+
+
+def small_table(seed: int, outputs: tuple[int, ...]) -> LogProbFn:
+    """Random distributions over the few tokens ``outputs`` (EOS among them), each a function of
+    the seed, the sentence and the whole prefix; every other token has probability 0."""
+
+    def logp(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        rng = random.Random(hash((seed, sentence, prefix)))
+        logits = [rng.gauss(0.0, 1.5) if v in outputs else NEG for v in range(V)]
+        top = max(logits)
+        norm = top + math.log(sum(math.exp(x - top) for x in logits))
+        return [x - norm for x in logits]
+
+    return logp
+
+
+def exhaustive(
+    logp: LogProbFn, sentence: int, alpha: float, max_len: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """Every output sequence of probability above 0 and its score (``Hypothesis.score``:
+    ``log P(Y) / lp(|Y|)``, EOS counted), best first: the sequences that end in EOS within
+    ``max_len`` output tokens, the EOS after ``max_len`` forced as beam search forces it."""
+    found: list[tuple[tuple[int, ...], float]] = []
+
+    def extend(prefix: tuple[int, ...], logp_sum: float) -> None:
+        for v, x in enumerate(logp(sentence, prefix)):
+            if x == NEG or (v != EOS and len(prefix) >= max_len):
+                continue
+            if v == EOS:
+                found.append((prefix, (logp_sum + x) / lp(len(prefix) + 1, alpha)))
+            else:
+                extend((*prefix, v), logp_sum + x)
+
+    extend((), 0.0)
+    return sorted(found, key=lambda y: -y[1])
+
+
+# (output tokens, longest max_len, K): K is the number of live prefixes of the longest length,
+# (len(outputs) - 1) ** max_len, so the beam holds every prefix and the best 2K candidates every
+# candidate; only the stopping rule can then miss a sequence.
+EXHAUSTIVE_BEAMS = [((EOS, A, B), 2, 4), ((EOS, A, B), 4, 16), ((1, EOS, A, B), 3, 27)]
+
+
+@pytest.mark.parametrize("nbest", [1, 3, "K"])
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0, 2.0])
+@pytest.mark.parametrize(("outputs", "max_len", "k"), EXHAUSTIVE_BEAMS)
+def test_paper_rule_with_an_exhaustive_beam_is_exhaustive_search(
+    outputs: tuple[int, ...], max_len: int, k: int, alpha: float, nbest: int | str
+) -> None:
+    # 24 random tables (one per sentence), limits max_len, max_len - 1, max_len - 2 (down to 0).
+    # The n-best list is the exhaustive top n, up to n = K.
+    nbest = k if nbest == "K" else nbest
+    n = 24
+    limits = [max(0, max_len - i % 3) for i in range(n)]
+    logp = small_table(seed=max_len + k, outputs=outputs)
+    results, _ = run_beam(
+        logp, n, k, alpha=alpha, max_len=torch.tensor(limits), nbest=nbest, rule="paper"
+    )
+    for i, hyps in enumerate(results):
+        best = exhaustive(logp, i, alpha, limits[i])[:nbest]
+        assert [tuple(h.tokens) for h in hyps] == [y for y, _ in best]
+        assert [h.score for h in hyps] == pytest.approx([s for _, s in best], abs=1e-5)
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0, 2.0])
+@pytest.mark.parametrize("k", [1, 2])
+def test_paper_rule_scores_between_fairseqs_and_the_optimum(
+    k: int, alpha: float, full: bool
+) -> None:
+    # Outputs UNK, EOS, A and B, 40 random tables, limits 4 and 3: the search is far from
+    # exhaustive with K = 1 or 2. The paper's live beams are fairseq's, its finished pool holds
+    # all of fairseq's, and it stops only when nothing better can come: never worse, entry by
+    # entry of the n-best list (n = 1, or n = K when ``full``).
+    n, nbest = 40, k if full else 1
+    limits = [4 - i % 2 for i in range(n)]
+    logp = small_table(seed=100 + k, outputs=(1, EOS, A, B))
+    kwargs = {"alpha": alpha, "max_len": torch.tensor(limits), "nbest": nbest}
+    paper, _ = run_beam(logp, n, k, rule="paper", **kwargs)
+    fairseq, _ = run_beam(logp, n, k, rule="fairseq", **kwargs)
+    better = 0
+    for i in range(n):
+        optimum = exhaustive(logp, i, alpha, limits[i])
+        assert len(paper[i]) == len(fairseq[i]) == nbest
+        for p, f, (_, best) in zip(paper[i], fairseq[i], optimum, strict=False):
+            assert f.score <= p.score + 1e-6
+            assert p.score <= best + 1e-6
+        better += paper[i][0].score > fairseq[i][0].score + 1e-6
+    assert better > 0  # the two rules differ on some of these tables
+
+
+# Step 0 prefers stopping at once (0.45) to A (0.40); A goes on with A (0.95), then stops (0.97).
+# B stops at once. Fairseq's rule with K = 2: step 0 finishes [] (EOS is among the best two);
+# step 1's best two candidates are [A, A] (0.40 · 0.95 = 0.38) and [B] + EOS (0.15): [B] is the
+# second hypothesis to finish, the beam is spent, and [] wins. With K = 1 fairseq's rule stops at
+# step 0, as greedy search does. The paper's rule goes on (the live [A] and then [A, A] could
+# still beat [] at the longest length) and finds [A, A], better once normalised (α = 1).
+SHORT_THEN_LONG = table(
+    {
+        (): {EOS: 0.45, A: 0.40, B: 0.15},
+        (A,): {A: 0.95, EOS: 0.05},
+        (B,): {EOS: 1.0},
+        (A, A): {EOS: 0.97, A: 0.03},
+    },
+    default={EOS: 1.0},
+)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_paper_rule_finds_the_long_hypothesis_fairseqs_misses(k: int) -> None:
+    alpha = 1.0
+    short = math.log(0.45) / lp(1, alpha)
+    long_logp = math.log(0.40) + math.log(0.95) + math.log(0.97)
+    long = long_logp / lp(3, alpha)
+    assert short < long
+    # The bounds of steps 0 and 1 (best live [A], then [A, A]; 11 positions at most) do not
+    # stop the search: [] is the best finished hypothesis at both.
+    assert short < math.log(0.40) / lp(11, alpha)
+    assert short < math.log(0.38) / lp(11, alpha)
+
+    [[f]], fairseq_cache = run_beam(SHORT_THEN_LONG, 1, k, alpha=alpha, max_len=10, rule="fairseq")
+    assert f.tokens == []
+    assert f.score == pytest.approx(short, rel=1e-6)
+    assert fairseq_cache.batch_sizes == [k] * k  # K hypotheses finished after K steps
+
+    [[p]], paper_cache = run_beam(SHORT_THEN_LONG, 1, k, alpha=alpha, max_len=10, rule="paper")
+    assert p.tokens == [A, A]
+    assert p.log_prob == pytest.approx(long_logp, rel=1e-6)
+    assert p.score == pytest.approx(long, rel=1e-6)
+    # Step 2 finishes [A, A]; the live [A, A, A] (0.38 · 0.03) cannot beat it even at the
+    # longest length: the search stops there, not at the length limit.
+    assert math.log(0.38 * 0.03) / lp(11, alpha) < long
+    assert paper_cache.batch_sizes == [k] * 3
 
 
 # -- sampling ----------------------------------------------------------------------------------
@@ -355,9 +512,10 @@ def test_top_candidates_equal_topk_over_the_sum(k: int, vocab: int) -> None:
         assert len(set(kept)) == len(kept)  # no candidate twice
 
 
+@pytest.mark.parametrize("rule", BEAM_RULES)
 @pytest.mark.parametrize(("k", "nbest"), [(3, 2), (4, 4)])
 def test_beam_with_one_token_blocks_matches_reference(
-    k: int, nbest: int, monkeypatch: pytest.MonkeyPatch
+    k: int, nbest: int, rule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With V = 6 the two-stage path needs blocks of one token (at least 2K blocks).
     monkeypatch.setattr(search, "TOPK_BLOCK", 1)
@@ -366,5 +524,5 @@ def test_beam_with_one_token_blocks_matches_reference(
     monkeypatch.setattr(
         Tensor, "amax", lambda self, *a, **kw: calls.append(1) or amax(self, *a, **kw)
     )
-    test_batched_beam_matches_reference(k, 0.6, nbest)
+    test_batched_beam_matches_reference(k, 0.6, nbest, rule)
     assert calls  # the block maxima were taken

@@ -15,17 +15,28 @@ Beam search (§6.1 of the paper, after GNMT and tensor2tensor), for each sentenc
 size K:
 
 - Hypotheses are ranked by their summed log-probability. At each step every live hypothesis is
-  extended by every token; of these candidates, those among the best K that end in EOS are
-  *finished*; the next live beam is the best K candidates that do not end in EOS.
-- A finished hypothesis Y is scored ``log P(Y) / lp(|Y|)`` with the GNMT length penalty
-  ``lp(n) = ((5 + n) / 6) ** alpha``; ``|Y|`` counts the output tokens and the final EOS.
-- The sentence is done as soon as (a) K hypotheses have finished (the beam is spent), or (b) its
-  n-best list is full and no live hypothesis can beat the worst entry even at the most
-  favourable length (log-probabilities only decrease, so the best it can do is its current
-  log-probability divided by the largest length penalty it can still reach), or (c) its
-  maximum output length is reached: the step after ``max_len`` output tokens allows EOS only.
+  extended by every token; the next live beam is the best K of these candidates that do not end
+  in EOS (the best 2K hold at least K such, since at most K end in EOS).
+- A candidate that ends in EOS is *finished*: scored ``log P(Y) / lp(|Y|)`` with the GNMT
+  length penalty ``lp(n) = ((5 + n) / 6) ** alpha`` (``|Y|`` counts the output tokens and the
+  final EOS), it goes into the sentence's n-best list, which keeps the ``nbest`` best scores.
+- Which candidates finish, and when the sentence is done, is the ``rule``:
 
-With K = 1 this is greedy search exactly: the first time EOS is the best token, the beam is spent.
+  - ``"paper"`` (the default; tensor2tensor's ``beam_search`` with ``stop_early``, the code of
+    the paper): every candidate among the best 2K that ends in EOS finishes. The sentence is
+    done when (a) its n-best list is full and no live hypothesis can beat the worst entry even
+    at the most favourable length (log-probabilities only decrease, so the best it can do is
+    its current log-probability divided by the largest length penalty it can still reach), or
+    (b) its maximum output length is reached: the step after ``max_len`` output tokens allows
+    EOS only. However many hypotheses have finished, the search goes on until (a) or (b).
+  - ``"fairseq"``: only the candidates among the best K that end in EOS finish, and the
+    sentence is also done as soon as K hypotheses have finished (the beam is spent).
+
+The paper's rule is the default because it searches what the paper decoded with, and a short
+hypothesis that finishes early cannot end the search before a better-scoring longer one is found.
+With K = 1 the fairseq rule is greedy search exactly (the first time EOS is the best token, the
+beam is spent); the paper rule keeps the EOS among the best two candidates and may continue past
+a first EOS, to a longer hypothesis with a better score.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -50,6 +61,10 @@ class SearchCache(Protocol):
 
 
 CacheT = TypeVar("CacheT", bound=SearchCache)
+
+# Beam search's rules for finishing hypotheses and stopping (see the module docstring).
+BeamRule = Literal["paper", "fairseq"]
+BEAM_RULES: tuple[BeamRule, ...] = ("paper", "fairseq")
 
 
 @dataclass(frozen=True)
@@ -184,9 +199,11 @@ def beam_search(
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
     nbest: int = 1,
+    rule: BeamRule = "paper",
     device: torch.device | str | None = None,
 ) -> list[list[Hypothesis]]:
-    """Beam search over ``batch_size`` sentences (the rules are in the module docstring).
+    """Beam search over ``batch_size`` sentences with ``rule`` ``"paper"`` (tensor2tensor's)
+    or ``"fairseq"`` (both are in the module docstring).
 
     ``cache`` holds ``batch_size * beam_size`` rows, the beams of sentence i in rows
     ``i * beam_size .. (i + 1) * beam_size - 1``, all alike at the start (for the model's
@@ -201,6 +218,12 @@ def beam_search(
         raise ValueError(f"beam_size must be at least 1, got {beam_size}")
     if not 1 <= nbest <= beam_size:
         raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    if rule not in BEAM_RULES:
+        raise ValueError(f"rule must be one of {', '.join(map(repr, BEAM_RULES))}, got {rule!r}")
+    # Of the best 2K candidates, the first ``n_fin`` may finish: all of them by the paper's
+    # rule, the best K by fairseq's (which also stops a sentence once K have finished).
+    fairseq = rule == "fairseq"
+    n_fin = beam_size if fairseq else 2 * beam_size
     dev = _device(device, max_len)
     limits = _limits(max_len, batch_size, dev)
     if batch_size == 0:
@@ -247,9 +270,9 @@ def beam_search(
         top_tok = top_index % vocab
         top_eos = top_tok == eos_id
 
-        # Finished: EOS among the best K candidates.
-        finished = top_eos[:, :k] & (top_score[:, :k] > inf)  # (b, K)
-        fin_logp = top_score[:, :k].masked_fill(~finished, inf)
+        # Finished: EOS among the best n_fin candidates (2K: paper, K: fairseq).
+        finished = top_eos[:, :n_fin] & (top_score[:, :n_fin] > inf)  # (b, n_fin)
+        fin_logp = top_score[:, :n_fin].masked_fill(~finished, inf)
         fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
         # Next live beam: the best K candidates without EOS (stable sort keeps score order).
         order = torch.sort(top_eos.to(torch.uint8), dim=1, stable=True).indices[:, :k]
@@ -260,26 +283,28 @@ def beam_search(
 
         # Merge the newly finished hypotheses into the n-best lists (scores only, for now).
         merged_score, pick = torch.cat([pool_score, fin_score], 1).topk(n_keep, dim=1)
-        n_finished += finished.sum(1)
         # The best a live hypothesis can still reach: divide by the largest length penalty.
         # A live hypothesis will hold between t + 2 and limit + 1 positions (EOS included).
         lp_best = gnmt_length_penalty(limits + 1.0, alpha).clamp(
             min=gnmt_length_penalty(t + 2.0, alpha)
         )
         bound = live_scores[:, 0] / lp_best
-        done = (n_finished >= k) | forced | (merged_score[:, -1] >= bound)  # (b,)
+        done = forced | (merged_score[:, -1] >= bound)  # (b,)
+        if fairseq:
+            n_finished += finished.sum(1)
+            done |= n_finished >= k
         any_finished, any_done = torch.stack([finished.any(), done.any()]).tolist()
 
         if any_finished:
-            fin_parents = (row_base + top_beam[:, :k]).view(-1)  # (b*K,)
-            fin_tok = history[fin_parents, : t + 1].view(b, k, t + 1)
+            fin_parents = (row_base + top_beam[:, :n_fin]).view(-1)  # (b * n_fin,)
+            fin_tok = history[fin_parents, : t + 1].view(b, n_fin, t + 1)
             fin_tok[:, :, t] = eos_id
             pick_tok = pick[:, :, None].expand(-1, -1, t + 1)
             pool_tok[:, :, : t + 1] = torch.cat([pool_tok[:, :, : t + 1], fin_tok], 1).gather(
                 1, pick_tok
             )
             pool_logp = torch.cat([pool_logp, fin_logp], 1).gather(1, pick)
-            fin_len = torch.full((b, k), t, dtype=torch.long, device=dev)
+            fin_len = torch.full((b, n_fin), t, dtype=torch.long, device=dev)
             pool_len = torch.cat([pool_len, fin_len], 1).gather(1, pick)
             pool_score = merged_score
 
