@@ -75,12 +75,11 @@ def suppress_eos(step_fn: StepFn, steps: int) -> StepFn:
 def aiayn_decoder(
     dw: DecodeWorkload, int8: bool, packed: bool = False, bf16: bool = False
 ) -> Decode:
+    from aiayn.accel import accelerate
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
     from aiayn.model.transformer import build_model
-    from aiayn.runtime import reuse_decoding_memory
 
-    reuse_decoding_memory()  # as aiayn's Translator does on the CPU
     w = dw.model
     config = ModelConfig(
         vocab_size=w.vocab_size,
@@ -96,15 +95,10 @@ def aiayn_decoder(
         from aiayn.inference.translator import quantize_int8
 
         model = quantize_int8(model)
-    if packed:  # what Translator(pack_weights=True) / translate --pack-weights do
-        from aiayn.model.packing import pack_for_inference
-
-        pack_for_inference(model)
-    if bf16:  # what Translator(precision="bf16") / translate --precision bf16 do
-        from aiayn.model.packing import pack_for_inference
-
+    if bf16:  # Translator(precision="bf16") / translate --precision bf16
         model.to(torch.bfloat16)
-        pack_for_inference(model)  # for oneDNN
+    # What aiayn's Translator does on the CPU (with pack_weights: translate --pack-weights).
+    accelerate(model, "decode", precision="bf16" if bf16 else "fp32", pack_weights=packed)
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:
@@ -269,13 +263,13 @@ def main(argv: list[str] | None = None) -> None:
         skip(args.system, f"{', '.join(missing)} not installed (pip install -e '.[bench]')")
         return
     if args.system == "aiayn-packed":
-        from aiayn.model.packing import packing_available
+        from aiayn.accel.linear import packing_available
 
         if not packing_available():
             skip(args.system, "this PyTorch has no MKL packed-linear operators")
             return
     if args.system == "aiayn-bf16":
-        from aiayn.runtime import cpu_has_bfloat16
+        from aiayn.accel import cpu_has_bfloat16
 
         if not cpu_has_bfloat16():
             skip(args.system, "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX)")

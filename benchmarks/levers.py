@@ -146,7 +146,7 @@ def lever_adam(repeats: int) -> None:
 
 
 def lever_dropout(repeats: int) -> None:
-    from aiayn.model.dropout import dropout
+    from aiayn.accel.dropout import dropout
 
     x = torch.randn(768, 512)
     show(

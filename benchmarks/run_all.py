@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make the ``benchmarks`` package importable
     sys.path.insert(0, str(ROOT))
 
-from aiayn.runtime import THRESHOLD as RETAIN_THRESHOLD  # noqa: E402
+from aiayn.accel.memory import TRAIN as RETAINED_THRESHOLDS  # noqa: E402
 from benchmarks import decode_bench, train_bench  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     THREADS,
@@ -59,13 +59,13 @@ TRAIN_STEPS = {
 DECODE_ARGS = {"full": ["--repeats", "3"], "quick": ["--repeats", "1", "--single", "8"]}
 
 
-# aiayn's training processes keep freed memory for reuse (``aiayn.runtime.retain_freed_memory``,
-# which its Trainer calls; its decoding processes the bounded ``reuse_decoding_memory``, as its
-# Translator does); ``--peer-malloc retained`` gives the peers' processes the same
-# glibc setting through the environment, to show what it is worth to them.
+# aiayn's training processes keep freed memory for reuse (the malloc thresholds of
+# ``aiayn.accel.accelerate(mode="train")``, as its Trainer has them; its decoding processes the
+# bounded decoding setting, as its Translator does); ``--peer-malloc retained`` gives the
+# peers' processes the training setting through the environment, to show what it is worth.
 RETAINED_MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(RETAIN_THRESHOLD),
-    "MALLOC_TRIM_THRESHOLD_": str(RETAIN_THRESHOLD),
+    "MALLOC_MMAP_THRESHOLD_": str(RETAINED_THRESHOLDS[0]),
+    "MALLOC_TRIM_THRESHOLD_": str(RETAINED_THRESHOLDS[1]),
 }
 PEER_MALLOC: dict[str, str] = {}
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=["as-shipped", "retained"],
         default="as-shipped",
         help="run the peers with glibc's malloc as it comes (default) or with the setting "
-        "aiayn applies to itself (aiayn.runtime); 'retained' never updates docs/performance.md",
+        "aiayn applies to itself (aiayn.accel); 'retained' never updates docs/performance.md",
     )
     args = parser.parse_args(argv)
     if args.peer_malloc == "retained":
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         "notes": [
             "No GPU on this machine: the GPU benchmarks of the issue (bf16, flash attention, "
             "compile) were not run.",
-            "aiayn's training processes keep freed memory for reuse (aiayn.runtime, as its "
+            "aiayn's training processes keep freed memory for reuse (aiayn.accel, as its "
             "Trainer does), its decoding processes freed blocks under 16 MiB (as its Translator "
             "does); the peers' processes ran "
             "with glibc's malloc "

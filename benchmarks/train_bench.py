@@ -46,13 +46,12 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     ``build_schedule``. With ``bf16``, what ``train.precision=bf16`` does on the CPU
     (opt-in, outside the issue's fp32 workloads): the model under bfloat16 autocast and the
     fused loss with bfloat16 products."""
+    from aiayn.accel import accelerate
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.model.transformer import build_model
-    from aiayn.runtime import retain_freed_memory
     from aiayn.training.loss import projected_label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
 
-    retain_freed_memory()  # as aiayn's Trainer does
     config = ModelConfig(
         vocab_size=w.vocab_size,
         d_model=w.d_model,
@@ -64,6 +63,7 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     train = TrainConfig(label_smoothing=w.label_smoothing)
     torch.manual_seed(0)
     model = build_model(config).train()
+    accelerate(model, "train", precision="bf16" if bf16 else "fp32")  # as aiayn's Trainer does
     optimizer = build_optimizer(model, train)
     schedule = build_schedule(optimizer, config.d_model, train)
     n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         skip(args.system, f"{needed} is not installed (pip install -e '.[bench]')")
         return
     if args.system == "aiayn-bf16":
-        from aiayn.runtime import cpu_has_bfloat16
+        from aiayn.accel import cpu_has_bfloat16
 
         if not cpu_has_bfloat16():
             skip(args.system, "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX)")

@@ -289,16 +289,18 @@ def test_precision_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(warnings) == 1 and fp32.out_proj.weight.dtype == torch.float32
 
 
-def test_cpu_translator_keeps_a_steps_freed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Translator on the CPU asks for the decoding allocator setting (aiayn.runtime)."""
-    import aiayn.inference.translator as translator_module
+def test_a_cpu_translator_accelerates_its_model_for_decoding() -> None:
+    """On the CPU the model is accelerated for decoding (aiayn.accel), malloc setting
+    included where glibc is; elsewhere (here the meta device) it is left as it is."""
+    import platform
 
-    calls: list[str] = []
-    monkeypatch.setattr(translator_module, "reuse_decoding_memory", lambda: calls.append("x"))
-    Translator(tiny_model(), CharTokenizer())
-    assert calls == ["x"]
-    Translator(tiny_model(), CharTokenizer(), device="meta")  # not the CPU: left alone
-    assert calls == ["x"]
+    translator = Translator(tiny_model(), CharTokenizer())
+    assert translator.acceleration is not None and translator.acceleration.mode == "decode"
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert "malloc thresholds (decode)" in translator.acceleration.levers
+    translator.acceleration.undo()
+    elsewhere = Translator(tiny_model().to("meta"), CharTokenizer())
+    assert elsewhere.acceleration is not None and elsewhere.acceleration.levers == []
 
 
 # -- the command line --------------------------------------------------------------------------

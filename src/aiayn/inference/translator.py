@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
+from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
 from aiayn.config import DecodeConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.inference.search import (
@@ -34,9 +35,7 @@ from aiayn.inference.search import (
     never_pad_or_bos,
 )
 from aiayn.inference.textio import one_line
-from aiayn.model.packing import pack_for_inference
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import cpu_has_bfloat16, reuse_decoding_memory
 
 
 class TextTokenizer(Protocol):
@@ -106,15 +105,16 @@ class Translator:
     output limit ``max_len_a * source_tokens + max_len_b`` and the batch budget
     ``batch_tokens`` (padded source tokens per batch, EOS included). ``nbest`` hypotheses are
     kept per sentence (at most the beam size). ``warn`` receives warnings (default: stderr).
-    ``pack_weights`` packs the float32 linear layers for MKL on the CPU
-    (:func:`aiayn.model.packing.pack_for_inference`): faster decoder steps over 4 to 128 rows
-    (one to 32 sentences with beam 4), for 1.25-1.8x the weights' size more memory.
 
     ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
     ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or CUDA) or
     ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
-    log-softmax and the beam scores stay in float32 (see :data:`PRECISIONS`). bf16 on the
-    CPU packs the weights for oneDNN (:func:`aiayn.model.packing.pack_for_inference`).
+    log-softmax and the beam scores stay in float32 (see :data:`PRECISIONS`).
+
+    On the CPU the model is accelerated for decoding (:func:`aiayn.accel.accelerate`: the
+    same translations, faster; ``accelerated=False`` decodes with the plain model), and
+    ``pack_weights`` also packs its float32 weights for MKL: faster decoder steps over 4 to 128
+    rows (one to 32 sentences with beam 4), for more memory (docs/translation.md).
     """
 
     def __init__(
@@ -128,6 +128,7 @@ class Translator:
         warn: Callable[[str], None] | None = None,
         pack_weights: bool = False,
         precision: str = "fp32",
+        accelerated: bool = True,
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
         if self.decode.beam_size < 1:
@@ -146,8 +147,6 @@ class Translator:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.warn = warn if warn is not None else _print_warning
-        if self.device.type == "cpu":
-            reuse_decoding_memory()  # a step's freed blocks are reused (aiayn.runtime)
         dtype = inference_dtype(precision, self.device, self.warn)
         if dtype is not torch.float32:
             if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
@@ -155,11 +154,12 @@ class Translator:
                     f"int8 quantization is a precision of its own: not with {precision}"
                 )
             self.model.to(dtype)
-        if dtype is torch.bfloat16 and self.device.type == "cpu":
-            # oneDNN's bfloat16 products with their weights packed once are faster than the
-            # plain bfloat16 ones at every row count (docs/performance.md).
-            pack_for_inference(self.model)
-        elif pack_weights and (self.device.type != "cpu" or pack_for_inference(self.model) == 0):
+        self.acceleration: Acceleration | None = None
+        if accelerated:
+            self.acceleration = accelerate(
+                self.model, "decode", precision=precision, pack_weights=pack_weights
+            )
+        if pack_weights and (self.acceleration is None or not self.acceleration.packed):
             self.warn(
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL); decoding without it"

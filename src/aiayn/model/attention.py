@@ -14,47 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.model.packing import linear
-
 
 def attention_mask(src_pad: Tensor | None) -> Tensor | None:
     """The one place where padding becomes an SDPA mask.
 
     ``src_pad`` is (B, S) bool, True at padding. SDPA's boolean ``attn_mask`` is True where
     attention is *allowed*, broadcast over heads and queries: (B, 1, 1, S). A batch without
-    padding gets no mask at all: SDPA then skips converting and adding one in every layer
-    (3-6% of a decode on CPU). The check costs one host sync per call, so it is made once per
-    forward pass or cache, and not while tracing for ``torch.compile`` (no graph break).
+    padding gets no mask at all, which spares SDPA a mask in every layer; the check costs a
+    host sync, so it is made once per forward pass or cache, and not while compiling.
     """
     if src_pad is None:
         return None
     if not torch.compiler.is_compiling() and not bool(src_pad.any()):
         return None
     return ~src_pad[:, None, None, :]  # (B, 1, 1, S)
-
-
-def scaled_dot_product(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool
-) -> Tensor:
-    """``F.scaled_dot_product_attention``; bfloat16 on the CPU is computed in float32.
-
-    PyTorch's CPU attention kernels are about 5x slower in bfloat16 than in float32 (forward
-    and backward over the base model's (32, 8, 24, 64) heads: 11.6 vs 2.2 ms), while the
-    attention's share of the arithmetic is small: under ``train.precision=bf16`` on the CPU
-    the heads are converted to float32 (outside autocast, which would convert them back),
-    attended in float32 and the result returned in bfloat16. On other devices and dtypes it
-    is the plain call."""
-    if q.dtype is not torch.bfloat16 or q.device.type != "cpu":
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
-        )
-    if mask is not None and mask.is_floating_point():
-        mask = mask.float()
-    with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p, is_causal=causal
-        )
-    return out.to(torch.bfloat16)
 
 
 def naive_attention(
@@ -136,29 +109,42 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention projections of x (B, T, d_model), each (B, H, T, Dh)."""
         hk, hv = self.n_heads * self.d_k, self.n_heads * self.d_v
-        q, k, v = linear(self.qkv_proj, x).split([hk, hk, hv], dim=-1)
+        q, k, v = self.qkv_proj(x).split([hk, hk, hv], dim=-1)
         return self._heads(q, self.d_k), self._heads(k, self.d_k), self._heads(v, self.d_v)
 
     def project_q(self, x: Tensor) -> Tensor:
         """Cross-attention query projection of x (B, T, d_model): (B, H, T, Dk)."""
-        return self._heads(linear(self.q_proj, x), self.d_k)
+        return self._heads(self.q_proj(x), self.d_k)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Cross-attention key/value projections of the encoder output (B, S, d_model)."""
+        """Cross-attention key/value projections of the encoder output (B, S, d_model), each
+        (B, H, S, Dh); the incremental decoder keeps its keys and values in their dtype."""
         hk, hv = self.n_heads * self.d_k, self.n_heads * self.d_v
-        k, v = linear(self.kv_proj, memory).split([hk, hv], dim=-1)
+        k, v = self.kv_proj(memory).split([hk, hv], dim=-1)
         return self._heads(k, self.d_k), self._heads(v, self.d_v)
+
+    def scaled_dot_product(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
+    ) -> Tensor:
+        """softmax(QKᵀ/√d_k)V for every head: (B, H, T, Dv). ``mask`` is boolean (True =
+        attend, from :func:`attention_mask`) or additive (the beam cache's)."""
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
+        )
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False
     ) -> Tensor:
         """Scaled dot-product attention over heads, then Wᴼ: returns (B, T, d_model)."""
-        out = scaled_dot_product(
-            q, k, v, mask, self.dropout if self.training else 0.0, causal
-        )  # (B, H, T, Dv)
+        out = self.scaled_dot_product(q, k, v, mask, causal)  # (B, H, T, Dv)
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v)  # (B, T, H*Dv)
-        return linear(self.out_proj, out)
+        return self.out_proj(out)
 
     def forward(
         self,

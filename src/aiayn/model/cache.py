@@ -105,18 +105,6 @@ class DecoderCache:
     # with one beam per sentence (a row's history is then its own slot).
     lineage: Tensor | None = None
 
-    _scratch: Tensor | None = None  # see scratch()
-
-    def scratch(self, rows: int, width: int) -> Tensor:
-        """A (rows, width) float32 buffer kept for the whole decode (the first ``rows`` of
-        one allocated at the batch's full row count): where ``log_probs_step`` writes."""
-        if self._scratch is None or self._scratch.size(1) != width or self._scratch.size(0) < rows:
-            like = self.layers[0].cross_k
-            self._scratch = torch.empty(
-                (max(rows, self.batch_size), width), dtype=torch.float32, device=like.device
-            )
-        return self._scratch[:rows]
-
     def __post_init__(self) -> None:
         if self.beam_size > 1 and self.lineage is None:
             # Each position is set to the row's own slot by the step that writes it
@@ -188,27 +176,12 @@ class DecoderCache:
             self.cross_mask = self.cross_mask.index_select(0, sentences)
 
 
-def cache_dtype(like: Tensor) -> torch.dtype:
-    """The dtype the cache stores keys and values in for activations like ``like``: their
-    own, except bfloat16 on the CPU, which is stored in float32.
-
-    On the CPU, attention over bfloat16 heads runs in float32
-    (:func:`aiayn.model.attention.scaled_dot_product`): kept in bfloat16, every cached key
-    and value would be converted at every step of every layer (in a batched bfloat16 decode,
-    a fifth of the time went to those conversions). In float32 only the step's new keys and
-    values are converted, once, when they are written."""
-    if like.dtype is torch.bfloat16 and like.device.type == "cpu":
-        return torch.float32
-    return like.dtype
-
-
 def empty_self_kv(
     sentences: int, n_heads: int, max_len: int, beam_size: int, d_k: int, d_v: int, like: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Preallocated (uninitialised) self-attention key and value buffers for one layer, in
-    :func:`cache_dtype` of ``like``."""
+    the dtype and on the device of ``like`` (the layer's projected cross-attention keys)."""
     shape = (sentences, n_heads, max_len, beam_size)
-    dtype = cache_dtype(like)
-    k = torch.empty(*shape, d_k, dtype=dtype, device=like.device)
-    v = torch.empty(*shape, d_v, dtype=dtype, device=like.device)
+    k = torch.empty(*shape, d_k, dtype=like.dtype, device=like.device)
+    v = torch.empty(*shape, d_v, dtype=like.dtype, device=like.device)
     return k, v

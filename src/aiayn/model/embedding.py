@@ -7,8 +7,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from aiayn.model.dropout import dropout
-
 
 def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
@@ -65,9 +63,9 @@ class Embeddings(nn.Module):
         self.token = token
         self.positions = positions
         self.scale = math.sqrt(token.embedding_dim)
-        self.dropout = dropout
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
         x = self.token(ids) * self.scale  # (B, T, d_model)
         x = x + self.positions(ids.size(1), offset).to(x.dtype)
-        return dropout(x, self.dropout, self.training)
+        return self.dropout(x)

@@ -1,31 +1,47 @@
-"""Encoder and decoder layers (§3.1): three (decoder) or two (encoder) sub-layers, each
-wrapped as ``LayerNorm(x + Dropout(Sublayer(x)))`` (post-norm, the paper's) or, as an option,
+"""Encoder and decoder layers (§3.1): two (encoder) or three (decoder) sub-layers, each wrapped
+as ``LayerNorm(x + Dropout(Sublayer(x)))`` (post-norm, the paper's) or, as an option,
 ``x + Dropout(Sublayer(LayerNorm(x)))`` (pre-norm)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import LayerCache
-from aiayn.model.dropout import dropout_add
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 
-def _residual(
+class Residual(nn.Module):
+    """``x + Dropout(y)``: the residual connection around a sub-layer whose output ``y`` is
+    dropped out with probability ``p`` before the add (§3.1, §5.4)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return x + F.dropout(y, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def sublayer_connection(
     x: Tensor,
     sublayer: Callable[[Tensor], Tensor],
     norm: nn.LayerNorm,
-    dropout: float,
-    training: bool,
+    residual: Residual,
     pre_norm: bool,
 ) -> Tensor:
+    """``LayerNorm(x + Dropout(Sublayer(x)))``, or ``x + Dropout(Sublayer(LayerNorm(x)))``
+    with ``pre_norm``."""
     if pre_norm:
-        return dropout_add(x, sublayer(norm(x)), dropout, training)
-    return norm(dropout_add(x, sublayer(x), dropout, training))
+        return residual(x, sublayer(norm(x)))
+    return norm(residual(x, sublayer(x)))
 
 
 def _attention(config: ModelConfig, self_attention: bool) -> MultiHeadAttention:
@@ -49,19 +65,17 @@ class EncoderLayer(nn.Module):
         self.ffn = PositionwiseFeedForward(config.d_model, config.d_ff, config.relu_dropout)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.dropout = config.dropout
+        self.residual = Residual(config.dropout)
         self.pre_norm = config.pre_norm
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        x = _residual(
-            x,
-            lambda h: self.self_attn(h, mask=mask),
-            self.self_attn_norm,
-            self.dropout,
-            self.training,
-            self.pre_norm,
-        )
-        return _residual(x, self.ffn, self.ffn_norm, self.dropout, self.training, self.pre_norm)
+        x = self._sublayer(x, lambda h: self.self_attn(h, mask=mask), self.self_attn_norm)
+        return self._sublayer(x, self.ffn, self.ffn_norm)
+
+    def _sublayer(
+        self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.LayerNorm
+    ) -> Tensor:
+        return sublayer_connection(x, sublayer, norm, self.residual, self.pre_norm)
 
 
 class DecoderLayer(nn.Module):
@@ -75,7 +89,7 @@ class DecoderLayer(nn.Module):
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.cross_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.dropout = config.dropout
+        self.residual = Residual(config.dropout)
         self.pre_norm = config.pre_norm
 
     def forward(self, x: Tensor, memory: Tensor, cross_mask: Tensor | None) -> Tensor:
@@ -122,4 +136,4 @@ class DecoderLayer(nn.Module):
     def _sublayer(
         self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.LayerNorm
     ) -> Tensor:
-        return _residual(x, sublayer, norm, self.dropout, self.training, self.pre_norm)
+        return sublayer_connection(x, sublayer, norm, self.residual, self.pre_norm)

@@ -7,10 +7,9 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
-from aiayn.model.cache import DecoderCache, LayerCache, cache_dtype, empty_self_kv
+from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
 from aiayn.model.embedding import Embeddings, PositionalEncoding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
-from aiayn.model.packing import linear, packed_product, refresh
 
 
 class Encoder(nn.Module):
@@ -96,17 +95,15 @@ class Transformer(nn.Module):
 
     def encode(self, src_ids: Tensor, src_pad: Tensor | None) -> Tensor:
         """Encoder output ``memory`` (B, S, d_model)."""
-        refresh()  # packed weights (aiayn.model.packing) that went stale are dropped
         return self.encoder(self.src_embed(src_ids), attention_mask(src_pad))
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
         """Decoder hidden states (B, T, d_model) for all target positions (causal)."""
-        refresh()
         return self.decoder(self.tgt_embed(tgt_in), memory, attention_mask(src_pad))
 
     def project(self, hidden: Tensor) -> Tensor:
         """Pre-softmax projection to vocabulary logits."""
-        return linear(self.out_proj, hidden)
+        return self.out_proj(hidden)
 
     def forward(
         self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor, project: bool = True
@@ -131,12 +128,10 @@ class Transformer(nn.Module):
             )
         if beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
-        refresh()
         layers = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
-            dtype = cache_dtype(cross_k)  # under autocast, the projection's dtype
-            cross_k, cross_v = cross_k.to(dtype), cross_v.to(dtype)
+            # The step's keys and values are stored as the projected memory's are.
             self_k, self_v = empty_self_kv(
                 memory.size(0),
                 self.config.n_heads,
@@ -144,7 +139,7 @@ class Transformer(nn.Module):
                 beam_size,
                 layer.self_attn.d_k,
                 layer.self_attn.d_v,
-                memory,
+                like=cross_k,
             )
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
         return DecoderCache(
@@ -154,42 +149,16 @@ class Transformer(nn.Module):
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the tokens (B,) at position
         ``cache.length``; appends their keys and values to the cache."""
-        return self.project(self._step_hidden(tokens, cache))
+        return self.project(self.step_hidden(tokens, cache))
 
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        """``decode_step`` followed by log-softmax in float32: the ``step_fn`` of search.
+        """Log-probabilities (B, V) of the next token, in float32: ``decode_step`` followed by
+        log-softmax, the ``step_fn`` of :mod:`aiayn.inference.search`."""
+        return torch.log_softmax(self.decode_step(tokens, cache), dim=-1, dtype=torch.float32)
 
-        Without autograd or autocast, on a float32, bfloat16 or float16 model (not an int8
-        one), the result lives in a (rows, V) float32 buffer that the cache keeps and every
-        call overwrites: it is valid until the next call on this cache (search uses it within
-        the step). On a float32 model a step then allocates no vocabulary-sized matrix: the
-        logits are written into the buffer and the log-probabilities over them; a bfloat16 or
-        float16 model's logits are computed in its dtype and their log-softmax written there in
-        float32. After :func:`aiayn.model.packing.pack_for_inference`, float32 steps over 4 to
-        128 rows project with the packed matrix into a new matrix instead."""
-        hidden = self._step_hidden(tokens, cache)  # (B, d_model)
-        weight = self.out_proj.weight
-        logits = packed_product(self.out_proj, hidden)
-        if logits is None:
-            if (
-                torch.is_grad_enabled()
-                or torch.is_autocast_enabled(hidden.device.type)  # out= would skip autocast
-                or type(self.out_proj) is not nn.Linear  # int8: the quantized module packs it
-                or hidden.dtype != weight.dtype
-            ):
-                return torch.log_softmax(self.project(hidden).float(), dim=-1)
-            if weight.dtype == torch.float32:
-                scratch = cache.scratch(hidden.size(0), weight.size(0))
-                logits = torch.mm(hidden, weight.t(), out=scratch)
-            else:
-                logits = self.project(hidden)
-        if logits.dtype == torch.float32:  # the scratch, or a packed product's new matrix
-            return torch.log_softmax(logits, dim=-1, out=logits)
-        # a bf16 / fp16 model's logits: their log-softmax in float32, into the scratch
-        scratch = cache.scratch(hidden.size(0), logits.size(-1))
-        return torch.log_softmax(logits, -1, dtype=torch.float32, out=scratch)
-
-    def _step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+    def step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """The decoder output (B, d_model) for the next position: ``decode_step`` before the
+        pre-softmax projection."""
         if cache.length >= cache.max_len:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
         x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, d_model)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.model.packing import BF16_ROW_MULTIPLE, round_up
+from aiayn.accel.linear import BF16_ROW_MULTIPLE, round_up
 
 
 def label_smoothed_nll(
@@ -124,7 +124,7 @@ def _low_precision_forward(
 
     The rows are padded with zeros to a multiple of ``BF16_ROW_MULTIPLE`` (padding rows get
     no loss and a zero gradient): oneDNN compiles a kernel for every new row count of a
-    bfloat16 product (see :mod:`aiayn.model.packing`)."""
+    bfloat16 product (see :mod:`aiayn.accel.linear`)."""
     n, vocab = hidden.size(0), weight.size(0)
     device = hidden.device
     multiple = BF16_ROW_MULTIPLE

@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference.search import greedy_search, max_output_lengths, never_pad_or_bos
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import cpu_has_bfloat16, retain_freed_memory
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -165,8 +165,8 @@ class Trainer:
         dist_info: DistInfo | None = None,
         show_progress: bool = True,
         tensorboard: bool = True,
+        accelerated: bool = True,
     ) -> None:
-        retain_freed_memory()  # reuse freed activation/gradient blocks (aiayn.runtime)
         self.config = config
         self.train_cfg = config.train
         self.info = dist_info or DistInfo()
@@ -177,6 +177,11 @@ class Trainer:
         if self.train_cfg.update_tokens <= 0:
             raise ConfigError("train.update_tokens must be positive")
         self.model = model.to(self.device)
+        # On the CPU, the faster modules and malloc settings of aiayn.accel (same results);
+        # ``accelerated=False`` trains the plain model.
+        self.acceleration: Acceleration | None = None
+        if accelerated:
+            self.acceleration = accelerate(self.model, "train", precision=precision)
         self.corpus = corpus
         self.sampler = sampler
         self.valid = valid

@@ -1,4 +1,4 @@
-"""MKL pre-packed weights (aiayn.model.packing): the same products as the plain layers, used
+"""Packed float32 weights (aiayn.accel.linear, MKL): the same products as the plain layers, used
 only where they should be, and never with a weight that changed after packing."""
 
 from __future__ import annotations
@@ -11,23 +11,22 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from aiayn.config import ModelConfig
-from aiayn.inference.search import beam_search, greedy_search
-from aiayn.model import packing
-from aiayn.model.packing import (
+from aiayn.accel import CpuLinear, accelerate
+from aiayn.accel import linear as linear_module
+from aiayn.accel.linear import (
     MAX_PACKED_ROWS,
     MIN_PACKED_ROWS,
-    is_packed,
-    linear,
-    pack_for_inference,
-    unpack,
-    uses_packed,
+    optimizer_hook_registered,
+    pack,
+    packing_available,
 )
+from aiayn.config import ModelConfig
+from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.transformer import Transformer
 from decode_helpers import step_log_probs
 
 pytestmark = pytest.mark.skipif(
-    not packing.packing_available(), reason="PyTorch without MKL's packed-linear operators"
+    not packing_available(), reason="PyTorch without MKL's packed-linear operators"
 )
 
 
@@ -38,7 +37,14 @@ def _model(vocab: int = 50) -> Transformer:
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if type(m) is nn.Linear]
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def _packed(model: nn.Module) -> list[bool]:
+    return [
+        isinstance(m, CpuLinear) and m.pack is not None and m.pack.matches(m.weight)
+        for m in _linears(model)
+    ]
 
 
 @pytest.fixture
@@ -55,70 +61,65 @@ def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _pack(model: nn.Module, calls: list[int]) -> int:
-    """pack_for_inference, forgetting the products of its own check."""
-    count = pack_for_inference(model)
+def _accelerate(model: nn.Module, calls: list[int]) -> int:
+    """Accelerate for decoding with packed weights, forgetting the products of the check."""
+    count = accelerate(model, "decode", pack_weights=True, memory_settings=False).packed
     calls.clear()
     return count
 
 
-def test_every_float_linear_is_packed_and_unpack_drops_them() -> None:
+def test_every_float_linear_is_packed_and_undo_drops_them() -> None:
     model = _model()
     linears = _linears(model)
     # Encoder: QKV, Wo, two FFN per layer; decoder: QKV, Wo, Wq, W_kv, Wo, two FFN; the
     # output projection.
     assert len(linears) == 2 * 4 + 2 * 7 + 1
-    assert pack_for_inference(model) == len(linears)
-    assert all(is_packed(m) for m in linears)
-    unpack(model)
-    assert not any(is_packed(m) for m in linears)
+    acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    assert acceleration.packed == len(linears) and all(_packed(model))
+    assert optimizer_hook_registered()
+    watchers = linear_module._watchers
+    acceleration.undo()
+    assert all(type(m) is nn.Linear and "pack" not in m.__dict__ for m in linears)
+    assert linear_module._watchers == watchers - 1  # the hook goes with the last one
 
 
 @pytest.mark.parametrize("rows", [1, 3, MIN_PACKED_ROWS, 64, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1])
-def test_linear_equals_the_module_and_is_packed_only_in_the_row_range(
+def test_products_equal_the_plain_layer_and_are_packed_only_in_the_row_range(
     rows: int, packed_calls: list[int]
 ) -> None:
     torch.manual_seed(1)
     layer = nn.Linear(48, 80)
-    _pack(layer, packed_calls)
     x = torch.randn(rows, 1, 48)  # a decoder step's (B, 1, d) input
     with torch.no_grad():
-        got = linear(layer, x)
         want = layer(x)
+        _accelerate(layer, packed_calls)
+        got = layer(x)
     assert_close(got, want, rtol=1e-5, atol=1e-5)
     in_range = MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS
     assert packed_calls == ([rows] if in_range else [])
     assert got.shape == (rows, 1, 80)
 
 
-def test_not_with_autograd_non_contiguous_input_or_a_layer_without_a_pack(
-    packed_calls: list[int],
-) -> None:
-    layer, other = nn.Linear(16, 24), nn.Linear(16, 24)
-    _pack(layer, packed_calls)
+def test_not_with_autograd_or_a_non_contiguous_input(packed_calls: list[int]) -> None:
+    layer = nn.Linear(16, 24)
+    _accelerate(layer, packed_calls)
     x = torch.randn(8, 16, requires_grad=True)
-    out = linear(layer, x)  # autograd on: the module itself, with a gradient
-    assert out.requires_grad
+    assert layer(x).requires_grad  # autograd on: the plain product, with a gradient
     with torch.no_grad():
-        linear(layer, torch.randn(16, 8).t())  # non-contiguous
-        linear(other, torch.randn(8, 16))
+        layer(torch.randn(16, 8).t())  # non-contiguous
     assert packed_calls == []
     with torch.no_grad():
-        linear(layer, torch.randn(8, 16))
+        layer(torch.randn(8, 16))
     assert packed_calls == [8]
 
 
-def _step_log_probs(model: Transformer, rows: int) -> Tensor:
-    return step_log_probs(model, rows)[0]
-
-
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_decoder_steps_equal_the_unpacked_model(rows: int, packed_calls: list[int]) -> None:
+def test_decoder_steps_equal_the_plain_model(rows: int, packed_calls: list[int]) -> None:
     model = _model()
-    want = _step_log_probs(model, rows)
+    want = step_log_probs(model, rows)
     assert packed_calls == []
-    _pack(model, packed_calls)
-    got = _step_log_probs(model, rows)
+    _accelerate(model, packed_calls)
+    got = step_log_probs(model, rows)
     assert_close(got, want, rtol=1e-5, atol=1e-5)
     if rows >= MIN_PACKED_ROWS:
         assert rows in packed_calls  # the step's products (and the projection) went packed
@@ -146,7 +147,7 @@ def test_search_finds_the_same_hypotheses(
 ) -> None:
     model = _model()
     want = _search(model, search)
-    _pack(model, packed_calls)
+    _accelerate(model, packed_calls)
     assert _search(model, search) == want
     assert packed_calls
 
@@ -155,112 +156,86 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
     packed_calls: list[int],
 ) -> None:
     model = _model()
-    pack_for_inference(model)
+    plain = copy.deepcopy(model)
+    _accelerate(model, packed_calls)
     layer = model.decoder.layers[0].ffn.w1
     with torch.no_grad():
         layer.weight.mul_(2.0)  # in place, as load_state_dict or copy_ would
-    got = _step_log_probs(model, 6)
-    assert not is_packed(layer)  # encode / init_cache dropped the stale copy
-    assert is_packed(model.decoder.layers[0].ffn.w2)
-    unpack(model)
-    assert_close(got, _step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
+        plain.decoder.layers[0].ffn.w1.weight.mul_(2.0)
+    got = step_log_probs(model, 6)
+    assert _packed(model).count(False) == 1  # that layer's pack no longer serves
+    assert packed_calls  # the others' still do
+    assert_close(got, step_log_probs(plain, 6), rtol=1e-5, atol=1e-5)
 
     # A new weight tensor (load_state_dict(assign=True), .to()) is caught the same way.
-    pack_for_inference(model)
+    layer = model.decoder.layers[1].ffn.w2
     layer.weight = nn.Parameter(layer.weight.detach().clone() + 1.0)
-    got = _step_log_probs(model, 6)
-    assert not is_packed(layer)
-    unpack(model)
-    assert_close(got, _step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
+    plain.decoder.layers[1].ffn.w2.weight = nn.Parameter(layer.weight.detach().clone())
+    assert _packed(model).count(False) == 2
+    assert_close(step_log_probs(model, 6), step_log_probs(plain, 6), rtol=1e-5, atol=1e-5)
 
 
-def test_a_copied_model_is_not_packed_and_decodes_the_same() -> None:
+def test_a_copied_model_carries_no_pack_and_decodes_the_same() -> None:
     model = _model()
-    pack_for_inference(model)
+    accelerate(model, "decode", pack_weights=True, memory_settings=False)
     twin = copy.deepcopy(model)
-    assert not any(is_packed(m) for m in _linears(twin))
-    assert_close(_step_log_probs(twin, 6), _step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
-    state = twin.state_dict()
-    assert set(state) == set(model.state_dict())  # nothing of the packing in a checkpoint
+    assert not any(_packed(twin))
+    assert_close(step_log_probs(twin, 6), step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
+    assert set(twin.state_dict()) == set(_model().state_dict())  # nothing of it in a checkpoint
 
 
 def test_what_is_not_packed() -> None:
     model = _model().double()
-    assert pack_for_inference(model) == 0  # float64
+    assert pack(nn.Linear(8, 8).double()) is None  # float64
     with torch.inference_mode():
         inference_layer = nn.Linear(8, 8)  # no version counter to detect changes
-    assert pack_for_inference(inference_layer) == 0
+    assert pack(inference_layer) is None
     with torch.no_grad():
         quantized = torch.ao.quantization.quantize_dynamic(_model(), {nn.Linear}, dtype=torch.qint8)
-    assert pack_for_inference(quantized) == 0
+    assert accelerate(quantized, "decode", pack_weights=True, memory_settings=False).packed == 0
+    assert not any(isinstance(m, CpuLinear) for m in quantized.modules())
+    with pytest.raises(ValueError, match="float32"):  # a float64 model is not fp32
+        accelerate(model, "decode", pack_weights=True, memory_settings=False)
 
 
-def test_uses_packed_matches_what_linear_does(packed_calls: list[int]) -> None:
-    layer = nn.Linear(16, 16)
-    _pack(layer, packed_calls)
-    with torch.no_grad():
-        for rows in (1, MIN_PACKED_ROWS, MAX_PACKED_ROWS + 1):
-            x = torch.randn(rows, 16)
-            before = len(packed_calls)
-            linear(layer, x)
-            assert uses_packed(layer, x) == (len(packed_calls) == before + 1)
-
-
-def test_an_optimizer_step_drops_the_packed_copies() -> None:
+def test_an_optimizer_step_makes_every_pack_stale() -> None:
     """Fused Adam (the trainer's CPU optimizer) changes weights without bumping their version
-    counter: packed copies must not survive a step."""
+    counter: packs must not serve after a step."""
     from aiayn.config import TrainConfig
     from aiayn.training.optim import build_optimizer
 
-    model = _model().train()
-    optimizer = build_optimizer(model, TrainConfig())
-    pack_for_inference(model)
-    assert all(is_packed(m) for m in _linears(model))
-    src = torch.randint(4, 50, (3, 5))
-    model(src, None, src).logsumexp(-1).mean().backward()
-    optimizer.step()
-    assert not any(is_packed(m) for m in _linears(model))
-    model.eval()
-    got = _step_log_probs(model, 6)
-    unpack(model)
-    assert_close(got, _step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("entry", ["init_cache", "decode"])
-def test_every_entry_point_drops_stale_copies(entry: str) -> None:
     model = _model()
-    pack_for_inference(model)
-    layer = model.decoder.layers[1].self_attn.qkv_proj
-    with torch.no_grad():
-        layer.weight.add_(0.5)
-        memory = torch.randn(2, 3, 32)
-        if entry == "init_cache":
-            model.init_cache(memory, None, max_len=2)
-        else:
-            model.decode(torch.randint(4, 50, (2, 2)), memory, None)
-        x = torch.randn(8, 32)
-        # linear() trusts the table: the stale copy must be gone from it, the others not.
-        assert not uses_packed(layer, x)
-        assert uses_packed(model.decoder.layers[0].self_attn.qkv_proj, x)
+    plain = copy.deepcopy(model).train()
+    acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    assert all(_packed(model))
+    model.train()
+    src = torch.randint(4, 50, (3, 5))
+    for net in (model, plain):
+        optimizer = build_optimizer(net, TrainConfig())
+        net(src, None, src).logsumexp(-1).mean().backward()
+        optimizer.step()
+        net.eval()
+    assert not any(_packed(model))
+    assert_close(step_log_probs(model, 6), step_log_probs(plain, 6), rtol=1e-5, atol=1e-5)
+    acceleration.undo()
 
 
-def test_the_layer_itself_where_packing_would_change_behaviour(
-    packed_calls: list[int],
-) -> None:
+def test_the_layer_behaves_as_nn_linear_where_a_pack_would_not(packed_calls: list[int]) -> None:
     layer = nn.Linear(16, 24)
-    _pack(layer, packed_calls)
+    _accelerate(layer, packed_calls)
     with torch.no_grad():
         with pytest.raises(RuntimeError):  # the wrong width fails as nn.Linear fails
-            linear(layer, torch.randn(8, 20))
+            layer(torch.randn(8, 20))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert linear(layer, torch.randn(8, 16)).dtype == torch.bfloat16
-        seen: list[int] = []
-        handle = layer.register_forward_hook(lambda m, args, out: seen.append(out.size(0)))
-        linear(layer, torch.randn(8, 16))
-        handle.remove()
-        assert seen == [8]
-        assert linear(layer, torch.randn(8, 0, 16)).shape == (8, 0, 24)  # no rows
+            assert layer(torch.randn(8, 16)).dtype == torch.bfloat16
+        assert layer(torch.randn(8, 0, 16)).shape == (8, 0, 24)  # no rows
     assert packed_calls == []
+    seen: list[int] = []  # hooks see the packed product like any other
+    handle = layer.register_forward_hook(lambda m, args, out: seen.append(out.size(0)))
+    with torch.no_grad():
+        layer(torch.randn(8, 16))
+    handle.remove()
+    assert seen == [8] and packed_calls == [8]
 
 
 def test_a_pack_that_disagrees_with_the_plain_product_is_not_kept(
@@ -275,7 +250,7 @@ def test_a_pack_that_disagrees_with_the_plain_product_is_not_kept(
         return out + 1e-2 if rows >= 13 else out
 
     monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", wrong_from_13_rows)
-    assert pack_for_inference(nn.Linear(16, 24)) == 0
+    assert pack(nn.Linear(16, 24)) is None
 
 
 def test_translator_packs_on_request_and_says_when_it_cannot() -> None:
@@ -290,27 +265,40 @@ def test_translator_packs_on_request_and_says_when_it_cannot() -> None:
         def decode(self, ids: list[int]) -> str:
             return "".join(chr(97 + i % 26) for i in ids)
 
-    model = _model()
     warnings: list[str] = []
+    model = _model()
     Translator(model, Letters(), warn=warnings.append)  # type: ignore[arg-type]
-    assert not any(is_packed(m) for m in _linears(model))
+    assert not any(_packed(model))
+    model = _model()
     Translator(model, Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
-    assert all(is_packed(m) for m in _linears(model)) and warnings == []
-    Translator(model.double(), Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
+    assert all(_packed(model)) and warnings == []
+    Translator(
+        _model().double(), Letters(), pack_weights=True, accelerated=False, warn=warnings.append
+    )  # type: ignore[arg-type]
     assert len(warnings) == 1 and "nothing to pack" in warnings[0]
 
 
 @pytest.mark.parametrize(("rows", "seen"), [(70, 128), (128, 128), (64, 64), (40, 40)])
-def test_bf16_products_on_the_cpu_see_rows_padded_to_a_multiple_of_64(rows: int, seen: int):
+def test_bf16_products_on_the_cpu_see_rows_padded_to_a_multiple_of_64(
+    rows: int, seen: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # oneDNN compiles a kernel per new row count of a bfloat16 product: row counts above 64
     # are padded to a multiple of 64, and the padding is cut off again (values and gradients).
     layer = nn.Linear(16, 8)
+    plain = copy.deepcopy(layer)
+    accelerate(layer, "train", precision="bf16", memory_settings=False)
     sizes: list[int] = []
-    layer.register_forward_pre_hook(lambda _, args: sizes.append(args[0].numel() // 16))
+    real = torch.nn.functional.linear
+
+    def spy(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        sizes.append(x.numel() // x.size(-1))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
     x = torch.randn(rows, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = linear(layer, x.view(1, rows, 16))
-        want = layer(x.view(1, rows, 16))
+        got = layer(x.view(1, rows, 16))
+        want = plain(x.view(1, rows, 16))
     assert sizes == [seen, rows] and got.shape == want.shape == (1, rows, 8)
     assert_close(got, want, rtol=1e-2, atol=1e-2)
     grad = torch.randn(1, rows, 8)
@@ -318,5 +306,5 @@ def test_bf16_products_on_the_cpu_see_rows_padded_to_a_multiple_of_64(rows: int,
     (second,) = torch.autograd.grad(want, x, grad)
     assert_close(first, second, rtol=1e-2, atol=1e-2)
     sizes.clear()
-    linear(layer, torch.randn(rows, 16))  # float32 outside autocast: as it is
+    layer(torch.randn(rows, 16))  # float32 outside autocast: as it is
     assert sizes == [rows]

@@ -1,23 +1,24 @@
-"""Dropout (§5.4, Srivastava et al. 2014) with a quarter of the random-number draws.
+"""Dropout with a quarter of the random draws, and the residual add fused with it (CPU).
 
-On the CPU, ``F.dropout`` draws one float per element from the Mersenne-Twister generator,
-single-threaded whatever the thread count: about 6 ms for one 768×512 activation on this
-project's 2-core benchmark machine, times 32 dropout sites in the base model. Here one 64-bit
-draw serves four elements, each 16-bit quarter compared with a threshold: an independent
-Bernoulli keep mask per element, with the drop probability rounded to a multiple of 2⁻¹⁶
-(0.1 becomes 6,554 / 65,536 = 0.10000610; the kept elements are scaled by the exact
-1 / (1 - that), so the expectation is unchanged). :func:`dropout` keeps the mask as a bool
-tensor for the backward pass (1 byte per element); :func:`dropout_add` (the residual
-connections) makes it directly in the activations' dtype, so that neither its forward nor its
-backward pass converts a bool mask (4 bytes per element in float32). On other devices it is
-``F.dropout``.
+``F.dropout`` on the CPU draws one float per element from the Mersenne Twister, on one
+thread. Here one 64-bit draw serves four elements: each 16-bit quarter is compared with a
+threshold, an independent Bernoulli keep mask per element with the drop probability rounded
+to a multiple of 2⁻¹⁶ (0.1 becomes 6,554 / 65,536 = 0.10000610; kept elements are scaled by
+the exact 1 / (1 - that), so the expectation is unchanged). A p that the grid would move by
+more than 0.1% of itself (below ≈ 0.008) goes to ``F.dropout``. Figures: docs/performance.md.
+
+:class:`GridDropout` replaces ``nn.Dropout``; :class:`GridResidual` replaces the model's
+:class:`~aiayn.model.layers.Residual` (``x + Dropout(y)``) with one ``addcmul`` whose mask is
+made in the activations' dtype, so that neither pass converts a bool mask.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from aiayn.model.layers import Residual
 
 _LEVELS = 1 << 16  # the drop probability's resolution: one 16-bit quarter of a draw each
 
@@ -59,10 +60,7 @@ def keep_mask(
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """Inverted dropout: zero each element with probability p (on the CPU,
-    ``drop_probability(p)``), scale the rest by the inverse of the keep probability.
-
-    A p that the 2⁻¹⁶ grid would move by more than 0.1% of itself (below ≈ 0.008) goes to
-    ``F.dropout`` instead, which draws one float per element."""
+    ``drop_probability(p)``), scale the rest by the inverse of the keep probability."""
     if not training or p == 0.0:
         return x
     q = _grid_probability(p, x.device)
@@ -72,14 +70,26 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 
 
 def dropout_add(x: Tensor, y: Tensor, p: float, training: bool) -> Tensor:
-    """``x + dropout(y, p, training)``, the residual connection around a sub-layer, in one
-    pass on the CPU: ``addcmul(x, y, keep_mask, value=1 / (1 - p'))`` instead of a multiply,
-    a select and an add (and one pass instead of two for the gradient of ``y``), with the
-    mask made in y's dtype (a bool mask would be converted once forward and once backward).
-    The same mask and values as :func:`dropout` for the same random state."""
+    """``x + dropout(y, p, training)`` in one pass: ``addcmul(x, y, keep_mask, value=1 /
+    (1 - p'))`` with the mask in y's dtype; the same mask and values as :func:`dropout`
+    for the same random state."""
     if not training or p == 0.0:
         return x + y
     q = _grid_probability(p, y.device)
     if q is None:
         return x + F.dropout(y, p, training)
     return torch.addcmul(x, y, keep_mask(y.shape, p, y.device, y.dtype), value=1.0 / (1.0 - q))
+
+
+class GridDropout(nn.Dropout):
+    """``nn.Dropout`` through :func:`dropout` (the same module, parameters and state)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+
+class GridResidual(Residual):
+    """:class:`~aiayn.model.layers.Residual` through :func:`dropout_add`."""
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return dropout_add(x, y, self.p, self.training)

@@ -1,23 +1,25 @@
-"""bfloat16 weights packed for oneDNN (aiayn.model.packing), as ``precision="bf16"`` decodes on
-the CPU: the same products as the plain bfloat16 layers at every row count, rows padded so that
-oneDNN builds few kernels, float32 log-probabilities in the cache's buffer."""
+"""bfloat16 weights packed for oneDNN (aiayn.accel.linear), as ``precision="bf16"`` decodes on
+the CPU: the same products as the plain bfloat16 layers to bfloat16's rounding, at every row
+count, over padded rows."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+from aiayn.accel import CpuLinear, accelerate, cpu_has_bfloat16
+from aiayn.accel import linear as linear_module
+from aiayn.accel.linear import onednn_packing_available, onednn_rows, pack
 from aiayn.config import ModelConfig
-from aiayn.model import packing
-from aiayn.model.packing import is_packed, linear, onednn_rows, pack_for_inference, uses_packed
 from aiayn.model.transformer import Transformer
-from aiayn.runtime import cpu_has_bfloat16
 from decode_helpers import step_log_probs
 
 needs_bf16 = pytest.mark.skipif(
-    not (packing.onednn_packing_available() and cpu_has_bfloat16()),
+    not (onednn_packing_available() and cpu_has_bfloat16()),
     reason="PyTorch without oneDNN's packed-linear operators, or a CPU without bfloat16",
 )
 
@@ -29,20 +31,20 @@ def _model() -> Transformer:
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if type(m) is nn.Linear]
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
 @pytest.fixture
 def onednn_rows_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Row counts of the products that went through oneDNN's packed operator."""
     calls: list[int] = []
-    real = packing._onednn_linear
+    real = linear_module._onednn_linear
 
     def spy(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         calls.append(x.numel() // x.shape[-1])
         return real(x, packed, bias)
 
-    monkeypatch.setattr(packing, "_onednn_linear", spy)
+    monkeypatch.setattr(linear_module, "_onednn_linear", spy)
     return calls
 
 
@@ -56,41 +58,46 @@ def test_onednn_rows_pads_from_17_rows_to_16_then_64() -> None:
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
-def test_bf16_linear_goes_through_the_pack_at_every_row_count(
+def test_bf16_products_go_through_the_pack_at_every_row_count(
     rows: int, onednn_rows_seen: list[int]
 ) -> None:
     torch.manual_seed(1)
     layer = nn.Linear(48, 80).to(torch.bfloat16)
-    assert pack_for_inference(layer) == 1 and is_packed(layer)
+    plain = copy.deepcopy(layer)
+    assert accelerate(layer, "decode", precision="bf16", memory_settings=False).packed == 1
     onednn_rows_seen.clear()  # the pack's own check
     x = torch.randn(rows, 1, 48).bfloat16()  # a decoder step's (B, 1, d) input
     with torch.no_grad():
-        got = linear(layer, x)
-        want = layer(x)
-        assert uses_packed(layer, x)
-        assert not uses_packed(layer, x.float())  # a float32 input: the layer itself
+        got = layer(x)
+        want = plain(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == (rows, 1, 80)
     # Both round float32 sums to bfloat16: at most a step of 2^-8 apart.
     assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.abs().max()))
     assert onednn_rows_seen == [onednn_rows(rows)]
     x.requires_grad_()
-    assert linear(layer, x).requires_grad  # autograd on: the layer itself
+    assert layer(x).requires_grad  # autograd on: the plain product
     assert onednn_rows_seen == [onednn_rows(rows)]
 
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_bf16_decoder_steps_equal_the_unpacked_bf16_model(
+def test_bf16_decoder_steps_equal_those_without_the_packs(
     rows: int, onednn_rows_seen: list[int]
 ) -> None:
     model = _model()
-    want, _ = step_log_probs(model, rows)
+    acceleration = accelerate(model, "decode", precision="bf16", memory_settings=False)
+    assert acceleration.packed == len(_linears(model))
+    packs = {m: m.pack for m in model.modules() if isinstance(m, CpuLinear)}
+    for layer in packs:
+        layer.pack = None
+    onednn_rows_seen.clear()  # the packs' own checks
+    want = step_log_probs(model, rows)
     assert onednn_rows_seen == []
-    assert pack_for_inference(model) == len(_linears(model))
-    got, in_scratch = step_log_probs(model, rows)
+    for layer, layer_pack in packs.items():
+        layer.pack = layer_pack
+    got = step_log_probs(model, rows)
     assert onednn_rows_seen
-    # float32 log-probabilities, written into the cache's buffer
-    assert got.dtype == want.dtype == torch.float32 and in_scratch
+    assert got.dtype == want.dtype == torch.float32
     assert_close(got, want, rtol=0.0, atol=0.04)  # a bfloat16 step of the logits at most
 
 
@@ -98,15 +105,14 @@ def test_bf16_decoder_steps_equal_the_unpacked_bf16_model(
 def test_a_bf16_pack_that_disagrees_with_the_plain_product_is_not_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = packing._onednn_linear
+    real = linear_module._onednn_linear
 
     def wrong_from_31_rows(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         out = real(x, packed, bias)
         return out + 0.5 if x.numel() // x.shape[-1] >= 31 else out
 
-    monkeypatch.setattr(packing, "_onednn_linear", wrong_from_31_rows)
-    layer = nn.Linear(16, 24).to(torch.bfloat16)
-    assert pack_for_inference(layer) == 0 and not is_packed(layer)
+    monkeypatch.setattr(linear_module, "_onednn_linear", wrong_from_31_rows)
+    assert pack(nn.Linear(16, 24).to(torch.bfloat16)) is None
 
 
 @needs_bf16
@@ -122,5 +128,7 @@ def test_translator_in_bf16_packs_for_onednn() -> None:
 
     model = _model().float()
     translator = Translator(model, Letters(), precision="bf16")  # type: ignore[arg-type]
-    assert all(is_packed(m) and m.weight.dtype == torch.bfloat16 for m in _linears(model))
+    linears = _linears(model)
+    assert all(isinstance(m, CpuLinear) and m.pack is not None for m in linears)
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
     assert len(translator.translate(["hello", "", "abc"])) == 3

@@ -1,4 +1,5 @@
-"""The CPU dropout of aiayn.model.dropout: one 64-bit draw per four elements."""
+"""The CPU dropout of aiayn.accel.dropout: one 64-bit draw per four elements, and the modules
+that accelerate() swaps in with it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import math
 import pytest
 import torch
 
-import aiayn.model.dropout as dropout_module
-from aiayn.model.dropout import drop_probability, dropout, dropout_add, keep_mask
+import aiayn.accel.dropout as dropout_module
+from aiayn.accel.dropout import (
+    GridDropout,
+    GridResidual,
+    drop_probability,
+    dropout,
+    dropout_add,
+    keep_mask,
+)
+from aiayn.model.layers import Residual
 
 CPU = torch.device("cpu")
 
@@ -149,3 +158,19 @@ def test_dropout_add_without_dropout_is_the_sum() -> None:
     x, y = torch.randn(4, 9), torch.randn(4, 9)
     assert torch.equal(dropout_add(x, y, 0.1, training=False), x + y)
     assert torch.equal(dropout_add(x, y, 0.0, training=True), x + y)
+
+
+def test_the_modules_are_the_functions() -> None:
+    x, y = torch.randn(64, 48), torch.randn(64, 48)
+    layer = torch.nn.Dropout(0.1)
+    layer.__class__ = GridDropout
+    residual = Residual(0.1)
+    residual.__class__ = GridResidual
+    torch.manual_seed(5)
+    want_dropout, want_add = dropout(y, 0.1, True), dropout_add(x, y, 0.1, True)
+    torch.manual_seed(5)
+    assert torch.equal(layer(y), want_dropout)
+    assert torch.equal(residual(x, y), want_add)
+    layer.eval()
+    residual.eval()
+    assert layer(y) is y and torch.equal(residual(x, y), x + y)

@@ -1,0 +1,74 @@
+"""Decoder steps that write their logits and log-probabilities into one buffer per decode.
+
+A step's (rows, V) logits and their log-softmax are the largest tensors of a decode. A
+:class:`BufferedDecoding` model keeps one float32 buffer with each cache
+(:class:`BufferedCache`, sized for the batch's full row count), projects into it with
+``mm(out=)`` and takes the log-softmax in place, so that no step allocates a vocabulary-sized
+matrix (figures: docs/performance.md). The result is valid until the next step on that cache,
+which is how search uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.accel.linear import CpuLinear
+from aiayn.model.cache import DecoderCache
+from aiayn.model.transformer import Transformer
+
+
+@dataclass
+class BufferedCache(DecoderCache):
+    """A :class:`~aiayn.model.cache.DecoderCache` with the decode's (rows, V) buffer."""
+
+    buffer: Tensor | None = None
+
+    def rows_buffer(self, rows: int, width: int) -> Tensor:
+        """The first ``rows`` rows of a (batch rows, width) float32 buffer kept for the
+        whole decode."""
+        if self.buffer is None or self.buffer.size(1) != width or self.buffer.size(0) < rows:
+            device = self.layers[0].cross_k.device
+            shape = (max(rows, self.batch_size), width)
+            self.buffer = torch.empty(shape, dtype=torch.float32, device=device)
+        return self.buffer[:rows]
+
+
+class BufferedDecoding(Transformer):
+    """:class:`~aiayn.model.transformer.Transformer` whose ``log_probs_step`` writes into its
+    cache's buffer: float32 logits with ``mm(out=)``, a bfloat16 or float16 model's in its
+    dtype, then the log-softmax into the buffer. With autograd or autocast on, on an int8
+    model, or with a plain cache, the plain step."""
+
+    def init_cache(
+        self, memory: Tensor, src_pad: Tensor | None, max_len: int, beam_size: int = 1
+    ) -> DecoderCache:
+        cache = super().init_cache(memory, src_pad, max_len, beam_size)
+        return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
+
+    def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        out_proj = self.out_proj
+        if (
+            not isinstance(cache, BufferedCache)
+            or torch.is_grad_enabled()
+            or torch.is_autocast_enabled(cache.layers[0].cross_k.device.type)
+            or type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
+            or out_proj._forward_hooks
+            or out_proj._forward_pre_hooks
+        ):
+            return super().log_probs_step(tokens, cache)
+        hidden = self.step_hidden(tokens, cache)  # (rows, d_model)
+        weight = out_proj.weight
+        rows, vocab = hidden.size(0), weight.size(0)
+        logits = out_proj.packed_product(hidden) if isinstance(out_proj, CpuLinear) else None
+        if logits is None:
+            if hidden.dtype == weight.dtype == torch.float32:
+                logits = torch.mm(hidden, weight.t(), out=cache.rows_buffer(rows, vocab))
+            else:
+                logits = out_proj(hidden)
+        if logits.dtype == torch.float32:  # the buffer, or a new matrix of a packed product
+            return torch.log_softmax(logits, dim=-1, out=logits)
+        buffer = cache.rows_buffer(rows, vocab)
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=buffer)

@@ -1,0 +1,265 @@
+"""Linear layers for the CPU: weights packed once for inference, bfloat16 rows padded.
+
+:class:`CpuLinear` is ``nn.Linear`` (the same parameters and state dict) with two levers
+(figures: docs/performance.md):
+
+- **Packed weights** (:func:`pack`). MKL's ``sgemm`` copies the weight into the blocked layout
+  its kernels read at every call; a decoder step has one row per sentence or beam, and there
+  that copy is a large part of each product. A pack makes the copy once
+  (``torch.ops.mkl._mkl_reorder_linear_weight``) and float32 products over
+  :data:`MIN_PACKED_ROWS` to :data:`MAX_PACKED_ROWS` rows use it (``_mkl_linear``). A
+  bfloat16 weight is packed for oneDNN instead (``torch.ops.mkldnn._reorder_linear_weight``),
+  used at every row count. Packs serve inference only: not with autograd or autocast on, and
+  never with a weight that changed since (another tensor or storage, a write through autograd's
+  version counter, or any optimizer step; writes that bypass all three, such as ``weight.data``
+  or NumPy views, are not noticed: pack again after them). A copied or pickled layer carries no
+  pack. PyTorch's own ``_mkl_linear`` uses a pack only for the row count it was made for; here
+  the actual row count is passed, which relies on MKL's packed layout not depending on it, so
+  :func:`pack` checks every pack against ``F.linear`` at several row counts and keeps only
+  those that agree.
+- **Padded bfloat16 rows.** oneDNN builds and keeps a kernel for every row count of a bfloat16
+  product (about 1 ms each), and token batches bring a new row count nearly every update, so
+  bfloat16 products on the CPU run over rows padded with zeros (:data:`BF16_ROW_MULTIPLE`;
+  :func:`onednn_rows` for packed products), cut off again after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
+
+# Float32 products over this many rows use the pack: a decoder step over 1 to 32 sentences
+# with beam 4, or 4 to 128 greedily. Fewer and more rows are as fast or faster unpacked.
+MIN_PACKED_ROWS = 4
+MAX_PACKED_ROWS = 128
+# MKL and oneDNN choose their packed blocking for a row count: the decoder's typical one.
+PACK_FOR_ROWS = 64
+# bfloat16 products over more rows than this are padded to a multiple of it.
+BF16_ROW_MULTIPLE = 64
+_CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_PACKED_ROWS)
+_CHECK_ROWS_BF16 = (1, 3, 4, 31, PACK_FOR_ROWS, 65, 200)
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch has MKL and its packed-linear operators (float32)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    ops = torch.ops.mkl
+    return hasattr(ops, "_mkl_reorder_linear_weight") and hasattr(ops, "_mkl_linear")
+
+
+def onednn_packing_available() -> bool:
+    """Whether this PyTorch has oneDNN and its packed-linear operators (bfloat16)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+# -- optimizer steps make every pack stale ---------------------------------------------------
+#
+# Fused Adam writes the weights without bumping their version counters, so a pack also
+# remembers how many optimizer steps had run when it was made. The hook that counts them is
+# registered while some acceleration holds packs (:func:`watch_optimizer_steps`).
+
+_optimizer_steps = 0
+_hook: RemovableHandle | None = None
+_watchers = 0
+
+
+def _count_step(*_: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def watch_optimizer_steps() -> None:
+    """Count optimizer steps (a process-wide optimizer hook) until the matching
+    :func:`unwatch_optimizer_steps`."""
+    global _hook, _watchers
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_count_step)
+    _watchers += 1
+
+
+def unwatch_optimizer_steps() -> None:
+    global _hook, _watchers
+    _watchers = max(0, _watchers - 1)
+    if _watchers == 0 and _hook is not None:
+        _hook.remove()
+        _hook = None
+
+
+def optimizer_hook_registered() -> bool:
+    """Whether the optimizer-step hook is in place (for tests and diagnostics)."""
+    return _hook is not None
+
+
+class Pack:
+    """A packed copy of a weight, and what identifies the weight it was made from."""
+
+    __slots__ = ("data_ptr", "onednn", "packed", "steps", "version", "weight_id")
+
+    def __init__(self, packed: Tensor, weight: Tensor, onednn: bool) -> None:
+        self.packed = packed
+        self.onednn = onednn  # a bfloat16 weight packed for oneDNN, not a float32 one for MKL
+        # id, not a weak reference: a weakly referenced tensor cannot be swapped in place
+        # (torch.utils.swap_tensors).
+        self.weight_id = id(weight)
+        self.data_ptr = weight.data_ptr()
+        self.version = weight._version
+        self.steps = _optimizer_steps
+
+    def matches(self, weight: Tensor) -> bool:
+        return (
+            self.steps == _optimizer_steps
+            and id(weight) == self.weight_id
+            and weight._version == self.version
+            and weight.data_ptr() == self.data_ptr
+        )
+
+
+def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.no_grad()
+def pack(layer: nn.Linear) -> Pack | None:
+    """A checked pack of ``layer``'s weight (float32 for MKL, bfloat16 for oneDNN), or None
+    where it cannot be made or disagrees with ``F.linear``."""
+    weight = layer.weight.detach()
+    # An inference tensor has no version counter to tell whether it changed after packing.
+    if weight.device.type != "cpu" or not weight.is_contiguous() or layer.weight.is_inference():
+        return None
+    generator = torch.Generator().manual_seed(0)
+    if weight.dtype == torch.bfloat16:
+        if not onednn_packing_available():
+            return None
+        try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+            for rows in _CHECK_ROWS_BF16:
+                x = torch.randn(rows, weight.size(1), generator=generator).bfloat16()
+                got = _onednn_linear(x, packed, layer.bias).float()
+                want = F.linear(x, weight, layer.bias).float()
+                # Both round their float32 sums to bfloat16: a step of 2^-8 apart at most.
+                if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+                    return None
+        except RuntimeError:
+            return None
+        return Pack(packed, layer.weight, onednn=True)
+    if weight.dtype != torch.float32 or not packing_available():
+        return None
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_FOR_ROWS)
+    for rows in _CHECK_ROWS:
+        x = torch.randn(rows, weight.size(1), generator=generator)
+        got = torch.ops.mkl._mkl_linear(x, packed, weight, layer.bias, rows)
+        want = F.linear(x, weight, layer.bias)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return None
+    return Pack(packed, layer.weight, onednn=False)
+
+
+# -- rows -------------------------------------------------------------------------------------
+
+
+def round_up(rows: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``rows``."""
+    return -(-rows // multiple) * multiple
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a packed bfloat16 product over ``rows`` rows runs at: up to 16 rows,
+    ``rows`` (padding would cost one-sentence steps more than it saves); up to 64, the next
+    multiple of 16; above, of 64. A decode then meets a few dozen row counts, not hundreds."""
+    if rows <= 16:
+        return rows
+    return round_up(rows, 16 if rows <= BF16_ROW_MULTIPLE else BF16_ROW_MULTIPLE)
+
+
+def rows_of(x: Tensor) -> int:
+    """The number of rows of x (..., width) as a product sees them."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def on_padded_rows(fn: Callable[[Tensor], Tensor], x: Tensor, padded: int) -> Tensor:
+    """``fn(x)`` for a row-wise ``fn``, run over x's rows padded with zeros to ``padded``;
+    the padding rows are cut off again (autograd sees them get no gradient)."""
+    rows = rows_of(x)
+    if padded == rows:
+        return fn(x)
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    return fn(flat)[:rows].view(*x.shape[:-1], -1)
+
+
+def bf16_padded_rows(x: Tensor, weight: Tensor) -> int | None:
+    """The row count to pad ``x`` to for a bfloat16 product with ``weight`` on the CPU (under
+    bfloat16 autocast, or on bfloat16 inputs), or None to leave it as it is."""
+    # The cheapest test first: float32 outside autocast ends here.
+    autocast = torch.is_autocast_enabled("cpu")
+    if not autocast and x.dtype is not torch.bfloat16:
+        return None
+    if autocast and torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+        return None
+    if x.device.type != "cpu" or x.dim() < 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    rows = rows_of(x)
+    padded = round_up(rows, BF16_ROW_MULTIPLE)
+    return padded if padded != rows and rows > BF16_ROW_MULTIPLE else None
+
+
+class CpuLinear(nn.Linear):
+    """``nn.Linear`` with the CPU levers of this module: the products through :attr:`pack`
+    where it serves, and bfloat16 products over padded rows. Built by swapping the class of
+    an ``nn.Linear`` (:func:`aiayn.accel.accelerate`), so it has the very same parameters."""
+
+    pack: Pack | None = None
+    pad_bf16_rows = False  # set where bfloat16 products run (train.precision=bf16, decoding)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pack is not None:
+            out = self.packed_product(x)
+            if out is not None:
+                return out
+        if self.pad_bf16_rows:
+            padded = bf16_padded_rows(x, self.weight)
+            if padded is not None:
+                return on_padded_rows(super().forward, x, padded)
+        return F.linear(x, self.weight, self.bias)
+
+    def packed_product(self, x: Tensor) -> Tensor | None:
+        """The product through :attr:`pack`, or None where the pack does not serve ``x``."""
+        pack = self.pack
+        if pack is None or not x.dim() or x.shape[-1] != self.in_features:
+            return None
+        if pack.onednn:
+            if x.dtype is not torch.bfloat16:
+                return None
+        elif (
+            x.dtype is not torch.float32
+            or not MIN_PACKED_ROWS <= rows_of(x) <= MAX_PACKED_ROWS
+            or not x.is_contiguous()
+        ):
+            return None
+        weight = self.weight
+        if (
+            torch.is_grad_enabled()
+            or torch.is_autocast_enabled("cpu")  # the packed product would skip autocast
+            or not pack.matches(weight)
+        ):
+            return None
+        rows = rows_of(x)
+        if pack.onednn:
+            product = partial(_onednn_linear, packed=pack.packed, bias=self.bias)
+            return on_padded_rows(product, x, onednn_rows(rows))
+        return torch.ops.mkl._mkl_linear(x, pack.packed, weight, self.bias, rows)
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copied or pickled layer multiplies without a pack (packed buffers stay put).
+        state = dict(self.__dict__)
+        state.pop("pack", None)
+        return state
