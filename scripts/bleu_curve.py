@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from aiayn.evaluation.bleu import sacrebleu_bleu
+from aiayn.inference import loading
 from aiayn.inference.textio import read_lines
 from aiayn.inference.translator import Translator
-from aiayn.training import checkpoint as ckpt
+from aiayn.training import averaging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sources = read_lines(args.source)
     references = read_lines(args.reference)
-    paths = ckpt.list_step_checkpoints(args.run_dir)
+    paths = loading.list_step_checkpoints(args.run_dir)
     if not paths:
         print(f"no checkpoints in {args.run_dir}", file=sys.stderr)
         return 2
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print(rule)
     chosen = list(range(len(paths) - 1, -1, -args.every))[::-1]
     for i in chosen:
-        state = ckpt.load_checkpoint(paths[i])
+        state = loading.load_checkpoint(paths[i])
         minutes = float(state["progress"]["minutes"])
         step = int(state["step"])
         start = time.monotonic()
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         row = f"| {step} | {minutes:.1f} | {bleu:.2f} |"
         if args.average > 1:
             window = paths[max(0, i - args.average + 1) : i + 1]
-            translator.model.load_state_dict(ckpt.average_checkpoints(window))
+            translator.model.load_state_dict(averaging.average_checkpoints(window))
             bleu = sacrebleu_bleu(translator.translate(sources), [references]).score
             row += f" {bleu:.2f} ({len(window)}) |"
         print(row, flush=True)

@@ -4,7 +4,9 @@ import stat
 import pytest
 import torch
 
+from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
+from aiayn.training import averaging
 from aiayn.training import checkpoint as ckpt
 from train_helpers import make_reverse_data, single_thread, small_reverse_trainer, tiny_config
 
@@ -27,7 +29,7 @@ def test_atomic_save_leaves_no_temporary_and_loads_weights_only(tmp_path):
     model = _model_file(path, config, seed=0)
     assert [p.name for p in path.parent.iterdir()] == [path.name]
     state = torch.load(path, weights_only=True)  # no pickled objects anywhere
-    assert state["format"] == ckpt.CHECKPOINT_FORMAT and state["config"] == config.to_dict()
+    assert state["format"] == loading.CHECKPOINT_FORMAT and state["config"] == config.to_dict()
     # The shared embedding is stored once: its three names share one storage.
     ptrs = {
         state["model"][k].untyped_storage().data_ptr()
@@ -41,33 +43,33 @@ def test_atomic_save_leaves_no_temporary_and_loads_weights_only(tmp_path):
 def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys):
     config = tiny_config("train.max_steps=4", "train.save_interval_steps=2")
     small_reverse_trainer(config, tmp_path).train()
-    newest = ckpt.step_checkpoint_path(tmp_path, 4)
+    newest = loading.step_checkpoint_path(tmp_path, 4)
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ckpt.CheckpointError, match=r"step_00000004\.pt is unreadable"):
-        ckpt.load_checkpoint(newest)
+    with pytest.raises(loading.CheckpointError, match=r"step_00000004\.pt is unreadable"):
+        loading.load_checkpoint(newest)
     capsys.readouterr()
-    path, state = ckpt.latest_valid_checkpoint(tmp_path)
-    assert path == ckpt.step_checkpoint_path(tmp_path, 2) and state["step"] == 2
+    path, state = loading.latest_valid_checkpoint(tmp_path)
+    assert path == loading.step_checkpoint_path(tmp_path, 2) and state["step"] == 2
     assert "step_00000004.pt is unreadable" in capsys.readouterr().err
     # Averaging passes over it too, and says so.
-    averaged = ckpt.load_checkpoint(ckpt.average_run(tmp_path, 1))
+    averaged = loading.load_checkpoint(averaging.average_run(tmp_path, 1))
     assert averaged["step"] == 2 and averaged["metrics"]["averaged"] == 1.0
     assert "left out of the average" in capsys.readouterr().err
     # Garbage and foreign files are refused too, saying what they are.
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match=r"junk\.pt is not an aiayn checkpoint \(not"):
-        ckpt.load_checkpoint(tmp_path / "junk.pt")
+    with pytest.raises(loading.CheckpointError, match=r"junk\.pt is not an aiayn checkpoint \(not"):
+        loading.load_checkpoint(tmp_path / "junk.pt")
     (tmp_path / "empty.pt").write_bytes(b"")
-    with pytest.raises(ckpt.CheckpointError, match=r"empty\.pt is empty"):
-        ckpt.load_checkpoint(tmp_path / "empty.pt")
+    with pytest.raises(loading.CheckpointError, match=r"empty\.pt is empty"):
+        loading.load_checkpoint(tmp_path / "empty.pt")
     torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
-    with pytest.raises(ckpt.CheckpointError, match="not an aiayn checkpoint"):
-        ckpt.load_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(loading.CheckpointError, match="not an aiayn checkpoint"):
+        loading.load_checkpoint(tmp_path / "other.pt")
     # A pickled module is refused without running it, and without pointing at unsafe loading.
     torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
-    with pytest.raises(ckpt.CheckpointError, match="holds Python objects") as refused:
-        ckpt.load_checkpoint(tmp_path / "module.pt")
+    with pytest.raises(loading.CheckpointError, match="holds Python objects") as refused:
+        loading.load_checkpoint(tmp_path / "module.pt")
     assert "weights_only" not in str(refused.value)
 
 
@@ -75,10 +77,10 @@ def test_averaging_identity_and_mean(tmp_path):
     config = tiny_config()
     a = _model_file(tmp_path / "a.pt", config, seed=1)
     b = _model_file(tmp_path / "b.pt", config, seed=2)
-    same = ckpt.average_checkpoints([tmp_path / "a.pt"] * 3)
+    same = averaging.average_checkpoints([tmp_path / "a.pt"] * 3)
     for key, value in a.state_dict().items():
         torch.testing.assert_close(same[key], value, rtol=0, atol=1e-7)
-    mean = ckpt.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    mean = averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
     b_state = b.state_dict()
     for key, value in a.state_dict().items():
         torch.testing.assert_close(
@@ -98,11 +100,11 @@ def test_averaging_identity_and_mean(tmp_path):
 def test_averaging_refuses_different_shapes(tmp_path):
     _model_file(tmp_path / "a.pt", tiny_config(), seed=1)
     _model_file(tmp_path / "b.pt", tiny_config("model.d_ff=128"), seed=1)
-    with pytest.raises(ckpt.CheckpointError, match=r"w1\.weight has shape"):
-        ckpt.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    with pytest.raises(loading.CheckpointError, match=r"w1\.weight has shape"):
+        averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
     _model_file(tmp_path / "c.pt", tiny_config("model.n_layers=1"), seed=1)
-    with pytest.raises(ckpt.CheckpointError, match="missing"):
-        ckpt.average_checkpoints([tmp_path / "a.pt", tmp_path / "c.pt"])
+    with pytest.raises(loading.CheckpointError, match="missing"):
+        averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "c.pt"])
 
 
 def test_load_for_inference_from_file_and_run_dir(tmp_path):
@@ -113,8 +115,8 @@ def test_load_for_inference_from_file_and_run_dir(tmp_path):
     config = tiny_config("model.vocab_size=13")
     run = tmp_path / "run"
     for step, seed in ((1, 1), (2, 2)):
-        _model_file(ckpt.step_checkpoint_path(run, step), config, seed, spm, step)
-    model, loaded_config, tokenizer = ckpt.load_for_inference(run)  # newest: step 2
+        _model_file(loading.step_checkpoint_path(run, step), config, seed, spm, step)
+    model, loaded_config, tokenizer = loading.load_for_inference(run)  # newest: step 2
     torch.manual_seed(2)
     expected = Transformer(config.model)
     assert not model.training and loaded_config == config
@@ -122,11 +124,11 @@ def test_load_for_inference_from_file_and_run_dir(tmp_path):
     assert model.out_proj.weight is model.tgt_embed.token.weight
     assert tokenizer.decode(tokenizer.encode("alpha bravo")) == "alpha bravo"
     # averaged.pt wins when present.
-    ckpt.average_run(run, 2)
-    model, _, _ = ckpt.load_for_inference(run)
-    assert ckpt.resolve_checkpoint(run).name == "averaged.pt"
-    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
-        ckpt.load_for_inference(tmp_path / "nothing.pt")
+    averaging.average_run(run, 2)
+    model, _, _ = loading.load_for_inference(run)
+    assert loading.resolve_checkpoint(run).name == "averaged.pt"
+    with pytest.raises(loading.CheckpointError, match="does not exist"):
+        loading.load_for_inference(tmp_path / "nothing.pt")
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
@@ -151,7 +153,7 @@ def _train_and_truncate(run_dir, config):
         return small_reverse_trainer(config, run_dir)
 
     trainer(config).train()
-    newest = ckpt.list_step_checkpoints(run_dir)[-1]
+    newest = loading.list_step_checkpoints(run_dir)[-1]
     newest.write_bytes(newest.read_bytes()[:1000])
     return trainer, newest
 
@@ -161,23 +163,23 @@ def test_corrupt_newer_checkpoints_are_set_aside_when_a_run_resumes(tmp_path, ca
     make, broken = _train_and_truncate(tmp_path, tiny_config("train.max_steps=6", *over))
     assert broken.name == "step_00000006.pt"
     # A newer checkpoint that fails for another reason (here: a newer format) stays put.
-    state = ckpt.load_checkpoint(ckpt.step_checkpoint_path(tmp_path, 4))
-    newer = ckpt.step_checkpoint_path(tmp_path, 8)
-    ckpt.save_atomic({**state, "format_version": ckpt.CHECKPOINT_VERSION + 1}, newer)
+    state = loading.load_checkpoint(loading.step_checkpoint_path(tmp_path, 4))
+    newer = loading.step_checkpoint_path(tmp_path, 8)
+    ckpt.save_atomic({**state, "format_version": loading.CHECKPOINT_VERSION + 1}, newer)
     capsys.readouterr()
     path, state = ckpt.resume_point(tmp_path)  # what train_run resumes from
     assert path.name == "step_00000004.pt"
     assert "set step_00000006.pt aside as step_00000006.pt.broken" in capsys.readouterr().err
-    assert (tmp_path / ckpt.CHECKPOINT_DIR / "step_00000006.pt.broken").is_file()
+    assert (tmp_path / loading.CHECKPOINT_DIR / "step_00000006.pt.broken").is_file()
     newer.unlink()
     resumed = make(tiny_config("train.max_steps=5", *over))
     resumed.load_state_dict(state)
     resumed.train()
     # The corrupt step 6 (the continuation that died) does not push out step 4.
-    names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
+    names = [p.name for p in loading.list_step_checkpoints(tmp_path)]
     assert names == ["step_00000004.pt", "step_00000005.pt"]
     capsys.readouterr()
-    averaged = ckpt.load_checkpoint(ckpt.average_run(tmp_path, 2))
+    averaged = loading.load_checkpoint(averaging.average_run(tmp_path, 2))
     assert averaged["metrics"]["averaged"] == 2.0
     assert capsys.readouterr().err == ""  # no warning about a broken or missing file
 
@@ -187,7 +189,7 @@ def test_a_readable_checkpoint_is_never_set_aside(tmp_path):
     over = ["train.save_interval_steps=1", "train.keep_last=3"]
     make, _ = _train_and_truncate(tmp_path, tiny_config("train.max_steps=3", *over))
     make(tiny_config("train.max_steps=1", *over)).train()  # from scratch, by the Python API
-    assert [p.name for p in ckpt.list_step_checkpoints(tmp_path)][:2] == [
+    assert [p.name for p in loading.list_step_checkpoints(tmp_path)][:2] == [
         "step_00000001.pt",
         "step_00000002.pt",
     ]
@@ -203,9 +205,9 @@ def test_a_checkpoint_that_cannot_be_read_now_is_not_called_corrupt(tmp_path, mo
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(torch, "load", failing_load)
-    newest = ckpt.step_checkpoint_path(tmp_path, 2)
-    with pytest.raises(ckpt.CheckpointError, match="cannot be read: Input/output error") as err:
-        ckpt.load_checkpoint(newest)
-    assert not isinstance(err.value, ckpt.CheckpointCorrupt)
+    newest = loading.step_checkpoint_path(tmp_path, 2)
+    with pytest.raises(loading.CheckpointError, match="cannot be read: Input/output error") as err:
+        loading.load_checkpoint(newest)
+    assert not isinstance(err.value, loading.CheckpointCorrupt)
     assert ckpt.resume_point(tmp_path) is None
     assert newest.is_file()

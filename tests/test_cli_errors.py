@@ -12,8 +12,8 @@ import torch
 
 from aiayn.cli import _parse as parse_command_line
 from aiayn.cli import build_parser, main
+from aiayn.devices import pick_device
 from aiayn.errors import UserError
-from aiayn.training.distributed import pick_device
 from train_helpers import TINY, single_thread
 
 __all__ = ["single_thread"]  # the autouse fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.cli import main
-from aiayn.training import checkpoint as ckpt
+from aiayn.inference import loading
 from train_helpers import TINY, single_thread
 
 __all__ = ["single_thread"]  # the autouse fixture
@@ -55,7 +55,7 @@ def test_tiny_model_learns_to_reverse_through_the_cli(data_dir, tmp_path, capsys
     assert load_config(run / "config.toml").model.vocab_size == 13
 
     assert main(["average", str(run), "--last", "2", "--out", str(tmp_path / "avg.pt")]) == 0
-    assert ckpt.load_checkpoint(tmp_path / "avg.pt")["kind"] == "model"
+    assert loading.load_checkpoint(tmp_path / "avg.pt")["kind"] == "model"
     assert main(["plot", str(run)]) == 0
     assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -77,7 +77,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint(data_dir, tmp_path, capsy
     over = ["train.max_steps=6", "train.save_interval_steps=3", "train.valid_interval=0"]
     args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
     assert main([*args, *over, "train.average_last=0"]) == 0
-    newest = ckpt.step_checkpoint_path(run, 6)
+    newest = loading.step_checkpoint_path(run, 6)
     newest.write_bytes(newest.read_bytes()[:1000])
     capsys.readouterr()
     # Running again into the same RUN_DIR resumes (config and data from the run).
@@ -127,7 +127,7 @@ def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err
     assert "SIGTERM received" in err and "Resume with: aiayn train --out" in err
-    saved = ckpt.latest_valid_checkpoint(run)
+    saved = loading.latest_valid_checkpoint(run)
     assert saved is not None
     step = saved[1]["step"]
     assert step >= 3
@@ -175,7 +175,7 @@ def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
     proc = subprocess.Popen(command, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 60
-        while len(ckpt.list_step_checkpoints(run)) < 2:
+        while len(loading.list_step_checkpoints(run)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.3)
@@ -183,10 +183,10 @@ def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
         proc.kill()
         proc.wait()
     # Whatever the moment, every step checkpoint on disk is complete.
-    paths = ckpt.list_step_checkpoints(run)
-    assert paths and all(ckpt.load_checkpoint(p)["step"] > 0 for p in paths)
+    paths = loading.list_step_checkpoints(run)
+    assert paths and all(loading.load_checkpoint(p)["step"] > 0 for p in paths)
     (run / "checkpoints" / ".step_00099999.pt.abc.tmp").write_bytes(b"partial")  # as if cut
-    step = ckpt.latest_valid_checkpoint(run)[1]["step"]
+    step = loading.latest_valid_checkpoint(run)[1]["step"]
     result = subprocess.run(
         [*command[:3], "train", "--out", str(run), f"train.max_steps={step + 1}"],
         capture_output=True,

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
-from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import DistInfo
 from aiayn.training.trainer import Trainer
 from train_helpers import (
@@ -71,8 +71,8 @@ def _run(rank: int, world_size: int, run_dir: str, port: int) -> None:
 def test_two_gloo_processes_equal_one(tmp_path):
     _run(0, 1, str(tmp_path / "single"), 0)
     mp.spawn(_run, args=(2, str(tmp_path / "ddp"), _free_port()), nprocs=2, join=True)
-    single = ckpt.load_checkpoint(ckpt.step_checkpoint_path(tmp_path / "single", STEPS))
-    double = ckpt.load_checkpoint(ckpt.step_checkpoint_path(tmp_path / "ddp", STEPS))
+    single = loading.load_checkpoint(loading.step_checkpoint_path(tmp_path / "single", STEPS))
+    double = loading.load_checkpoint(loading.step_checkpoint_path(tmp_path / "ddp", STEPS))
     assert len(double["sampler"]) == 2 and len(double["rng"]) == 2
     assert double["sampler"][1] == {"epoch": 0, "position": STEPS}
     assert single["sampler"][0] == {"epoch": 0, "position": 2 * STEPS}
@@ -104,6 +104,6 @@ def test_cli_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done: reached train.max_steps=6") == 1  # rank 0 only
     assert "on 2 × cpu" in result.stderr
-    state = ckpt.load_checkpoint(ckpt.step_checkpoint_path(run, 6))
+    state = loading.load_checkpoint(loading.step_checkpoint_path(run, 6))
     assert len(state["sampler"]) == 2
     assert (run / "averaged.pt").is_file() and (run / "best.pt").is_file()

@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
+from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
-from aiayn.training import checkpoint as ckpt
 from aiayn.training.loss import label_smoothed_nll
 from aiayn.training.metrics import read_metrics
 from aiayn.training.trainer import Trainer, TrainingError, ValidSet
@@ -52,7 +52,7 @@ def test_exact_resume_is_bit_identical(tmp_path):
 
     first = make_trainer(tmp_path / "b", tiny_config(f"train.max_steps={n}", *over))
     first.train()
-    path, state = ckpt.latest_valid_checkpoint(tmp_path / "b")
+    path, state = loading.latest_valid_checkpoint(tmp_path / "b")
     assert path.name == f"step_{n:08d}.pt"
     # A fresh process: different initial weights and RNG until the checkpoint is loaded.
     torch.manual_seed(1234)
@@ -143,7 +143,7 @@ def test_checkpoints_validation_best_and_averaging(tmp_path):
     trainer = make_trainer(tmp_path, config, valid=valid)
     result = trainer.train()
     assert result.reason == "reached train.max_steps=6" and not result.interrupted
-    names = [p.name for p in ckpt.list_step_checkpoints(tmp_path)]
+    names = [p.name for p in loading.list_step_checkpoints(tmp_path)]
     assert names == ["step_00000004.pt", "step_00000006.pt"]
     assert (tmp_path / "best.pt").is_file() and result.averaged == tmp_path / "averaged.pt"
     records = read_metrics(tmp_path)
@@ -152,7 +152,7 @@ def test_checkpoints_validation_best_and_averaging(tmp_path):
     valid_rec = [r for r in records if r["kind"] == "valid"]
     assert all(0.0 <= r["bleu"] <= 100.0 for r in valid_rec)
     assert all(math.isclose(r["ppl"], math.exp(r["nll"])) for r in valid_rec)
-    state = ckpt.load_checkpoint(tmp_path / "averaged.pt")
+    state = loading.load_checkpoint(tmp_path / "averaged.pt")
     assert state["kind"] == "model" and bytes(state["tokenizer"].tolist()) == b"spm"
 
 
@@ -176,7 +176,7 @@ def test_time_limit_stops_and_is_carried_across_resume(tmp_path):
     trainer = make_trainer(tmp_path, config)
     result = trainer.train()
     assert result.step == 1 and result.reason == "reached train.max_minutes=1e-06"
-    state = ckpt.load_checkpoint(result.checkpoint)
+    state = loading.load_checkpoint(result.checkpoint)
     assert state["progress"]["minutes"] > 0
     again = make_trainer(tmp_path, config)
     again.load_state_dict(state)
@@ -188,7 +188,7 @@ def test_resume_refuses_another_model_or_tokenizer(tmp_path):
 
     first = make_trainer(tmp_path / "a", tiny_config("train.max_steps=2"))
     first.train()
-    _, state = ckpt.latest_valid_checkpoint(tmp_path / "a")
+    _, state = loading.latest_valid_checkpoint(tmp_path / "a")
     other_tokenizer = make_trainer(tmp_path / "b", tiny_config(), tokenizer=b"spm2")
     with pytest.raises(ResumeMismatch, match="another tokenizer"):
         other_tokenizer.load_state_dict(state)
@@ -246,7 +246,7 @@ def reversal_valid_set(n_pairs=16, seed=7):
 def test_a_restart_forgets_the_records_of_a_run_killed_before_its_first_checkpoint(tmp_path):
     config = tiny_config("train.max_steps=4", "train.log_interval=1")
     make_trainer(tmp_path, config).train()
-    shutil.rmtree(tmp_path / ckpt.CHECKPOINT_DIR)  # as if killed before the first save
+    shutil.rmtree(tmp_path / loading.CHECKPOINT_DIR)  # as if killed before the first save
     make_trainer(tmp_path, config).train()  # starts again from update 0
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
@@ -266,7 +266,7 @@ def test_running_a_finished_run_again_records_its_average_once(tmp_path, capsys)
     assert "averaged last 2: " in err and "averaged last 3" not in err
     before = read_metrics(tmp_path)
     again = make_trainer(tmp_path, config, valid=valid)
-    again.load_state_dict(ckpt.latest_valid_checkpoint(tmp_path)[1])
+    again.load_state_dict(loading.latest_valid_checkpoint(tmp_path)[1])
     assert again.train().step == 4
     after = read_metrics(tmp_path)
     assert [(r["kind"], r["step"]) for r in after] == [(r["kind"], r["step"]) for r in before]
@@ -299,7 +299,7 @@ def test_eta_counts_the_updates_done_since_the_clock_started(tmp_path, capsys, m
     assert run(first, setup_seconds=60.0) == [("2", "0:00:02"), ("4", "0:00:00")]
     config = tiny_config("train.max_steps=8", "train.log_interval=2")
     resumed = make_trainer(tmp_path, config, show_progress=True)
-    resumed.load_state_dict(ckpt.latest_valid_checkpoint(tmp_path)[1])
+    resumed.load_state_dict(loading.latest_valid_checkpoint(tmp_path)[1])
     assert run(resumed, setup_seconds=60.0) == [("6", "0:00:02"), ("8", "0:00:00")]
 
 

@@ -257,9 +257,9 @@ def run_demo(
     progress to ``err`` (stderr)."""
     from aiayn.data.corpus import Corpus
     from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
+    from aiayn.inference import loading
     from aiayn.inference.attention_maps import token_labeler, write_cross_attention_picture
     from aiayn.inference.translator import Translator
-    from aiayn.training import checkpoint as ckpt
     from aiayn.training.launch import train_run
     from aiayn.training.plot import plot_run
 
@@ -299,7 +299,7 @@ def run_demo(
 
     if options.fresh:
         _start_fresh(run_dir)
-    resuming = bool(ckpt.list_step_checkpoints(run_dir))
+    resuming = bool(loading.list_step_checkpoints(run_dir))
     config = demo_config(data_dir, options.minutes, device, options.overrides)
     step(
         2,

@@ -29,9 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast.
     from aiayn.cli.paths import check_output_dir
+    from aiayn.devices import pick_device
     from aiayn.inference.attention_maps import token_labeler, write_attention_pictures
     from aiayn.inference.translator import Translator
-    from aiayn.training.distributed import pick_device
 
     check_output_dir(Path(args.out), "--out")
     device = pick_device(args.device or "auto")

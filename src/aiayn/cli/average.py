@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from aiayn.cli.paths import check_output_file
-    from aiayn.training.checkpoint import average_run
+    from aiayn.training.averaging import average_run
 
     if args.out is not None:
         check_output_file(args.out, "--out")

@@ -54,12 +54,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.training import checkpoint as ckpt
+    from aiayn.inference import loading
     from aiayn.training.launch import CONFIG_NAME, resolve_config, saved_run_info, train_run
 
     run_dir: Path = args.out
     check_output_dir(run_dir, "--out")
-    has_checkpoints = bool(ckpt.list_step_checkpoints(run_dir))
+    has_checkpoints = bool(loading.list_step_checkpoints(run_dir))
     started = (run_dir / CONFIG_NAME).is_file()  # a run killed before its first checkpoint
     if args.resume and not has_checkpoints and not started and args.config is None:
         where = "does not exist" if not run_dir.exists() else "holds no checkpoint"

@@ -118,9 +118,9 @@ def _interactive(translator: Translator, nbest: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast.
+    from aiayn.devices import pick_device
     from aiayn.inference.textio import read_lines, split_lines
     from aiayn.inference.translator import Translator
-    from aiayn.training.distributed import pick_device
 
     device = pick_device(args.device or "auto")
     try:

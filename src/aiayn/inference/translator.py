@@ -27,6 +27,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
 from aiayn.config import DecodeConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
+from aiayn.inference.loading import load_for_inference
 from aiayn.inference.search import (
     Hypothesis,
     beam_search,
@@ -182,8 +183,6 @@ class Translator:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
         config."""
-        from aiayn.training.checkpoint import load_for_inference
-
         model, config, tokenizer = load_for_inference(path, device)
         if quantize is not None:
             if quantize != "int8":

@@ -20,6 +20,7 @@ import torch
 
 from aiayn.config import RunConfig, load_config, parse_overrides
 from aiayn.errors import ConfigError
+from aiayn.inference import loading
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -218,9 +219,9 @@ def train_run(
             if found is not None:
                 print(f"resuming from {found[0]}", file=sys.stderr)
                 state = found[1]
-            elif ckpt.list_step_checkpoints(run_dir):
+            elif loading.list_step_checkpoints(run_dir):
                 print(
-                    f"warning: no readable checkpoint in {run_dir / ckpt.CHECKPOINT_DIR}; "
+                    f"warning: no readable checkpoint in {run_dir / loading.CHECKPOINT_DIR}; "
                     "starting from scratch",
                     file=sys.stderr,
                 )

@@ -32,8 +32,10 @@ from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
+from aiayn.inference import loading
 from aiayn.inference.search import greedy_search, max_output_lengths, never_pad_or_bos
 from aiayn.model.transformer import Transformer
+from aiayn.training import averaging
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -277,8 +279,8 @@ class Trainer:
         rngs = all_gather_objects(ckpt.capture_rng(), self.info)
         samplers = all_gather_objects(dict(self.sampler.state_dict()), self.info)
         return {
-            "format": ckpt.CHECKPOINT_FORMAT,
-            "format_version": ckpt.CHECKPOINT_VERSION,
+            "format": loading.CHECKPOINT_FORMAT,
+            "format_version": loading.CHECKPOINT_VERSION,
             "kind": "train",
             "config": self.config.to_dict(),
             "model": ckpt.model_state(self.model),
@@ -305,7 +307,9 @@ class Trainer:
         """Continue from a train checkpoint; the model section of the config and the
         tokenizer must match (``ResumeMismatch`` otherwise)."""
         if state.get("kind") != "train":
-            raise ckpt.CheckpointError("a model-only checkpoint cannot be resumed (no optimizer)")
+            raise loading.CheckpointError(
+                "a model-only checkpoint cannot be resumed (no optimizer)"
+            )
         saved = config_from_dict(state["config"], stored=True)
         if saved.model != self.config.model:
             diffs = [
@@ -360,10 +364,10 @@ class Trainer:
         state = self.state_dict()
         path = None
         if self.info.is_main:
-            path = ckpt.step_checkpoint_path(self.run_dir, self.step)
+            path = loading.step_checkpoint_path(self.run_dir, self.step)
             ckpt.save_atomic(state, path)
             keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
-            for old in ckpt.list_step_checkpoints(self.run_dir)[:-keep]:
+            for old in loading.list_step_checkpoints(self.run_dir)[:-keep]:
                 old.unlink(missing_ok=True)
         barrier(self.info)
         self._saved_step = self.step
@@ -607,7 +611,7 @@ class Trainer:
                         self.epoch,
                         metrics,
                     ),
-                    self.run_dir / ckpt.BEST_NAME,
+                    self.run_dir / loading.BEST_NAME,
                 )
             barrier(self.info)
             return False
@@ -726,17 +730,17 @@ class Trainer:
                 self._after_validation(self.validate())
         path = self.save() if self._saved_step != self.step else None
         if path is None and self.info.is_main:
-            path = ckpt.step_checkpoint_path(self.run_dir, self.step)
+            path = loading.step_checkpoint_path(self.run_dir, self.step)
         self._log(f"{reason} at update {self.step}, epoch {self.epoch}; checkpoint {path}")
         if not interrupted and self.train_cfg.average_last > 0 and self.step > 0:
             if self.info.is_main:
-                averaged = ckpt.average_run(self.run_dir, self.train_cfg.average_last)
+                averaged = averaging.average_run(self.run_dir, self.train_cfg.average_last)
             averaged = broadcast_object(averaged, self.info)
             if self.valid is not None:
                 # Rank 0 reads the file and sends the weights: no shared filesystem needed.
                 weights, count = None, 0
                 if self.info.is_main:
-                    state = ckpt.load_checkpoint(averaged)
+                    state = loading.load_checkpoint(averaged)
                     weights, count = state["model"], int(state["metrics"]["averaged"])
                 model = Transformer(self.config.model).to(self.device)
                 model.load_state_dict(broadcast_object(weights, self.info))

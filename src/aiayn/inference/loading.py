@@ -1,0 +1,199 @@
+"""Reading checkpoints: the file format, safe loads, and a model with its tokenizer for inference.
+
+A checkpoint is one ``torch.save`` file holding a dict with no pickled objects, so it loads
+with ``torch.load(weights_only=True)`` and loading never runs code; it is written by
+:mod:`aiayn.training.checkpoint`:
+
+==================  ======================================================================
+key                 value
+==================  ======================================================================
+``format``          ``"aiayn-checkpoint"``
+``format_version``  ``CHECKPOINT_VERSION`` (int)
+``kind``            ``"train"`` (resumable) or ``"model"`` (best / averaged: no optimizer)
+``config``          ``RunConfig.to_dict()``
+``model``           the model's ``state_dict()`` (fp32; the shared embedding's three names
+                    refer to one storage)
+``tokenizer``       the sentencepiece model file as a uint8 tensor
+``step``            optimizer updates done
+``epoch``           epochs done
+``metrics``         the last validation metrics (dict of floats), maybe empty
+``optimizer``       Adam's ``state_dict()``                             (train only)
+``schedule``        LambdaLR's ``state_dict()``                         (train only)
+``scaler``          GradScaler's ``state_dict()`` or ``{}``             (train only)
+``sampler``         one batch sampler ``state_dict()`` per rank (plain ints) (train only)
+``rng``             one dict per rank: ``torch`` (uint8 tensor), ``cuda`` (list of uint8
+                    tensors), ``numpy`` and ``python`` (plain lists)    (train only)
+``progress``        ``best_value``, ``best_step``, ``bad_evals`` (patience counter),
+                    ``minutes`` (training wall time so far), ``tokens`` (target tokens
+                    seen), ``skipped`` (non-finite updates skipped)      (train only)
+==================  ======================================================================
+
+Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newest
+``keep_last`` kept), ``best.pt`` (model kind, best validation score) and ``averaged.pt``
+(model kind, the average of the last ``average_last``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aiayn.config import RunConfig, config_from_dict
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import ConfigError, UserError
+from aiayn.model.transformer import Transformer
+
+CHECKPOINT_FORMAT = "aiayn-checkpoint"
+CHECKPOINT_VERSION = 1
+CHECKPOINT_DIR = "checkpoints"
+BEST_NAME = "best.pt"
+AVERAGED_NAME = "averaged.pt"
+STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read: missing, truncated, corrupt or of another format."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file whose bytes are damaged (empty, truncated, corrupt): what a crash, a
+    kill or a full disk leaves behind; unlike a file of a newer format or one that cannot be
+    read right now, it will never load."""
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def step_checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}.pt"
+
+
+def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints, oldest first (by step number, not by file time)."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = STEP_FILE.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read and check one checkpoint with ``weights_only=True``; CheckpointError if unusable."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(4)
+        if not head:
+            raise CheckpointCorrupt(f"checkpoint {path} is empty (truncated?)")
+        if head != _ZIP_MAGIC:  # torch.save writes a zip archive
+            raise CheckpointError(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
+        state = torch.load(path, map_location=device, weights_only=True)
+    except CheckpointError:
+        raise
+    except OSError as err:  # the file, not its bytes: permissions, I/O errors
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror or err}") from None
+    except MemoryError:
+        raise
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower():
+            raise CheckpointCorrupt(f"checkpoint {path} is unreadable (corrupt?): {err}") from None
+        # Loading it would mean running the code it names: never done here.
+        raise CheckpointError(
+            f"{path} is not an aiayn checkpoint: it holds Python objects that only loading "
+            "it as code could rebuild (aiayn checkpoints hold tensors and plain data)"
+        ) from None
+    except Exception as err:  # truncated zip, missing records, ...
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointCorrupt(
+            f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not an aiayn checkpoint")
+    version = state.get("format_version")
+    if not isinstance(version, int) or version > CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {version!r}; this aiayn reads up to "
+            f"{CHECKPOINT_VERSION}"
+        )
+    for key in ("config", "model", "step"):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path} lacks {key!r}")
+    return state
+
+
+def latest_valid_checkpoint(
+    run_dir: str | Path,
+    device: str | torch.device = "cpu",
+    warn: bool = True,
+    failed: dict[Path, CheckpointError] | None = None,
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest step checkpoint that loads, falling back past broken ones (with a message);
+    ``failed``, when given, receives each newer one passed over and why."""
+    for path in reversed(list_step_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path, device)
+        except CheckpointError as err:
+            if failed is not None:
+                failed[path] = err
+            if warn:
+                print(f"warning: {err}; falling back to the previous checkpoint", file=sys.stderr)
+    return None
+
+
+def tensor_to_bytes(tensor: Tensor) -> bytes:
+    return tensor.to(torch.uint8).cpu().numpy().tobytes()
+
+
+# -- inference -----------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file as given, or for a run directory: ``averaged.pt`` if present, else the
+    newest readable step checkpoint."""
+    return _resolve_and_load(path)[0]
+
+
+def _resolve_and_load(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    path = Path(path)
+    if path.is_dir():
+        if (path / AVERAGED_NAME).is_file():
+            return path / AVERAGED_NAME, load_checkpoint(path / AVERAGED_NAME)
+        found = latest_valid_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"{path} holds no {AVERAGED_NAME} and no readable checkpoint")
+        return found
+    return path, load_checkpoint(path)
+
+
+def load_for_inference(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Transformer, RunConfig, Tokenizer]:
+    """The model (eval mode, on ``device``), its config and its tokenizer from a checkpoint
+    file or a run directory (see :func:`resolve_checkpoint`)."""
+    path, state = _resolve_and_load(path)
+    try:
+        config = config_from_dict(state["config"], stored=True)
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: stored config is invalid: {err}") from None
+    model = Transformer(config.model)
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    if "tokenizer" not in state or state["tokenizer"].numel() == 0:
+        raise CheckpointError(f"{path} carries no tokenizer")
+    tokenizer = Tokenizer.from_bytes(tensor_to_bytes(state["tokenizer"]))
+    return model, config, tokenizer

@@ -1,0 +1,137 @@
+"""Checkpoint averaging (§6.1: the last 5 checkpoints of the base model, 20 of the big one)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from aiayn.config import config_from_dict
+from aiayn.inference.loading import (
+    AVERAGED_NAME,
+    CHECKPOINT_DIR,
+    STEP_FILE,
+    CheckpointError,
+    list_step_checkpoints,
+    load_checkpoint,
+)
+from aiayn.training.checkpoint import model_checkpoint, save_atomic, storage_key
+
+
+class _ModelSum:
+    """A running float64 sum of model state dicts, checked for equal names and shapes.
+
+    Tensors shared within the first state (the tied embedding) are summed once and stay
+    shared in the mean. Integer buffers are taken from the last state added.
+    """
+
+    def __init__(self) -> None:
+        self.total: dict[str, Tensor] = {}
+        self.alias: dict[str, str] = {}  # key -> first key with the same storage
+        self.reference: Path | None = None
+        self.count = 0
+
+    def add(self, state: dict[str, Tensor], path: Path) -> None:
+        if self.reference is None:
+            self.reference = path
+            first_by_storage: dict[Any, str] = {}
+            for key, tensor in state.items():
+                self.alias[key] = first_by_storage.setdefault(storage_key(tensor), key)
+        else:
+            missing = sorted(set(self.alias) - set(state))
+            extra = sorted(set(state) - set(self.alias))
+            if missing or extra:
+                raise CheckpointError(
+                    f"cannot average {path} with {self.reference}: "
+                    + (f"missing {missing[:5]} " if missing else "")
+                    + (f"unexpected {extra[:5]}" if extra else "")
+                )
+        for key, tensor in state.items():
+            if self.alias[key] != key:
+                continue  # a tied alias: summed once under its first name
+            if key not in self.total:
+                self.total[key] = tensor.double() if tensor.is_floating_point() else tensor.clone()
+                continue
+            if tensor.shape != self.total[key].shape:
+                raise CheckpointError(
+                    f"cannot average {path} with {self.reference}: {key} has shape "
+                    f"{tuple(tensor.shape)} vs {tuple(self.total[key].shape)}"
+                )
+            if tensor.is_floating_point():
+                self.total[key] += tensor.double()
+            else:
+                self.total[key] = tensor.clone()
+        self.count += 1
+
+    def mean(self) -> dict[str, Tensor]:
+        if self.count == 0:
+            raise CheckpointError("no checkpoints to average")
+        averaged = {
+            key: (tensor / self.count).float() if tensor.is_floating_point() else tensor
+            for key, tensor in self.total.items()
+        }
+        return {key: averaged[source] for key, source in self.alias.items()}
+
+
+def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Tensor]:
+    """Element-wise mean of the models of ``paths`` in fp32 (§6.1 averages the last 5 or 20),
+    accumulated in float64, one file in memory at a time.
+
+    All checkpoints must have the same parameter names and shapes (CheckpointError naming the
+    first difference otherwise). Tensors shared within a checkpoint (the tied embedding) stay
+    shared in the result. Integer buffers are taken from the last checkpoint.
+    """
+    total = _ModelSum()
+    for path in paths:
+        total.add(load_checkpoint(path)["model"], Path(path))
+    return total.mean()
+
+
+def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -> Path:
+    """Average the newest ``last`` readable step checkpoints of ``run_dir`` into ``out``
+    (default ``RUN_DIR/averaged.pt``); unreadable ones are reported and passed over."""
+    run_dir = Path(run_dir)
+    if last <= 0:
+        raise CheckpointError(f"--last must be positive, got {last}")
+    total = _ModelSum()
+    newest: dict[str, Any] | None = None
+    chosen: list[Path] = []
+    for path in reversed(list_step_checkpoints(run_dir)):
+        if len(chosen) == last:
+            break
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as err:
+            print(f"warning: {err}; left out of the average", file=sys.stderr)
+            continue
+        total.add(state["model"], path)
+        chosen.append(path)
+        if newest is None:
+            newest = {k: state[k] for k in ("config", "tokenizer", "step", "epoch")}
+        del state
+    if newest is None:
+        raise CheckpointError(f"{run_dir} has no readable checkpoints in {CHECKPOINT_DIR}/")
+    if len(chosen) < last:
+        print(
+            f"warning: only {len(chosen)} checkpoint(s) available, averaging those",
+            file=sys.stderr,
+        )
+    target = Path(out) if out is not None else run_dir / AVERAGED_NAME
+    payload = model_checkpoint(
+        config_from_dict(newest["config"], stored=True),
+        total.mean(),
+        newest["tokenizer"],
+        newest["step"],
+        newest["epoch"],
+        {"averaged": float(len(chosen)), "first_step": float(_step_of(chosen[-1]))},
+    )
+    save_atomic(payload, target)
+    return target
+
+
+def _step_of(path: Path) -> int:
+    match = STEP_FILE.match(path.name)
+    return int(match.group(1)) if match else -1
