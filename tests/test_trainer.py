@@ -8,9 +8,11 @@ import torch
 
 from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
+from aiayn.training.launch import train_and_average
 from aiayn.training.loss import label_smoothed_nll
 from aiayn.training.metrics import read_metrics
-from aiayn.training.trainer import Trainer, TrainingError, ValidSet
+from aiayn.training.trainer import Trainer, TrainingError
+from aiayn.training.validation import ValidSet
 from train_helpers import FixedSampler, ListCorpus, reverse_pairs, single_thread, tiny_config
 
 __all__ = ["single_thread"]  # the autouse fixture
@@ -141,7 +143,7 @@ def test_checkpoints_validation_best_and_averaging(tmp_path):
         f"train.update_tokens={TOKENS_PER_BATCH}",
     )
     trainer = make_trainer(tmp_path, config, valid=valid)
-    result = trainer.train()
+    result = train_and_average(trainer)
     assert result.reason == "reached train.max_steps=6" and not result.interrupted
     names = [p.name for p in loading.list_step_checkpoints(tmp_path)]
     assert names == ["step_00000004.pt", "step_00000006.pt"]
@@ -260,14 +262,14 @@ def test_running_a_finished_run_again_records_its_average_once(tmp_path, capsys)
         f"train.update_tokens={TOKENS_PER_BATCH}",
     )
     valid = reversal_valid_set()
-    make_trainer(tmp_path, config, valid=valid).train()
+    train_and_average(make_trainer(tmp_path, config, valid=valid))
     err = capsys.readouterr().err
     assert "only 2 checkpoint(s) available" in err
     assert "averaged last 2: " in err and "averaged last 3" not in err
     before = read_metrics(tmp_path)
     again = make_trainer(tmp_path, config, valid=valid)
     again.load_state_dict(loading.latest_valid_checkpoint(tmp_path)[1])
-    assert again.train().step == 4
+    assert train_and_average(again).step == 4
     after = read_metrics(tmp_path)
     assert [(r["kind"], r["step"]) for r in after] == [(r["kind"], r["step"]) for r in before]
     assert [r["kind"] for r in after].count("averaged") == 1

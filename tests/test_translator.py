@@ -108,12 +108,11 @@ def test_batch_invariance_random_weights() -> None:
     assert [translator.translate([line])[0] for line in lines] == together
 
 
-def test_validation_greedy_decodes_as_translate_beam_1() -> None:
-    """Validation BLEU (the trainer's greedy_decode) searches exactly what ``aiayn translate
-    --beam 1`` does: PAD and BOS are never output. Random weights over 12 ids choose them
-    often, which the unbanned search shows."""
+def test_search_never_outputs_pad_or_bos() -> None:
+    """The batched search of ``aiayn translate`` and validation BLEU bans PAD and BOS: random
+    weights over 12 ids choose them often, which the unbanned search shows."""
     from aiayn.inference.search import greedy_search
-    from aiayn.training.trainer import greedy_decode
+    from aiayn.inference.translator import search_batch
 
     sources = [[4 + (i * 7 + j) % 8 for j in range(1 + i % 5)] for i in range(6)]
     batch = collate_pairs(sources)
@@ -122,15 +121,15 @@ def test_validation_greedy_decodes_as_translate_beam_1() -> None:
         torch.manual_seed(seed)
         config = load_config(overrides=["preset=tiny", "model.dropout=0", "model.vocab_size=12"])
         model = Transformer(config.model).eval()
-        decode = DecodeConfig(beam_size=1, max_len_a=1.0, max_len_b=5)
+        for beam in (1, 2):
+            decode = DecodeConfig(beam_size=beam, max_len_a=1.0, max_len_b=5)
+            with torch.inference_mode():
+                found = search_batch(model, batch.src_ids, batch.src_pad, decode)
+            assert not any(t in (PAD_ID, BOS_ID) for hyps in found for t in hyps[0].tokens)
         with torch.inference_mode():
-            valid = greedy_decode(model, batch.src_ids, batch.src_pad, 1.0, 5)
             memory = model.encode(batch.src_ids, batch.src_pad)
             cache = model.init_cache(memory, batch.src_pad, 12)
             raw = greedy_search(model.log_probs_step, cache, len(sources), max_len=11)
-        translated = Translator(model, CharTokenizer(), decode).search_ids(sources)
-        assert valid == [hyps[0].tokens for hyps in translated]
-        assert not any(t in (PAD_ID, BOS_ID) for tokens in valid for t in tokens)
         unbanned_special += sum(t in (PAD_ID, BOS_ID) for h in raw for t in h.tokens)
     assert unbanned_special > 0
 

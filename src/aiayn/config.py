@@ -196,6 +196,9 @@ class DecodeConfig:
 
     beam_size: int = 4
     alpha: float = 0.6
+    # When a sentence's beam search stops (aiayn.inference.search): "paper" (tensor2tensor's
+    # rule, the paper's code) or "fairseq" (stop once beam_size hypotheses have finished).
+    beam_rule: Literal["paper", "fairseq"] = "paper"
     # Maximum output length = max_len_a * source_length + max_len_b (paper: input + 50).
     max_len_a: float = 1.0
     max_len_b: int = 50

@@ -36,6 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--beam", type=int, help="beam size; 1 is greedy search (paper: 4)")
     parser.add_argument("--alpha", type=float, help="length penalty ((5+|Y|)/6)^alpha (paper: 0.6)")
     parser.add_argument(
+        "--beam-rule",
+        choices=["paper", "fairseq"],
+        help="when beam search stops: 'paper' (tensor2tensor's rule: finished hypotheses from "
+        "the best 2K candidates, stop on the score bound or the length limit) or 'fairseq' "
+        "(stop once K hypotheses have finished); default: the run's decode.beam_rule (paper)",
+    )
+    parser.add_argument(
         "--nbest", type=int, default=1, help="hypotheses per sentence, at most the beam size"
     )
     parser.add_argument(
@@ -73,6 +80,7 @@ def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     given = {
         "beam_size": args.beam,
         "alpha": args.alpha,
+        "beam_rule": args.beam_rule,
         "max_len_a": args.max_len_a,
         "max_len_b": args.max_len_b,
         "batch_tokens": args.batch_tokens,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
@@ -165,7 +165,6 @@ class Translator:
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL); decoding without it"
             )
-        self._step = never_pad_or_bos(self.model.log_probs_step)
 
     @classmethod
     def from_checkpoint(
@@ -261,39 +260,40 @@ class Translator:
         batch = collate_pairs(sources)
         src_ids = batch.src_ids.to(self.device)
         src_pad = batch.src_pad.to(self.device)
-        src_len = torch.tensor([len(s) for s in sources])
-        limits = max_output_lengths(
-            src_len, self.decode.max_len_a, self.decode.max_len_b, limit=self.max_positions - 1
-        )
-        cache_len = int(limits.max()) + 1
-        limits = limits.to(self.device)
-        memory = self.model.encode(src_ids, src_pad)  # (B, S, d_model)
-        k = self.decode.beam_size
-        # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and
-        # stored once for them, and beam search's reorders stay within the group, so only
-        # the self-attention keys and values are gathered.
-        cache = self.model.init_cache(memory, src_pad, cache_len, beam_size=k)
-        if k == 1:
-            hyps = greedy_search(
-                self._step,
-                cache,
-                len(sources),
-                max_len=limits,
-                alpha=self.decode.alpha,
-                bos_id=BOS_ID,
-                eos_id=EOS_ID,
-                device=self.device,
-            )
-            return [[h] for h in hyps]
-        return beam_search(
-            self._step,
-            cache,
-            len(sources),
-            beam_size=k,
-            alpha=self.decode.alpha,
-            max_len=limits,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            nbest=self.nbest,
-            device=self.device,
-        )
+        return search_batch(self.model, src_ids, src_pad, self.decode, nbest=self.nbest)
+
+
+def search_batch(
+    model: Transformer,
+    src_ids: Tensor,
+    src_pad: Tensor,
+    decode: DecodeConfig,
+    *,
+    nbest: int = 1,
+) -> list[list[Hypothesis]]:
+    """Search a collated batch (``src_ids`` (B, S) ending in EOS, ``src_pad`` True at padding)
+    as :class:`Translator` does: at most ``max_len_a · source tokens + max_len_b`` output
+    tokens (and ``model.config.max_positions - 1``), PAD and BOS never output, greedy search
+    for ``beam_size`` 1, else beam search by ``decode.beam_rule``. One list of up to ``nbest``
+    hypotheses per sentence, best first. Validation BLEU decodes with it too."""
+    src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
+    limit = model.config.max_positions - 1
+    limits = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b, limit=limit)
+    memory = model.encode(src_ids, src_pad)  # (B, S, d_model)
+    k = decode.beam_size
+    # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and stored
+    # once for them, and beam search's reorders stay within the group.
+    cache = model.init_cache(memory, src_pad, int(limits.max()) + 1, beam_size=k)
+    step = never_pad_or_bos(model.log_probs_step)
+    common: dict[str, Any] = {
+        "max_len": limits,
+        "alpha": decode.alpha,
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "device": src_ids.device,
+    }
+    if k == 1:
+        return [[h] for h in greedy_search(step, cache, src_ids.size(0), **common)]
+    return beam_search(
+        step, cache, src_ids.size(0), beam_size=k, nbest=nbest, rule=decode.beam_rule, **common
+    )

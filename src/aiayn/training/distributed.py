@@ -53,6 +53,14 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def reduce_device(info: DistInfo) -> torch.device:
+    """Where collectives run: the process's CUDA device under NCCL, else the CPU (gloo, or a
+    single process)."""
+    if info.distributed and info.device.type == "cuda":
+        return info.device
+    return torch.device("cpu")
+
+
 def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum a tensor (float64 stays float64) over all ranks, in place; returns it."""
     if info.distributed:

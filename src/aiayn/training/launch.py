@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from aiayn.accel import accelerate
 from aiayn.config import RunConfig, load_config, parse_overrides
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
+from aiayn.model.transformer import Transformer
 from aiayn.training import checkpoint as ckpt
+from aiayn.training.averaging import average_run
 from aiayn.training.distributed import (
     DistInfo,
     barrier,
@@ -29,7 +32,8 @@ from aiayn.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from aiayn.training.trainer import Trainer, TrainResult, ValidSet
+from aiayn.training.trainer import Trainer, TrainResult
+from aiayn.training.validation import ValidSet
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -170,7 +174,6 @@ def train_run(
     from aiayn.data.batching import TokenBatchSampler
     from aiayn.data.corpus import Corpus, tokenizer_path
     from aiayn.data.tokenizer import Tokenizer
-    from aiayn.model.transformer import Transformer
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
     info: DistInfo = init_distributed(device)
@@ -232,10 +235,48 @@ def train_run(
             (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
             run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
             (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
-        with trainer.signals_handled():
-            return trainer.train()
+        return train_and_average(trainer)
     finally:
         shutdown_distributed()
+
+
+def train_and_average(trainer: Trainer) -> TrainResult:
+    """Train (SIGINT and SIGTERM stop after the current update, with a checkpoint), then, if
+    the run was not interrupted, average its last ``train.average_last`` checkpoints into
+    ``averaged.pt`` (§6.1) and validate the average; the same call on every rank."""
+    try:
+        with trainer.signals_handled():
+            result = trainer.train()
+        cfg = trainer.config.train
+        if not result.interrupted and cfg.average_last > 0 and result.step > 0:
+            result.averaged = _average(trainer, cfg.average_last)
+        return result
+    finally:
+        trainer.close()
+
+
+def _average(trainer: Trainer, last: int) -> Path:
+    info = trainer.info
+    averaged = average_run(trainer.run_dir, last) if info.is_main else None
+    averaged = broadcast_object(averaged, info)
+    if trainer.valid is None:
+        return averaged
+    # Rank 0 reads the file and sends the weights: no shared filesystem needed.
+    weights, count = None, 0
+    if info.is_main:
+        state = loading.load_checkpoint(averaged)
+        weights, count = state["model"], int(state["metrics"]["averaged"])
+    model = Transformer(trainer.config.model).to(info.device)
+    model.load_state_dict(broadcast_object(weights, info))
+    if trainer.acceleration is not None:  # validated as the trained model was
+        accelerate(model, "train", precision=trainer.config.train.precision, memory_settings=False)
+    metrics = trainer.validate(model)
+    # replace: a finished run run again averages again, and keeps one record.
+    record = {"kind": "averaged", "step": trainer.step, "minutes": trainer.minutes, **metrics}
+    trainer.metrics.write(record, replace=True)
+    text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+    trainer.log(f"averaged last {count}: {text} -> {averaged}")
+    return averaged
 
 
 def saved_run_info(run_dir: str | Path) -> dict[str, Any]:

@@ -18,13 +18,12 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -33,32 +32,23 @@ from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference import loading
-from aiayn.inference.search import greedy_search, max_output_lengths, never_pad_or_bos
 from aiayn.model.transformer import Transformer
-from aiayn.training import averaging
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
     all_gather_objects,
     all_reduce_sum,
     barrier,
-    broadcast_object,
+    reduce_device,
 )
 from aiayn.training.loss import label_smoothed_nll, projected_label_smoothed_nll
 from aiayn.training.metrics import MetricsLog, Progress, perplexity
 from aiayn.training.optim import build_optimizer, build_schedule
+from aiayn.training.validation import PairSource, ValidSet, autocast, evaluate
 
 
 class TrainingError(UserError):
     """Training cannot go on (e.g. the loss stayed non-finite for ``max_bad_steps`` updates)."""
-
-
-class PairSource(Protocol):
-    """What the loop needs of a corpus: its size and padded batches by index."""
-
-    def __len__(self) -> int: ...
-
-    def batch(self, indices: Sequence[int]) -> Batch: ...
 
 
 class BatchSampler(Protocol):
@@ -71,20 +61,6 @@ class BatchSampler(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class ValidSet:
-    """The validation split: pairs by index, their source lengths, and what BLEU needs.
-
-    ``references[i]`` is the detokenized reference of pair ``i`` and ``detokenize`` turns
-    output ids into text; without references only loss and perplexity are computed.
-    """
-
-    corpus: PairSource
-    src_lengths: np.ndarray
-    references: list[str] | None = None
-    detokenize: Callable[[list[int]], str] | None = None
 
 
 @dataclass
@@ -101,49 +77,6 @@ class TrainResult:
     best_step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
     rank: int = 0
-
-
-def valid_batches(
-    src_lengths: np.ndarray, indices: Sequence[int], max_tokens: int
-) -> list[list[int]]:
-    """Index batches sorted by source length with at most ``max_tokens`` padded source tokens."""
-    order = sorted(indices, key=lambda i: (int(src_lengths[i]), i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = 0
-    for index in order:
-        length = int(src_lengths[index]) + 1  # + EOS
-        if current and max(width, length) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, width = [], 0
-        current.append(index)
-        width = max(width, length)
-    if current:
-        batches.append(current)
-    return batches
-
-
-@torch.no_grad()
-def greedy_decode(
-    model: Transformer, src_ids: Tensor, src_pad: Tensor, max_len_a: float, max_len_b: int
-) -> list[list[int]]:
-    """Greedy decoding with the KV cache (output ids without BOS/EOS, one list per row);
-    at most ``max_len_a · source length + max_len_b`` output tokens. PAD and BOS are never
-    output, as with ``aiayn translate --beam 1``."""
-    src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
-    limits = max_output_lengths(
-        src_lengths, max_len_a, max_len_b, limit=model.config.max_positions - 1
-    )
-    memory = model.encode(src_ids, src_pad)
-    cache = model.init_cache(memory, src_pad, int(limits.max()) + 1)
-    hypotheses = greedy_search(
-        never_pad_or_bos(model.log_probs_step),
-        cache,
-        src_ids.size(0),
-        max_len=limits,
-        device=src_ids.device,
-    )
-    return [h.tokens for h in hypotheses]
 
 
 class Trainer:
@@ -232,29 +165,192 @@ class Trainer:
             total_minutes=self.train_cfg.max_minutes,
         )
         if precision == "bf16" and self.device.type == "cpu" and not cpu_has_bfloat16():
-            self._log(
+            self.log(
                 "warning: train.precision=bf16 on a CPU without bfloat16 instructions "
                 "(AVX512-BF16 or AMX): its products are emulated, slower than fp32"
             )
 
-    # -- bookkeeping -----------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------------
 
-    @property
-    def minutes(self) -> float:
-        return self.minutes_before + (time.monotonic() - self._start) / 60.0
+    def train(self) -> TrainResult:
+        """Run updates until a limit, early stopping or a signal; save; average at the end."""
+        cfg = self.train_cfg
+        interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "time": time.monotonic()}
+        reason = self._limit_reached()
+        if reason is None and 0 < cfg.max_minutes <= self.minutes_before:
+            reason = f"reached train.max_minutes={cfg.max_minutes:g}"  # before this resume
+        if self.step == 0 and self.info.is_main:
+            self.log(
+                f"training {self.config.preset} ({sum(p.numel() for p in self.params):,} "
+                f"parameters) on {self.info.world_size} × {self.device.type}, "
+                f"~{cfg.update_tokens:,} target tokens per update"
+            )
+        elif reason is None:
+            self.log(f"resuming at update {self.step} (epoch {self.epoch})")
+        interrupted = False
+        # Updates after this one that a dead process logged are redone: one record per step.
+        self.metrics.drop_after(self.step)
+        self.progress.begin(self.step)
+        while reason is None:
+            stats = self._update()
+            interval["loss"] += stats["loss_sum"]
+            interval["nll"] += stats["nll_sum"]
+            interval["tokens"] += stats["tgt_tokens"]
+            if stats["finite"] and self.step % max(cfg.log_interval, 1) == 0:
+                self._log_train(interval, stats)
+            stop_early = False
+            if cfg.valid_interval > 0 and stats["finite"] and self.step % cfg.valid_interval == 0:
+                stop_early = self._after_validation(self.validate())
+            reason = self._limit_reached()
+            if stop_early:
+                reason = f"no improvement in {cfg.patience} validations (train.patience)"
+            elif stats["out_of_time"]:
+                reason = f"reached train.max_minutes={cfg.max_minutes:g}"
+            if stats["signal"] and reason is None:
+                name = signal.Signals(self._signal).name if self._signal else "a signal"
+                reason = f"stopped by {name}"
+                interrupted = True
+            due = cfg.save_interval_steps > 0 and self.step % cfg.save_interval_steps == 0
+            if reason is None and stats["finite"] and (due or stats["save_due"]):
+                self.save()
+        self.progress.close()
+        return self._finish(reason, interrupted)
 
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+    def _limit_reached(self) -> str | None:
+        cfg = self.train_cfg
+        if cfg.max_steps > 0 and self.step >= cfg.max_steps:
+            return f"reached train.max_steps={cfg.max_steps}"
+        if cfg.max_epochs > 0 and self.epoch >= cfg.max_epochs:
+            return f"reached train.max_epochs={cfg.max_epochs}"
+        return None
 
-    def _log(self, message: str) -> None:
-        if self.info.is_main:
-            self.progress.write(message)
+    def _time_to_save(self) -> bool:
+        minutes = self.train_cfg.save_interval_minutes
+        return minutes > 0 and (time.monotonic() - self._last_save_time) / 60.0 >= minutes
+
+    def _out_of_time(self) -> bool:
+        return self.train_cfg.max_minutes > 0 and self.minutes >= self.train_cfg.max_minutes
+
+    def _finish(self, reason: str, interrupted: bool) -> TrainResult:
+        if not interrupted:
+            if self.valid is not None and self._validated_step != self.step and self.step > 0:
+                self._after_validation(self.validate())
+        path = self.save() if self._saved_step != self.step else None
+        if path is None and self.info.is_main:
+            path = loading.step_checkpoint_path(self.run_dir, self.step)
+        self.log(f"{reason} at update {self.step}, epoch {self.epoch}; checkpoint {path}")
+        return TrainResult(
+            step=self.step,
+            epoch=self.epoch,
+            reason=reason,
+            interrupted=interrupted,
+            checkpoint=path,
+            best_value=self.best_value,
+            best_step=self.best_step,
+            last_metrics=dict(self.last_metrics),
+            rank=self.info.rank,
+        )
+
+    # -- one update ----------------------------------------------------------------------------
+
+    def _update(self) -> dict[str, float]:
+        """One optimizer update over ~update_tokens global target tokens; returns its stats."""
+        cfg = self.train_cfg
+        self.train_module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        budget = float(cfg.update_tokens)
+        global_tokens = 0.0
+        # Summed on the device: no synchronisation per micro-batch (single process).
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)  # loss_sum, nll_sum
+        src_tokens = 0
+        while True:
+            batch, n_tgt, n_src = self._next_batch()
+            src_tokens += n_src
+            if self.info.distributed:
+                count = torch.tensor([float(n_tgt)], dtype=torch.float64)
+                global_tokens += float(
+                    all_reduce_sum(count.to(reduce_device(self.info)), self.info)
+                )
+            else:
+                global_tokens += n_tgt
+            last = global_tokens >= budget
+            sync = contextlib.nullcontext()
+            if self.info.distributed and not last:
+                sync = self._no_sync()
+            with sync:
+                loss_sum, nll_sum = self._loss(batch)
+                # Scaled by the (constant) budget for a well-ranged gradient; the exact global
+                # normalisation happens below, once the global token count is known.
+                self.scaler.scale(loss_sum / budget).backward()
+            sums += torch.stack([loss_sum.detach(), nll_sum.detach()])
+            if last:
+                break
+        # One all-reduce for the update's statistics and the run-wide decisions.
+        flags = [
+            float(self._signal is not None),
+            float(self.info.is_main and self._time_to_save()),
+            float(self.info.is_main and self._out_of_time()),
+        ]
+        local = [*sums.double().cpu().tolist(), float(src_tokens)]
+        stats = torch.tensor(local + flags, dtype=torch.float64)
+        stats = all_reduce_sum(stats.to(reduce_device(self.info)), self.info).cpu()
+        loss_sum, nll_sum, src_tokens = (float(x) for x in stats[:3])
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        # DDP averaged the gradients over ranks: grad = Σ_ranks Σ_micro ∇loss / (budget · W).
+        factor = budget * self.info.world_size / global_tokens
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+        grad_norm = self._grad_norm()
+        finite = math.isfinite(loss_sum) and (self.scaler.is_enabled() or math.isfinite(grad_norm))
+        if finite:
+            if self.scaler.is_enabled():
+                scale = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                stepped = self.scaler.get_scale() >= scale  # a lowered scale = skipped step
+            else:
+                self.optimizer.step()
+                stepped = True
+            if stepped:
+                self.schedule.step()
+                self.step += 1
+            self._bad_in_row = 0
+            self.tokens_seen += int(global_tokens)
+        else:
+            if self.scaler.is_enabled():
+                self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            self._bad_in_row += 1
+            self.log(
+                f"warning: non-finite loss or gradient after update {self.step}; update skipped "
+                f"({self._bad_in_row} in a row)"
+            )
+            if self._bad_in_row >= cfg.max_bad_steps:
+                raise TrainingError(
+                    f"the loss was NaN or infinite for {self._bad_in_row} updates in a row, after "
+                    f"update {self.step} (step {self.step + 1} never succeeded); stopping. Try a "
+                    "lower train.lr_scale, train.clip_norm > 0, or fp32 precision"
+                )
+        return {
+            "loss_sum": loss_sum,
+            "nll_sum": nll_sum,
+            "tgt_tokens": global_tokens,
+            "src_tokens": src_tokens,
+            "grad_norm": grad_norm,
+            "finite": float(finite),
+            "signal": float(stats[3]),
+            "save_due": float(stats[4]),
+            "out_of_time": float(stats[5]),
+        }
 
     def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """Summed label-smoothed loss and NLL of one micro-batch (through DDP/compile)."""
         eps = self.train_cfg.label_smoothing
-        with self._autocast():  # the fused loss takes the decoder output, unprojected
+        # the fused loss takes the decoder output, unprojected
+        with autocast(self.train_cfg.precision, self.device):
             out = self.train_module(
                 batch.src_ids, batch.src_pad, batch.tgt_in, project=not self._fused_loss
             )
@@ -265,14 +361,102 @@ class Trainer:
             )
         return label_smoothed_nll(out, batch.tgt_out, eps, PAD_ID)
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        precision = self.train_cfg.precision
-        if precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+    def _next_batch(self) -> tuple[Batch, int, int]:
+        """The next batch on the device, with its target and source token counts (counted on
+        the CPU, so that no device synchronisation is needed)."""
+        empty_epochs = 0
+        while True:
+            if self._batches is None:
+                if self._fresh:
+                    self.sampler.set_epoch(self.epoch)
+                    self._fresh = False
+                self._batches = iter(self.sampler)
+            try:
+                indices = next(self._batches)
+            except StopIteration:
+                empty_epochs += 1
+                if empty_epochs > 1:
+                    raise TrainingError("the training data yields no batches") from None
+                self.epoch += 1
+                self.sampler.set_epoch(self.epoch)
+                self._batches = iter(self.sampler)
+                continue
+            batch = self.corpus.batch(indices)
+            return batch.to(self.device), batch.n_tgt_tokens, batch.n_src_tokens
 
-    # -- state -----------------------------------------------------------------------------
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        module = self.train_module
+        module = getattr(module, "_orig_mod", module)  # torch.compile wrapper
+        return module.no_sync()  # type: ignore[operator]
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.train_cfg.clip_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.clip_norm))
+        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        return float(torch.linalg.vector_norm(norms))
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def validate(self, model: Transformer | None = None) -> dict[str, float]:
+        """:func:`aiayn.training.validation.evaluate` of ``model`` (default: the one being
+        trained) on the valid set; ``{}`` without one. Collective under DDP."""
+        if self.valid is None:
+            return {}
+        return evaluate(
+            model if model is not None else self.model, self.valid, self.config, self.info
+        )
+
+    def _after_validation(self, metrics: dict[str, float]) -> bool:
+        """Record the metrics, keep the best model; True when patience has run out."""
+        self.last_metrics = metrics
+        self._validated_step = self.step
+        self.metrics.write({"kind": "valid", "step": self.step, "minutes": self.minutes, **metrics})
+        by_bleu = "bleu" in metrics
+        value = metrics["bleu"] if by_bleu else metrics["loss"]
+        better = self.best_value is None or (
+            value > self.best_value if by_bleu else value < self.best_value
+        )
+        text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        self.log(f"valid @ {self.step}: {text}" + (" (best)" if better else ""))
+        if better:
+            self.best_value, self.best_step, self.bad_evals = value, self.step, 0
+            if self.info.is_main:
+                ckpt.save_atomic(
+                    ckpt.model_checkpoint(
+                        self.config,
+                        ckpt.model_state(self.model),
+                        self.tokenizer,
+                        self.step,
+                        self.epoch,
+                        metrics,
+                    ),
+                    self.run_dir / loading.BEST_NAME,
+                )
+            barrier(self.info)
+            return False
+        self.bad_evals += 1
+        patience = self.train_cfg.patience
+        return patience > 0 and self.bad_evals >= patience
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self) -> Path | None:
+        """Write a step checkpoint (rank 0) and prune old ones; collective under DDP."""
+        state = self.state_dict()
+        path = None
+        if self.info.is_main:
+            path = loading.step_checkpoint_path(self.run_dir, self.step)
+            ckpt.save_atomic(state, path)
+            keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
+            for old in loading.list_step_checkpoints(self.run_dir)[:-keep]:
+                old.unlink(missing_ok=True)
+        barrier(self.info)
+        self._saved_step = self.step
+        self._last_save_time = time.monotonic()
+        return path
 
     def state_dict(self) -> dict[str, Any]:
         """The full resumable state (collective under DDP: every rank must call it)."""
@@ -346,7 +530,7 @@ class Trainer:
         samplers, rngs = state["sampler"], state["rng"]
         same_world = len(samplers) == self.info.world_size
         if not same_world:
-            self._log(
+            self.log(
                 f"note: checkpoint written by {len(samplers)} process(es), resuming with "
                 f"{self.info.world_size}: the data order restarts at epoch {self.epoch}"
             )
@@ -359,286 +543,7 @@ class Trainer:
         self._saved_step = self._validated_step = self.step
         self._start = self._last_save_time = time.monotonic()
 
-    def save(self) -> Path | None:
-        """Write a step checkpoint (rank 0) and prune old ones; collective under DDP."""
-        state = self.state_dict()
-        path = None
-        if self.info.is_main:
-            path = loading.step_checkpoint_path(self.run_dir, self.step)
-            ckpt.save_atomic(state, path)
-            keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
-            for old in loading.list_step_checkpoints(self.run_dir)[:-keep]:
-                old.unlink(missing_ok=True)
-        barrier(self.info)
-        self._saved_step = self.step
-        self._last_save_time = time.monotonic()
-        return path
-
-    # -- data ------------------------------------------------------------------------------
-
-    def _next_batch(self) -> tuple[Batch, int, int]:
-        """The next batch on the device, with its target and source token counts (counted on
-        the CPU, so that no device synchronisation is needed)."""
-        empty_epochs = 0
-        while True:
-            if self._batches is None:
-                if self._fresh:
-                    self.sampler.set_epoch(self.epoch)
-                    self._fresh = False
-                self._batches = iter(self.sampler)
-            try:
-                indices = next(self._batches)
-            except StopIteration:
-                empty_epochs += 1
-                if empty_epochs > 1:
-                    raise TrainingError("the training data yields no batches") from None
-                self.epoch += 1
-                self.sampler.set_epoch(self.epoch)
-                self._batches = iter(self.sampler)
-                continue
-            batch = self.corpus.batch(indices)
-            return batch.to(self.device), batch.n_tgt_tokens, batch.n_src_tokens
-
-    # -- one update ------------------------------------------------------------------------
-
-    def _update(self) -> dict[str, float]:
-        """One optimizer update over ~update_tokens global target tokens; returns its stats."""
-        cfg = self.train_cfg
-        self.train_module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        budget = float(cfg.update_tokens)
-        global_tokens = 0.0
-        # Summed on the device: no synchronisation per micro-batch (single process).
-        sums = torch.zeros(2, dtype=torch.float32, device=self.device)  # loss_sum, nll_sum
-        src_tokens = 0
-        while True:
-            batch, n_tgt, n_src = self._next_batch()
-            src_tokens += n_src
-            if self.info.distributed:
-                count = torch.tensor([float(n_tgt)], dtype=torch.float64)
-                global_tokens += float(all_reduce_sum(count.to(self._reduce_device), self.info))
-            else:
-                global_tokens += n_tgt
-            last = global_tokens >= budget
-            sync = contextlib.nullcontext()
-            if self.info.distributed and not last:
-                sync = self._no_sync()
-            with sync:
-                loss_sum, nll_sum = self._loss(batch)
-                # Scaled by the (constant) budget for a well-ranged gradient; the exact global
-                # normalisation happens below, once the global token count is known.
-                self.scaler.scale(loss_sum / budget).backward()
-            sums += torch.stack([loss_sum.detach(), nll_sum.detach()])
-            if last:
-                break
-        # One all-reduce for the update's statistics and the run-wide decisions.
-        flags = [
-            float(self._signal is not None),
-            float(self.info.is_main and self._time_to_save()),
-            float(self.info.is_main and self._out_of_time()),
-        ]
-        local = [*sums.double().cpu().tolist(), float(src_tokens)]
-        stats = torch.tensor(local + flags, dtype=torch.float64)
-        stats = all_reduce_sum(stats.to(self._reduce_device), self.info).cpu()
-        loss_sum, nll_sum, src_tokens = (float(x) for x in stats[:3])
-        if self.scaler.is_enabled():
-            self.scaler.unscale_(self.optimizer)
-        # DDP averaged the gradients over ranks: grad = Σ_ranks Σ_micro ∇loss / (budget · W).
-        factor = budget * self.info.world_size / global_tokens
-        for param in self.params:
-            if param.grad is not None:
-                param.grad.mul_(factor)
-        grad_norm = self._grad_norm()
-        finite = math.isfinite(loss_sum) and (self.scaler.is_enabled() or math.isfinite(grad_norm))
-        if finite:
-            if self.scaler.is_enabled():
-                scale = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                stepped = self.scaler.get_scale() >= scale  # a lowered scale = skipped step
-            else:
-                self.optimizer.step()
-                stepped = True
-            if stepped:
-                self.schedule.step()
-                self.step += 1
-            self._bad_in_row = 0
-            self.tokens_seen += int(global_tokens)
-        else:
-            if self.scaler.is_enabled():
-                self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped += 1
-            self._bad_in_row += 1
-            self._log(
-                f"warning: non-finite loss or gradient after update {self.step}; update skipped "
-                f"({self._bad_in_row} in a row)"
-            )
-            if self._bad_in_row >= cfg.max_bad_steps:
-                raise TrainingError(
-                    f"the loss was NaN or infinite for {self._bad_in_row} updates in a row, after "
-                    f"update {self.step} (step {self.step + 1} never succeeded); stopping. Try a "
-                    "lower train.lr_scale, train.clip_norm > 0, or fp32 precision"
-                )
-        return {
-            "loss_sum": loss_sum,
-            "nll_sum": nll_sum,
-            "tgt_tokens": global_tokens,
-            "src_tokens": src_tokens,
-            "grad_norm": grad_norm,
-            "finite": float(finite),
-            "signal": float(stats[3]),
-            "save_due": float(stats[4]),
-            "out_of_time": float(stats[5]),
-        }
-
-    @property
-    def _reduce_device(self) -> torch.device:
-        # NCCL reduces CUDA tensors only; gloo and single processes use the CPU.
-        return (
-            self.device
-            if self.info.distributed and self.device.type == "cuda"
-            else torch.device("cpu")
-        )
-
-    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        module = self.train_module
-        module = getattr(module, "_orig_mod", module)  # torch.compile wrapper
-        return module.no_sync()  # type: ignore[operator]
-
-    def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return 0.0
-        if self.train_cfg.clip_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.clip_norm))
-        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-        return float(torch.linalg.vector_norm(norms))
-
-    def _time_to_save(self) -> bool:
-        minutes = self.train_cfg.save_interval_minutes
-        return minutes > 0 and (time.monotonic() - self._last_save_time) / 60.0 >= minutes
-
-    def _out_of_time(self) -> bool:
-        return self.train_cfg.max_minutes > 0 and self.minutes >= self.train_cfg.max_minutes
-
-    # -- validation ------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def validate(self, model: Transformer | None = None) -> dict[str, float]:
-        """Loss, NLL, perplexity and (with references) greedy-decoding BLEU on the valid set.
-
-        Each rank takes every W-th sentence; sums are all-reduced, hypotheses gathered to
-        rank 0 for BLEU, and the result broadcast so that every rank decides alike.
-        """
-        if self.valid is None:
-            return {}
-        model = model if model is not None else self.model
-        was_training = model.training
-        model.eval()
-        valid = self.valid
-        mine = list(range(self.info.rank, len(valid.corpus), self.info.world_size))
-        want_bleu = (
-            self.train_cfg.valid_bleu
-            and valid.references is not None
-            and valid.detokenize is not None
-        )
-        sums = torch.zeros(3, dtype=torch.float64)
-        hypotheses: dict[int, list[int]] = {}
-        decode = self.config.decode
-        for chunk in valid_batches(valid.src_lengths, mine, self.config.data.max_tokens):
-            batch = valid.corpus.batch(chunk).to(self.device)
-            with self._autocast():
-                logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
-            loss_sum, nll_sum = label_smoothed_nll(
-                logits, batch.tgt_out, self.train_cfg.label_smoothing, PAD_ID
-            )
-            sums += torch.tensor(
-                [float(loss_sum), float(nll_sum), float(batch.n_tgt_tokens)], dtype=torch.float64
-            )
-            if want_bleu:
-                with self._autocast():
-                    outputs = greedy_decode(
-                        model, batch.src_ids, batch.src_pad, decode.max_len_a, decode.max_len_b
-                    )
-                hypotheses.update(zip(chunk, outputs, strict=True))
-        sums = all_reduce_sum(sums.to(self._reduce_device), self.info).cpu()
-        loss_sum, nll_sum, tokens = (float(x) for x in sums)
-        tokens = max(tokens, 1.0)
-        metrics = {
-            "loss": loss_sum / tokens,
-            "nll": nll_sum / tokens,
-            "ppl": perplexity(nll_sum / tokens),
-        }
-        if want_bleu:
-            gathered = all_gather_objects(hypotheses, self.info)
-            bleu = None
-            if self.info.is_main:
-                from aiayn.evaluation.bleu import sacrebleu_bleu
-
-                merged: dict[int, list[int]] = {}
-                for part in gathered:
-                    merged.update(part)
-                assert valid.detokenize is not None and valid.references is not None
-                hyps = [valid.detokenize(merged[i]) for i in range(len(valid.corpus))]
-                bleu = sacrebleu_bleu(hyps, [valid.references]).score
-            metrics["bleu"] = float(broadcast_object(bleu, self.info))
-        if was_training:
-            model.train()
-        return metrics
-
-    def _after_validation(self, metrics: dict[str, float]) -> bool:
-        """Record the metrics, keep the best model; True when patience has run out."""
-        self.last_metrics = metrics
-        self._validated_step = self.step
-        self.metrics.write({"kind": "valid", "step": self.step, "minutes": self.minutes, **metrics})
-        by_bleu = "bleu" in metrics
-        value = metrics["bleu"] if by_bleu else metrics["loss"]
-        better = self.best_value is None or (
-            value > self.best_value if by_bleu else value < self.best_value
-        )
-        text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-        self._log(f"valid @ {self.step}: {text}" + (" (best)" if better else ""))
-        if better:
-            self.best_value, self.best_step, self.bad_evals = value, self.step, 0
-            if self.info.is_main:
-                ckpt.save_atomic(
-                    ckpt.model_checkpoint(
-                        self.config,
-                        ckpt.model_state(self.model),
-                        self.tokenizer,
-                        self.step,
-                        self.epoch,
-                        metrics,
-                    ),
-                    self.run_dir / loading.BEST_NAME,
-                )
-            barrier(self.info)
-            return False
-        self.bad_evals += 1
-        patience = self.train_cfg.patience
-        return patience > 0 and self.bad_evals >= patience
-
-    # -- the loop --------------------------------------------------------------------------
-
-    def _limit_reached(self) -> str | None:
-        cfg = self.train_cfg
-        if cfg.max_steps > 0 and self.step >= cfg.max_steps:
-            return f"reached train.max_steps={cfg.max_steps}"
-        if cfg.max_epochs > 0 and self.epoch >= cfg.max_epochs:
-            return f"reached train.max_epochs={cfg.max_epochs}"
-        return None
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._signal is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self._signal = signum
-        name = signal.Signals(signum).name
-        print(
-            f"\n{name} received: finishing the current update, then saving a checkpoint "
-            "(send it again to stop at once)",
-            file=sys.stderr,
-        )
+    # -- signals -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def signals_handled(self) -> Iterator[None]:
@@ -655,49 +560,31 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def train(self) -> TrainResult:
-        """Run updates until a limit, early stopping or a signal; save; average at the end."""
-        cfg = self.train_cfg
-        interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "time": time.monotonic()}
-        reason = self._limit_reached()
-        if reason is None and 0 < cfg.max_minutes <= self.minutes_before:
-            reason = f"reached train.max_minutes={cfg.max_minutes:g}"  # before this resume
-        if self.step == 0 and self.info.is_main:
-            self._log(
-                f"training {self.config.preset} ({sum(p.numel() for p in self.params):,} "
-                f"parameters) on {self.info.world_size} × {self.device.type}, "
-                f"~{cfg.update_tokens:,} target tokens per update"
-            )
-        elif reason is None:
-            self._log(f"resuming at update {self.step} (epoch {self.epoch})")
-        interrupted = False
-        # Updates after this one that a dead process logged are redone: one record per step.
-        self.metrics.drop_after(self.step)
-        self.progress.begin(self.step)
-        while reason is None:
-            stats = self._update()
-            interval["loss"] += stats["loss_sum"]
-            interval["nll"] += stats["nll_sum"]
-            interval["tokens"] += stats["tgt_tokens"]
-            if stats["finite"] and self.step % max(cfg.log_interval, 1) == 0:
-                self._log_train(interval, stats)
-            stop_early = False
-            if cfg.valid_interval > 0 and stats["finite"] and self.step % cfg.valid_interval == 0:
-                stop_early = self._after_validation(self.validate())
-            reason = self._limit_reached()
-            if stop_early:
-                reason = f"no improvement in {cfg.patience} validations (train.patience)"
-            elif stats["out_of_time"]:
-                reason = f"reached train.max_minutes={cfg.max_minutes:g}"
-            if stats["signal"] and reason is None:
-                name = signal.Signals(self._signal).name if self._signal else "a signal"
-                reason = f"stopped by {name}"
-                interrupted = True
-            due = cfg.save_interval_steps > 0 and self.step % cfg.save_interval_steps == 0
-            if reason is None and stats["finite"] and (due or stats["save_due"]):
-                self.save()
-        self.progress.close()
-        return self._finish(reason, interrupted)
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self._signal = signum
+        name = signal.Signals(signum).name
+        print(
+            f"\n{name} received: finishing the current update, then saving a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+        )
+
+    # -- progress ------------------------------------------------------------------------------
+
+    @property
+    def minutes(self) -> float:
+        return self.minutes_before + (time.monotonic() - self._start) / 60.0
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def log(self, message: str) -> None:
+        """Print ``message`` above the progress line (rank 0 only)."""
+        if self.info.is_main:
+            self.progress.write(message)
 
     def _log_train(self, interval: dict[str, float], stats: dict[str, float]) -> None:
         now = time.monotonic()
@@ -723,45 +610,6 @@ class Trainer:
         self.progress.update(self.step, self.epoch, loss, nll, self.lr, tps, self.minutes)
         interval.update(loss=0.0, nll=0.0, tokens=0.0, time=now)
 
-    def _finish(self, reason: str, interrupted: bool) -> TrainResult:
-        averaged = None
-        if not interrupted:
-            if self.valid is not None and self._validated_step != self.step and self.step > 0:
-                self._after_validation(self.validate())
-        path = self.save() if self._saved_step != self.step else None
-        if path is None and self.info.is_main:
-            path = loading.step_checkpoint_path(self.run_dir, self.step)
-        self._log(f"{reason} at update {self.step}, epoch {self.epoch}; checkpoint {path}")
-        if not interrupted and self.train_cfg.average_last > 0 and self.step > 0:
-            if self.info.is_main:
-                averaged = averaging.average_run(self.run_dir, self.train_cfg.average_last)
-            averaged = broadcast_object(averaged, self.info)
-            if self.valid is not None:
-                # Rank 0 reads the file and sends the weights: no shared filesystem needed.
-                weights, count = None, 0
-                if self.info.is_main:
-                    state = loading.load_checkpoint(averaged)
-                    weights, count = state["model"], int(state["metrics"]["averaged"])
-                model = Transformer(self.config.model).to(self.device)
-                model.load_state_dict(broadcast_object(weights, self.info))
-                metrics = self.validate(model)
-                # replace: a finished run run again averages again, and keeps one record.
-                self.metrics.write(
-                    {"kind": "averaged", "step": self.step, "minutes": self.minutes, **metrics},
-                    replace=True,
-                )
-                text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-                self._log(f"averaged last {count}: {text} -> {averaged}")
+    def close(self) -> None:
+        """Close the metrics log (its TensorBoard writer)."""
         self.metrics.close()
-        return TrainResult(
-            step=self.step,
-            epoch=self.epoch,
-            reason=reason,
-            interrupted=interrupted,
-            checkpoint=path,
-            averaged=averaged,
-            best_value=self.best_value,
-            best_step=self.best_step,
-            last_metrics=dict(self.last_metrics),
-            rank=self.info.rank,
-        )
