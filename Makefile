@@ -11,9 +11,11 @@ test: venv
 	.venv/bin/python -m pytest -q
 	.venv/bin/ruff check src tests benchmarks scripts
 	.venv/bin/ruff format --check src tests benchmarks scripts
+	.venv/bin/mypy
 
 lint: venv
 	.venv/bin/ruff check src tests benchmarks scripts
+	.venv/bin/mypy
 
 format: venv
 	.venv/bin/ruff format src tests benchmarks scripts

@@ -98,14 +98,14 @@ def test_demo_end_to_end_then_resume_then_fresh(tmp_path, bible_cache, capsys):
 
 
 def test_interrupted_training_says_how_to_continue(tmp_path, bible_cache, capsys, monkeypatch):
-    import aiayn.training.launch as launch
+    import aiayn.demo as demo
 
     def interrupted(config, data_dir, run_dir, **kwargs):
         return TrainResult(
             step=7, epoch=0, reason="stopped by SIGINT", interrupted=True, checkpoint=Path("c.pt")
         )
 
-    monkeypatch.setattr(launch, "train_run", interrupted)
+    monkeypatch.setattr(demo, "train_run", interrupted)
     assert main(_demo(tmp_path, bible_cache)) == 0
     out, err = capsys.readouterr()
     assert "stopped by SIGINT at update 7" in err and "Run the demo again to continue" in err

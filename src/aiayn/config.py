@@ -346,7 +346,7 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
             f"unknown section(s) {', '.join(unknown)}; valid: preset, {', '.join(_SECTIONS)}"
         )
     merged = _merge(preset_overrides(preset), raw)
-    sections = {
+    sections: dict[str, Any] = {
         name: build_section(cls, merged.get(name, {}), name) for name, cls in _SECTIONS.items()
     }
     config = RunConfig(preset=preset, **sections)

@@ -22,15 +22,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import Any, TextIO
 
 import torch
 
 from aiayn.config import RunConfig
+from aiayn.data.corpus import Corpus
+from aiayn.data.prepare import prepare_corpus, prepare_data
+from aiayn.data.sources.bible import write_bible_corpus
+from aiayn.data.sources.download import default_cache_dir
 from aiayn.errors import ResumeMismatch, UserError
-
-if TYPE_CHECKING:
-    from aiayn.inference.translator import Translator
+from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
+from aiayn.inference import loading
+from aiayn.inference.attention_maps import token_labeler, write_cross_attention_picture
+from aiayn.inference.translator import Translator
+from aiayn.training.launch import resolve_config, train_run
+from aiayn.training.plot import plot_run
 
 Log = Callable[[str], None]
 
@@ -129,7 +136,6 @@ def demo_config(
     data_dir: Path, minutes: float, device: str, overrides: Sequence[str] = ()
 ) -> RunConfig:
     """The demo's run config: the device's recipe, ``minutes`` of training, then ``overrides``."""
-    from aiayn.training.launch import resolve_config
 
     if minutes <= 0:
         raise UserError(f"--minutes must be positive, got {minutes:g}")
@@ -146,7 +152,9 @@ def demo_config(
 # -- the steps ---------------------------------------------------------------------------------
 
 
-def _slice(prefixes: dict[str, Path], out: Path, train: int | None, test: int | None) -> dict:
+def _slice(
+    prefixes: dict[str, Path], out: Path, train: int | None, test: int | None
+) -> dict[str, Path]:
     """The first ``train`` training pairs and ``test`` valid/test pairs, as new text files."""
     out.mkdir(parents=True, exist_ok=True)
     sliced = {}
@@ -166,11 +174,8 @@ def _slice(prefixes: dict[str, Path], out: Path, train: int | None, test: int | 
     return sliced
 
 
-def prepare_demo_data(options: DemoOptions, log: Log) -> dict:
+def prepare_demo_data(options: DemoOptions, log: Log) -> dict[str, Any]:
     """Step 1: the Bible corpus, prepared into ``options.data_dir`` (reused when unchanged)."""
-    from aiayn.data.prepare import prepare_corpus, prepare_data
-    from aiayn.data.sources.bible import write_bible_corpus
-    from aiayn.data.sources.download import default_cache_dir
 
     if options.train_pairs is None and options.test_pairs is None:
         return prepare_corpus(
@@ -255,13 +260,6 @@ def run_demo(
 ) -> DemoResult:
     """Prepare, train, average, translate, score and draw; results to ``out`` (stdout),
     progress to ``err`` (stderr)."""
-    from aiayn.data.corpus import Corpus
-    from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
-    from aiayn.inference import loading
-    from aiayn.inference.attention_maps import token_labeler, write_cross_attention_picture
-    from aiayn.inference.translator import Translator
-    from aiayn.training.launch import train_run
-    from aiayn.training.plot import plot_run
 
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -326,7 +324,7 @@ def run_demo(
         log(f"  one checkpoint only: using {model_path}")
     else:
         log(f"  {model_path}")
-    model_path = Path(model_path)
+    model_path = Path(model_path or "")
 
     test = Corpus.open(data_dir, "test")
     sources = test.src_texts()

@@ -55,6 +55,7 @@ __all__ = [
     "Float32Attention",
     "GridDropout",
     "GridResidual",
+    "Precision",
     "accelerate",
     "cpu_has_bfloat16",
 ]
@@ -78,8 +79,8 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 class Acceleration:
     """What :func:`accelerate` did to a model, and the way back (:meth:`undo`)."""
 
-    mode: str
-    precision: str
+    mode: Mode
+    precision: Precision
     levers: list[str] = field(default_factory=list)
     packed: int = 0  # linear layers whose weight is packed
     _swapped: list[tuple[nn.Module, type[nn.Module]]] = field(default_factory=list, repr=False)
@@ -164,9 +165,10 @@ def accelerate(
         acceleration._swap(model, [MultiHeadAttention], "attention in float32")
     if bf16 or pack_weights:
         lever = "padded bfloat16 rows" if bf16 else "linear layers for packing"
-        linears = acceleration._swap(model, [nn.Linear], lever)
+        linears = [
+            m for m in acceleration._swap(model, [nn.Linear], lever) if isinstance(m, CpuLinear)
+        ]
         for layer in linears:
-            assert isinstance(layer, CpuLinear)
             layer.pad_bf16_rows = bf16
         if mode == "decode":
             for layer in linears:

@@ -3,7 +3,10 @@ one library function. Progress goes to stderr, results to stdout.
 
 Each subcommand lives in its own module with two functions: ``add_parser(subparsers)`` and
 ``run(args) -> int``. Expected failures (bad input, missing files) raise :class:`CLIError`
-or :class:`aiayn.config.ConfigError` and become a one-line message with exit status 2.
+or :class:`aiayn.errors.ConfigError` and become a one-line message with exit status 2.
+
+The subcommand modules import the library inside ``run``, not at the top: ``aiayn --help``
+and usage errors then take about 0.05 s instead of 1.2 s (the time to import PyTorch).
 """
 
 from __future__ import annotations

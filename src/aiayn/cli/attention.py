@@ -9,7 +9,7 @@ from pathlib import Path
 from aiayn.errors import CLIError
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "attention",
         help="draw the attention heads for one sentence",
@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast.
+    # Imported here: `aiayn --help` stays fast (aiayn.cli).
     from aiayn.cli.paths import check_output_dir
     from aiayn.devices import pick_device
     from aiayn.inference.attention_maps import token_labeler, write_attention_pictures

@@ -7,7 +7,7 @@ import argparse
 from aiayn.errors import UserError
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bleu",
         help="score translations with sacreBLEU and chrF",

@@ -9,7 +9,7 @@ from pathlib import Path
 from aiayn.errors import CLIError
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="the main job end to end on the embedded English-Spanish Bible corpus",

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from aiayn.config import load_config
-from aiayn.model.transformer import Transformer, count_parameters
 from aiayn.presets import PAPER_PARAMS_M, PRESETS
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "params",
         help="print the parameter count of presets",
@@ -22,6 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.config import load_config
+    from aiayn.model.transformer import Transformer, count_parameters
+
     names = args.presets or list(PRESETS)
     print(f"{'preset':<16} {'params':>14} {'paper (M)':>10}")
     for name in names:

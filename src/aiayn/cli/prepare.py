@@ -12,7 +12,7 @@ from aiayn.errors import CLIError
 _CORPORA = ("bible", "multi30k", "wmt14")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "prepare",
         help="train the joint vocabulary and binarise a parallel corpus",
@@ -90,7 +90,7 @@ def _log(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast.
+    # Imported here: `aiayn --help` stays fast (aiayn.cli).
     from aiayn.data.prepare import prepare_corpus, prepare_data
 
     if args.vocab_size < 5:

@@ -15,7 +15,7 @@ from aiayn.cli.paths import check_output_dir
 from aiayn.errors import CLIError
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "train",
         help="train a model with the paper's recipe (resumable; runs under torchrun)",

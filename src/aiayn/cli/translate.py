@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 CHUNK_LINES = 10000
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "translate",
         help="translate raw text with a checkpoint",
@@ -125,7 +125,7 @@ def _interactive(translator: Translator, nbest: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast.
+    # Imported here: `aiayn --help` stays fast (aiayn.cli).
     from aiayn.devices import pick_device
     from aiayn.inference.textio import read_lines, split_lines
     from aiayn.inference.translator import Translator

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
+from aiayn import __version__
 from aiayn.config import DataConfig
 from aiayn.data.corpus import (
     MANIFEST_FORMAT_VERSION,
@@ -41,6 +42,8 @@ from aiayn.data.corpus import (
     manifest_path,
     text_path,
 )
+from aiayn.data.sources import bible, multi30k, wmt14
+from aiayn.data.sources.download import default_cache_dir
 from aiayn.data.tokenizer import (
     DEFAULT_CHARACTER_COVERAGE,
     DEFAULT_INPUT_SENTENCE_SIZE,
@@ -153,8 +156,10 @@ def prepare_data(
     }
     stamps = {split: [_file_stamp(p) for p in paths] for split, paths in inputs.items()}
     fingerprint = _digest({"format_version": MANIFEST_FORMAT_VERSION, **options, "in": stamps})
-    vocab_keys = ("src", "tgt", "vocab_size", "model_type", "character_coverage")
-    vocab_keys += ("input_sentence_size", "encoding_errors")
+    vocab_keys = (
+        *("src", "tgt", "vocab_size", "model_type", "character_coverage"),
+        *("input_sentence_size", "encoding_errors"),
+    )
 
     out = Path(out_dir)
     outputs = {text_path(out, split, lang).resolve() for split in inputs for lang in (src, tgt)}
@@ -422,8 +427,6 @@ def _manifest(
         reason: sum(stats[split].dropped[reason] for split in inputs)
         for reason in ("empty", "too_long", "length_ratio")
     }
-    from aiayn import __version__
-
     return {
         "format": "aiayn-data",
         "format_version": MANIFEST_FORMAT_VERSION,
@@ -560,9 +563,6 @@ def prepare_corpus(
     (default :func:`aiayn.data.sources.download.default_cache_dir`). ``src``/``tgt`` default to
     the corpus's own pair (en-es, en-de) and may be swapped to translate the other way.
     """
-    from aiayn.data.sources import bible, multi30k, wmt14
-    from aiayn.data.sources.download import default_cache_dir
-
     if corpus not in CORPORA:
         raise UserError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -571,9 +571,10 @@ def prepare_corpus(
     if corpus == "bible":
         if {src, tgt} != set(bible.BIBLE_LANGS):
             raise UserError("the Bible corpus is English-Spanish: --src/--tgt must be en and es")
-        if sword_path is None and download and not bible.sword_paths(None):
-            sword_path = bible.download_sword_modules(cache, log=log)
-        prefixes = bible.write_bible_corpus(cache / "bible", sword_path, log=log)
+        modules: str | Path | Sequence[str | Path] | None = sword_path
+        if modules is None and download and not bible.sword_paths(None):
+            modules = bible.download_sword_modules(cache, log=log)
+        prefixes = bible.write_bible_corpus(cache / "bible", modules, log=log)
     elif corpus == "multi30k":
         prefixes = multi30k.download_multi30k(cache, src, tgt, log=log)
     else:

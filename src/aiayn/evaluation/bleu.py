@@ -15,7 +15,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics.bleu import BLEU
+from sacrebleu.metrics.chrf import CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 TOKENIZED_NOTE = "paper-style tokenised BLEU, not comparable with sacreBLEU"

@@ -33,6 +33,7 @@ def _recorder(store: list[Tensor]) -> Callable[..., None]:
         if module.self_attention:
             q, k, v = module.project_qkv(x)  # (B, H, T, Dh) each
         else:
+            assert memory is not None
             q = module.project_q(x)
             k, v = module.project_kv(memory)
         _, weights = naive_attention(q, k, v, mask, causal)  # (B, H, T, S)
@@ -54,11 +55,11 @@ def attention_weights(
     decoder: list[Tensor] = []
     cross: list[Tensor] = []
     handles = []
-    for layer in model.encoder.layers:
-        handles.append(layer.self_attn.register_forward_hook(_recorder(encoder), with_kwargs=True))
-    for layer in model.decoder.layers:
-        handles.append(layer.self_attn.register_forward_hook(_recorder(decoder), with_kwargs=True))
-        handles.append(layer.cross_attn.register_forward_hook(_recorder(cross), with_kwargs=True))
+    hooked = [(layer.self_attn, encoder) for layer in model.encoder.layers]
+    for decoder_layer in model.decoder.layers:
+        hooked += [(decoder_layer.self_attn, decoder), (decoder_layer.cross_attn, cross)]
+    for attention, store in hooked:
+        handles.append(attention.register_forward_hook(_recorder(store), with_kwargs=True))
     try:
         model(src_ids, torch.zeros_like(src_ids, dtype=torch.bool), tgt_in)
     finally:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -79,6 +79,14 @@ class Hypothesis:
     tokens: list[int]
     score: float
     log_prob: float
+
+
+@overload
+def gnmt_length_penalty(length: float, alpha: float) -> float: ...
+
+
+@overload
+def gnmt_length_penalty(length: Tensor, alpha: float) -> Tensor: ...
 
 
 def gnmt_length_penalty(length: float | Tensor, alpha: float) -> float | Tensor:

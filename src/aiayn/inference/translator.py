@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
+from aiayn.accel import Acceleration, Precision, accelerate, cpu_has_bfloat16
 from aiayn.config import DecodeConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.inference.loading import load_for_inference
@@ -128,7 +128,7 @@ class Translator:
         device: torch.device | str | None = None,
         warn: Callable[[str], None] | None = None,
         pack_weights: bool = False,
-        precision: str = "fp32",
+        precision: Precision = "fp32",
         accelerated: bool = True,
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
@@ -177,7 +177,7 @@ class Translator:
         quantize: str | None = None,
         warn: Callable[[str], None] | None = None,
         pack_weights: bool = False,
-        precision: str = "fp32",
+        precision: Precision = "fp32",
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's

@@ -48,7 +48,7 @@ class PositionalEncoding(nn.Module):
                 f"sequence of {offset + length} positions exceeds model.max_positions="
                 f"{self.max_positions}"
             )
-        table = self.learned if self.learned is not None else self.table
+        table = self.learned if self.learned is not None else self.get_buffer("table")
         return table[offset : offset + length]
 
 

@@ -17,7 +17,10 @@ class Encoder(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        # A ModuleList, typed as the list of layers it holds.
+        self.layers: list[EncoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            EncoderLayer(config) for _ in range(config.n_layers)
+        )
         self.final_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
         )
@@ -33,7 +36,9 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            DecoderLayer(config) for _ in range(config.n_layers)
+        )
         self.final_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
         )

@@ -126,7 +126,7 @@ def bytes_to_tensor(data: bytes) -> Tensor:
 
 def capture_rng() -> dict[str, Any]:
     """The torch, CUDA, numpy and Python random states as tensors and plain lists."""
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
     py_version, py_internal, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),

@@ -20,6 +20,9 @@ import torch
 
 from aiayn.accel import accelerate
 from aiayn.config import RunConfig, load_config, parse_overrides
+from aiayn.data.batching import TokenBatchSampler
+from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
@@ -64,8 +67,6 @@ def resolve_config(
     config_path: str | Path | None, data_dir: str | Path, overrides: list[str] | None = None
 ) -> RunConfig:
     """The run config; ``model.vocab_size`` from the data's manifest unless set explicitly."""
-    from aiayn.data.corpus import load_manifest
-
     overrides = list(overrides or [])
     manifest = load_manifest(data_dir)
     path = Path(config_path) if config_path is not None else None
@@ -150,8 +151,6 @@ def _seed_everything(seed: int) -> None:
 
 
 def _valid_set(data_dir: Path, tokenizer: Any) -> ValidSet:
-    from aiayn.data.corpus import Corpus
-
     corpus = Corpus.open(data_dir, "valid")
     references = corpus.tgt_texts()
     if len(references) != len(corpus):
@@ -171,9 +170,6 @@ def train_run(
     show_progress: bool = True,
 ) -> TrainResult:
     """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank."""
-    from aiayn.data.batching import TokenBatchSampler
-    from aiayn.data.corpus import Corpus, tokenizer_path
-    from aiayn.data.tokenizer import Tokenizer
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
     info: DistInfo = init_distributed(device)

@@ -164,7 +164,7 @@ def _low_precision_forward(
 
 class _ProjectedLabelSmoothedNLL(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -185,7 +185,7 @@ class _ProjectedLabelSmoothedNLL(torch.autograd.Function):
         return loss_sum, nll_sum
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_loss: Tensor, grad_nll: Tensor
     ) -> tuple[Tensor, Tensor, None, None, None]:
         # Only the smoothed loss is trained on; the NLL is reported beside it.

@@ -100,7 +100,7 @@ def _plain(value: Any) -> Any:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/metrics.jsonl`` (a torn last line is skipped)."""
     path = Path(run_dir) / METRICS_NAME
-    records = []
+    records: list[dict[str, Any]] = []
     if not path.is_file():
         return records
     for line in path.read_text(encoding="utf-8").splitlines():

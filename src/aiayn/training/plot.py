@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from aiayn.errors import UserError
 from aiayn.training.metrics import METRICS_NAME, read_metrics
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the curves of ``run_dir`` to ``out`` (default ``RUN_DIR/curves.png``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     if not records:
@@ -23,7 +21,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     valid = [r for r in records if r.get("kind") == "valid"]
     averaged = [r for r in records if r.get("kind") == "averaged"]
     with_bleu = [r for r in valid if "bleu" in r]
-    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # matplotlib's object API and the Agg canvas: no pyplot, no process-wide backend.
+    fig = Figure(figsize=(12, 4.5))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_bleu = fig.subplots(1, 2)
     if train:
         steps = [r["step"] for r in train]
         ax_loss.plot(steps, [r["loss"] for r in train], label="train loss (smoothed labels)")
@@ -75,5 +76,4 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     target = Path(out) if out is not None else run_dir / "curves.png"
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=100)
-    plt.close(fig)
     return target

@@ -18,7 +18,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -44,7 +44,7 @@ from aiayn.training.distributed import (
 from aiayn.training.loss import label_smoothed_nll, projected_label_smoothed_nll
 from aiayn.training.metrics import MetricsLog, Progress, perplexity
 from aiayn.training.optim import build_optimizer, build_schedule
-from aiayn.training.validation import PairSource, ValidSet, autocast, evaluate
+from aiayn.training.validation import Indices, PairSource, ValidSet, autocast, evaluate
 
 
 class TrainingError(UserError):
@@ -56,7 +56,7 @@ class BatchSampler(Protocol):
 
     def set_epoch(self, epoch: int) -> None: ...
 
-    def __iter__(self) -> Iterator[Sequence[int]]: ...
+    def __iter__(self) -> Iterator[Indices]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -150,7 +150,7 @@ class Trainer:
         self.minutes_before = 0.0
         self.last_metrics: dict[str, float] = {}
         self._bad_in_row = 0
-        self._batches: Iterator[Sequence[int]] | None = None
+        self._batches: Iterator[Indices] | None = None
         self._fresh = True
         self._signal: int | None = None
         self._start = time.monotonic()
@@ -274,7 +274,7 @@ class Trainer:
             else:
                 global_tokens += n_tgt
             last = global_tokens >= budget
-            sync = contextlib.nullcontext()
+            sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if self.info.distributed and not last:
                 sync = self._no_sync()
             with sync:
@@ -294,7 +294,7 @@ class Trainer:
         local = [*sums.double().cpu().tolist(), float(src_tokens)]
         stats = torch.tensor(local + flags, dtype=torch.float64)
         stats = all_reduce_sum(stats.to(reduce_device(self.info)), self.info).cpu()
-        loss_sum, nll_sum, src_tokens = (float(x) for x in stats[:3])
+        total_loss, total_nll, total_src = (float(x) for x in stats[:3])
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         # DDP averaged the gradients over ranks: grad = Σ_ranks Σ_micro ∇loss / (budget · W).
@@ -303,7 +303,9 @@ class Trainer:
             if param.grad is not None:
                 param.grad.mul_(factor)
         grad_norm = self._grad_norm()
-        finite = math.isfinite(loss_sum) and (self.scaler.is_enabled() or math.isfinite(grad_norm))
+        finite = math.isfinite(total_loss) and (
+            self.scaler.is_enabled() or math.isfinite(grad_norm)
+        )
         if finite:
             if self.scaler.is_enabled():
                 scale = self.scaler.get_scale()
@@ -335,10 +337,10 @@ class Trainer:
                     "lower train.lr_scale, train.clip_norm > 0, or fp32 precision"
                 )
         return {
-            "loss_sum": loss_sum,
-            "nll_sum": nll_sum,
+            "loss_sum": total_loss,
+            "nll_sum": total_nll,
             "tgt_tokens": global_tokens,
-            "src_tokens": src_tokens,
+            "src_tokens": total_src,
             "grad_norm": grad_norm,
             "finite": float(finite),
             "signal": float(stats[3]),

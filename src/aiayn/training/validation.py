@@ -25,13 +25,16 @@ from aiayn.training.distributed import (
 from aiayn.training.loss import label_smoothed_nll
 from aiayn.training.metrics import perplexity
 
+# A batch's pair indices: a list, or the array a batch sampler yields.
+Indices = Sequence[int] | np.ndarray
+
 
 class PairSource(Protocol):
     """What training and validation need of a corpus: its size and padded batches by index."""
 
     def __len__(self) -> int: ...
 
-    def batch(self, indices: Sequence[int]) -> Batch: ...
+    def batch(self, indices: Indices) -> Batch: ...
 
 
 @dataclass
@@ -112,13 +115,9 @@ def evaluate(
                 found = search_batch(model, batch.src_ids, batch.src_pad, greedy)
             hypotheses.update(zip(chunk, (hyps[0].tokens for hyps in found), strict=True))
     sums = all_reduce_sum(sums.to(reduce_device(info)), info).cpu()
-    loss_sum, nll_sum, tokens = (float(x) for x in sums)
+    loss, nll, tokens = (float(x) for x in sums)
     tokens = max(tokens, 1.0)
-    metrics = {
-        "loss": loss_sum / tokens,
-        "nll": nll_sum / tokens,
-        "ppl": perplexity(nll_sum / tokens),
-    }
+    metrics = {"loss": loss / tokens, "nll": nll / tokens, "ppl": perplexity(nll / tokens)}
     if want_bleu:
         metrics["bleu"] = float(broadcast_object(_bleu(valid, hypotheses, info), info))
     if was_training:

@@ -39,8 +39,10 @@ def bible_split(ref: str) -> str:
 
 # Elements dropped with their content: notes (footnotes, cross references) and what lives only
 # inside them, speaker labels, and non-canonical headings (handled separately below).
-_DROP_WITH_CONTENT = ("note", "speaker", "catchWord", "rdg", "rdgGroup", "figure", "index")
-_DROP_WITH_CONTENT += ("scripRef", "scripCom")  # ThML cross references and comments
+_DROP_WITH_CONTENT: tuple[str, ...] = (
+    *("note", "speaker", "catchWord", "rdg", "rdgGroup", "figure", "index"),
+    *("scripRef", "scripCom"),  # ThML cross references and comments
+)
 _DROP_RE = re.compile(
     r"<(?P<tag>" + "|".join(_DROP_WITH_CONTENT) + r")\b[^>]*?(?:/>|>.*?</(?P=tag)\s*>)",
     re.DOTALL,

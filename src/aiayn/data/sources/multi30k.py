@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from aiayn.data.sources.download import Log, atomic_write_from, cached_download, gunzip_into
@@ -31,6 +32,6 @@ def download_multi30k(
             if dest.is_file():
                 continue
             archive = cached_download(MULTI30K_URL.format(name=stem, lang=lang), root / "gz", log)
-            atomic_write_from(dest, lambda out, a=archive: gunzip_into(a, out))
+            atomic_write_from(dest, partial(gunzip_into, archive))
         prefixes[split] = root / split
     return prefixes
