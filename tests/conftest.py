@@ -1,5 +1,10 @@
+"""Fixtures shared by the whole suite; plain helpers live in tests/helpers.py."""
+
 import pytest
 import torch
+
+from aiayn.data.sources.bible import write_bible_corpus
+from tests.helpers import make_reverse_data
 
 torch.set_num_threads(2)
 
@@ -9,11 +14,20 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def single_thread():
+    """Tiny models run several times faster on one thread, above all on a shared CPU
+    (``pytestmark = pytest.mark.usefixtures("single_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def bible_cache(tmp_path_factory):
     """A cache directory holding the embedded Bible corpus text (``bible/``), built once from
     the SWORD modules that scripts/setup_env.sh installs."""
-    from aiayn.data.sources.bible import write_bible_corpus
 
     root = tmp_path_factory.mktemp("bible")
     write_bible_corpus(root / "bible")
@@ -23,6 +37,4 @@ def bible_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reverse_data_dir(tmp_path_factory):
     """A prepared data directory (aiayn prepare) of the word-reversal task, built once."""
-    from train_helpers import make_reverse_data
-
     return make_reverse_data(tmp_path_factory.mktemp("reverse"))

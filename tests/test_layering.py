@@ -5,11 +5,9 @@ model | data | evaluation > config."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def test_the_layers_point_one_way(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,7 +23,7 @@ from aiayn.accel.linear import (
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.transformer import Transformer
-from decode_helpers import step_log_probs
+from tests.helpers import step_log_probs
 
 pytestmark = pytest.mark.skipif(
     not packing_available(), reason="PyTorch without MKL's packed-linear operators"

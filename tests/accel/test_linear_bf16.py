@@ -16,7 +16,7 @@ from aiayn.accel import linear as linear_module
 from aiayn.accel.linear import onednn_packing_available, onednn_rows, pack
 from aiayn.config import ModelConfig
 from aiayn.model.transformer import Transformer
-from decode_helpers import step_log_probs
+from tests.helpers import step_log_probs
 
 needs_bf16 = pytest.mark.skipif(
     not (onednn_packing_available() and cpu_has_bfloat16()),

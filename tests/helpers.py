@@ -1,4 +1,6 @@
-"""In-memory data for the training tests: a corpus of id pairs and a resumable sampler."""
+"""What several test modules share: in-memory training data (a corpus of id pairs and a
+resumable sampler), the word-reversal task as text and as prepared data, tiny configs and
+trainers, and a few cached decoder steps of a model. Fixtures built on them: conftest.py."""
 
 from __future__ import annotations
 
@@ -8,20 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
+from torch import Tensor
 
 from aiayn.config import RunConfig, load_config
 from aiayn.data.collate import Batch, collate_pairs
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny models run several times faster on one thread, above all on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from aiayn.model.transformer import Transformer
+from aiayn.training.trainer import Trainer
 
 
 class ListCorpus:
@@ -146,14 +141,12 @@ def make_reverse_data(folder: Path, n_train: int = 4000, n_valid: int = 100) -> 
     return data
 
 
-TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+TINY = str(ROOT / "configs" / "tiny.toml")
 
 
 def small_reverse_trainer(config: RunConfig, run_dir: Path) -> Any:
     """A Trainer over 32 reversal pairs of 4 tokens (ids < 64) in 8 fixed batches of 4, quiet."""
-    from aiayn.model.transformer import Transformer
-    from aiayn.training.trainer import Trainer
-
     pairs = reverse_pairs(32, 4, 64, seed=0)
     batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]
     return Trainer(
@@ -165,3 +158,16 @@ def small_reverse_trainer(config: RunConfig, run_dir: Path) -> Any:
         show_progress=False,
         tensorboard=False,
     )
+
+
+def step_log_probs(model: Transformer, rows: int, vocab: int = 50) -> Tensor:
+    """Three steps' log-probabilities (3, rows, V) over ``rows`` random sources (the first
+    padded), each copied at once (an accelerated model writes every step into one buffer)."""
+    torch.manual_seed(2)
+    src = torch.randint(4, vocab, (rows, 9))
+    src_pad = torch.zeros_like(src, dtype=torch.bool)
+    src_pad[0, 6:] = True
+    with torch.inference_mode():
+        cache = model.init_cache(model.encode(src, src_pad), src_pad, max_len=4)
+        tokens = torch.randint(4, vocab, (rows,))
+        return torch.stack([model.log_probs_step(tokens, cache).clone() for _ in range(3)])

@@ -6,17 +6,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from aiayn.cli import main
 from aiayn.inference import loading
-from train_helpers import TINY, single_thread
+from tests.helpers import ROOT, TINY
 
-__all__ = ["single_thread"]  # the autouse fixture
-
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

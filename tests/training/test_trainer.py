@@ -13,9 +13,9 @@ from aiayn.training.loss import label_smoothed_nll
 from aiayn.training.metrics import read_metrics
 from aiayn.training.trainer import Trainer, TrainingError
 from aiayn.training.validation import ValidSet
-from train_helpers import FixedSampler, ListCorpus, reverse_pairs, single_thread, tiny_config
+from tests.helpers import FixedSampler, ListCorpus, reverse_pairs, tiny_config
 
-__all__ = ["single_thread"]  # the autouse fixture
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 LENGTH, BATCH = 6, 8
 TOKENS_PER_BATCH = BATCH * (LENGTH + 1)  # y + EOS

@@ -8,9 +8,9 @@ from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
 from aiayn.training import averaging
 from aiayn.training import checkpoint as ckpt
-from train_helpers import make_reverse_data, single_thread, small_reverse_trainer, tiny_config
+from tests.helpers import make_reverse_data, small_reverse_trainer, tiny_config
 
-__all__ = ["single_thread"]  # the autouse fixture
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _model_file(path, config, seed, tokenizer=b"tok", step=1):

@@ -11,22 +11,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from aiayn.inference import loading
 from aiayn.model.transformer import Transformer
 from aiayn.training.distributed import DistInfo
 from aiayn.training.trainer import Trainer
-from train_helpers import (
+from tests.helpers import (
+    TINY,
     FixedSampler,
     ListCorpus,
     make_reverse_data,
     reverse_pairs,
-    single_thread,
     tiny_config,
 )
 
-__all__ = ["single_thread"]  # the autouse fixture
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 LENGTH, BATCH, N_BATCHES, STEPS = 5, 4, 8, 3
 TOKENS = BATCH * (LENGTH + 1)
@@ -95,7 +93,7 @@ def test_cli_under_torchrun(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(_free_port()), "--no-python", str(aiayn),
-        "train", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
+        "train", "--config", TINY,
         "--data", str(data), "--out", str(run), "--no-progress",
         "train.max_steps=6", "train.valid_interval=3", "train.save_interval_steps=3",
     ]  # fmt: skip

@@ -5,7 +5,6 @@ closed output pipe, and overrides given after options."""
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +13,9 @@ from aiayn.cli import _parse as parse_command_line
 from aiayn.cli import build_parser, main
 from aiayn.devices import pick_device
 from aiayn.errors import UserError
-from train_helpers import TINY, single_thread
+from tests.helpers import ROOT, TINY
 
-__all__ = ["single_thread"]  # the autouse fixture
-
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
