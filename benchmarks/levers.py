@@ -70,7 +70,8 @@ def _model(w: Workload, train: bool) -> torch.nn.Module:
 
 
 def _loss_variants(w: Workload) -> Variants:
-    from aiayn.training.loss import label_smoothed_nll, projected_label_smoothed_nll
+    from aiayn.accel.loss import projected_label_smoothed_nll
+    from aiayn.training.loss import label_smoothed_nll
 
     n = w.tgt_tokens
     gen = torch.Generator().manual_seed(0)
@@ -100,7 +101,7 @@ def _loss_variants(w: Workload) -> Variants:
     return {
         "projection + label_smoothed_nll (training/loss.py)": on_logits(label_smoothed_nll),
         "F.cross_entropy(label_smoothing) (peers)": peer,
-        "projected_label_smoothed_nll (training/loss.py; the trainer's)": fused_projection,
+        "projected_label_smoothed_nll (accel/loss.py; the trainer's)": fused_projection,
     }
 
 

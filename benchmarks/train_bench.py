@@ -47,9 +47,9 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     (opt-in, outside the issue's fp32 workloads): the model under bfloat16 autocast and the
     fused loss with bfloat16 products."""
     from aiayn.accel import accelerate
+    from aiayn.accel.loss import projected_label_smoothed_nll
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.model.transformer import build_model
-    from aiayn.training.loss import projected_label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
 
     config = ModelConfig(

@@ -22,6 +22,8 @@ packed weights               decode: bf16 (oneDNN), and  ``nn.Linear`` → :clas
                              (MKL)
 one buffer per decode        decode                      ``Transformer`` →
                                                          :class:`BufferedDecoding`
+fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
+                                                         :func:`.loss.projected_label_smoothed_nll`
 malloc thresholds            train, decode               process-wide, see :mod:`.memory`
 ===========================  ==========================  =======================================
 
@@ -83,6 +85,8 @@ class Acceleration:
     precision: Precision
     levers: list[str] = field(default_factory=list)
     packed: int = 0  # linear layers whose weight is packed
+    # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
+    fused_loss: bool = False
     _swapped: list[tuple[nn.Module, type[nn.Module]]] = field(default_factory=list, repr=False)
     _memory: int | None = field(default=None, repr=False)
     _watching: bool = field(default=False, repr=False)
@@ -101,6 +105,7 @@ class Acceleration:
             self._watching = False
         self.levers.clear()
         self.packed = 0
+        self.fused_loss = False
 
     def __enter__(self) -> Acceleration:
         return self
@@ -159,6 +164,9 @@ def accelerate(
             )
     bf16 = precision == "bf16"
     acceleration._swap(model, [nn.Dropout, Residual], "dropout with fewer draws")
+    if mode == "train":
+        acceleration.fused_loss = True
+        acceleration.levers.append("fused projection + loss")
     if mode == "decode":
         acceleration._swap(model, [Transformer], "one buffer per decode")
     if bf16:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
+from aiayn.accel.loss import projected_label_smoothed_nll
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
@@ -41,7 +42,7 @@ from aiayn.training.distributed import (
     barrier,
     reduce_device,
 )
-from aiayn.training.loss import label_smoothed_nll, projected_label_smoothed_nll
+from aiayn.training.loss import label_smoothed_nll
 from aiayn.training.metrics import MetricsLog, Progress, perplexity
 from aiayn.training.optim import build_optimizer, build_schedule
 from aiayn.training.validation import Indices, PairSource, ValidSet, autocast, evaluate
@@ -134,10 +135,9 @@ class Trainer:
         if self.train_cfg.compile:
             self.train_module = torch.compile(self.train_module)  # type: ignore[assignment]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # On the CPU: the projection and the loss fused, without (N, V) logits
-        # (training/loss.py; 1.2-1.9x faster for that part in fp32, 2.7x in bf16, whose
-        # products it runs in bfloat16). Elsewhere the plain loss.
-        self._fused_loss = self.device.type == "cpu" and precision in ("fp32", "bf16")
+        # Accelerated on the CPU: the projection and the loss fused (aiayn.accel.loss), in
+        # bfloat16 products under bf16. Otherwise the plain loss over the logits.
+        self._fused_loss = self.acceleration is not None and self.acceleration.fused_loss
         self._loss_dtype = torch.bfloat16 if precision == "bf16" else None
         # Progress, saved in every checkpoint.
         self.step = 0
