@@ -1,7 +1,7 @@
 """What every benchmark shares: the fixed workloads, their random data, FLOP counts, timing
 and the JSON line a benchmark subprocess reports back to ``run_all.py``.
 
-The workloads are issue 6's and never change, so that results stay comparable across runs:
+The workloads are fixed, so that results stay comparable across runs:
 random weights, random token ids, fp32, 2 threads, shared vocabulary with tied embeddings,
 dropout 0.1, label smoothing 0.1, Adam.
 """
@@ -33,7 +33,7 @@ FIRST_WORD_ID = 4
 
 @dataclass(frozen=True)
 class Workload:
-    """One training workload of the issue: model sizes and the shape of one batch."""
+    """One training workload: model sizes and the shape of one batch."""
 
     name: str
     d_model: int

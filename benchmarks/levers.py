@@ -114,10 +114,18 @@ def lever_loss(repeats: int) -> None:
         )
 
 
-def _update(w: Workload, adam: dict[str, bool]) -> Callable[[], None]:
+def _update(w: Workload, adam: dict[str, bool], grid_dropout: bool = False) -> Callable[[], None]:
+    from aiayn.accel import GridDropout, GridResidual
+    from aiayn.model.layers import Residual
     from aiayn.training.loss import label_smoothed_nll
 
     model = _model(w, train=True)
+    if grid_dropout:  # the dropout lever of accelerate(mode="train") alone
+        for module in model.modules():
+            if type(module) is torch.nn.Dropout:
+                module.__class__ = GridDropout
+            elif type(module) is Residual:
+                module.__class__ = GridResidual
     batch = training_batch(w)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, **adam)
 
@@ -147,15 +155,17 @@ def lever_adam(repeats: int) -> None:
 
 
 def lever_dropout(repeats: int) -> None:
-    from aiayn.accel.dropout import dropout
+    from aiayn.accel.dropout import dropout, dropout_add
 
-    x = torch.randn(768, 512)
+    x, y = torch.randn(768, 512), torch.randn(768, 512)
     show(
         "dropout, one 768×512 activation (forward)",
         interleaved(
             {
                 "F.dropout": lambda: F.dropout(x, 0.1, True),
-                "aiayn dropout": lambda: dropout(x, 0.1, True),
+                "aiayn.accel.dropout.dropout": lambda: dropout(x, 0.1, True),
+                "x + F.dropout(y)": lambda: x + F.dropout(y, 0.1, True),
+                "aiayn.accel.dropout.dropout_add": lambda: dropout_add(x, y, 0.1, True),
             },
             repeats * 5,
         ),
@@ -165,26 +175,12 @@ def lever_dropout(repeats: int) -> None:
             f"dropout, {w.name}: full training update",
             interleaved(
                 {
-                    "F.dropout": _with_dropout(_update(w, {}), F.dropout),
-                    "aiayn dropout": _with_dropout(_update(w, {}), dropout),
+                    "plain model (F.dropout)": _update(w, {}),
+                    "GridDropout + GridResidual": _update(w, {}, grid_dropout=True),
                 },
                 max(2, repeats // 2),
             ),
         )
-    _with_dropout(lambda: None, dropout)()
-
-
-def _with_dropout(update: Callable[[], None], fn: Callable[..., Tensor]) -> Callable[[], None]:
-    """``update`` with the model's dropout function swapped for ``fn``."""
-    import aiayn.model.embedding as embedding
-    import aiayn.model.layers as layers
-
-    def run() -> None:
-        layers.apply_dropout = fn  # type: ignore[attr-defined]
-        embedding.dropout = fn  # type: ignore[attr-defined]
-        update()
-
-    return run
 
 
 def _decode_variant(

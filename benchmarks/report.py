@@ -1,5 +1,5 @@
 """The markdown results table: versions, machine, medians, ratios against each peer, and the
-issue's goals checked against the figures of the same run."""
+performance goals checked against the figures of the same run."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def header(meta: dict[str, Any]) -> list[str]:
 
 
 OURS_TRAIN = ("aiayn",)
-# Ours, opt-in and outside the issue's fp32 workloads: shown, compared, never in the goals.
+# Ours, opt-in and outside the fp32 workloads: shown, compared, never in the goals.
 OPT_IN_TRAIN = ("aiayn-bf16",)
 
 
@@ -186,8 +186,8 @@ def decoding_table(decode: dict[str, dict[str, Any]]) -> list[str]:
 def goals(
     train: dict[str, dict[str, dict[str, Any]]], decode: dict[str, dict[str, Any]], ceiling: float
 ) -> list[str]:
-    """The issue's goals, each checked against this run's figures."""
-    lines = ["### The issue's goals, checked on this run", ""]
+    """The performance goals, each checked against this run's figures."""
+    lines = ["### The goals, checked on this run", ""]
 
     def mark(ok: bool) -> str:
         return "met" if ok else "**not met**"

@@ -1,4 +1,4 @@
-"""Every benchmark of issue 6, one command: ``make bench`` (or ``--quick`` for a smoke run).
+"""Every benchmark, one command: ``make bench`` (or ``--quick`` for a smoke run).
 
 Each (system, workload) runs in a subprocess of its own, so that its peak RSS is its own and
 no system inherits another's allocator state or thread pool. Systems are interleaved: each
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_end": load_average(),
         "wall_s": time.perf_counter() - start,
         "notes": [
-            "No GPU on this machine: the GPU benchmarks of the issue (bf16, flash attention, "
+            "No GPU on this machine: the GPU benchmarks (bf16, flash attention, "
             "compile) were not run.",
             "aiayn's training processes keep freed memory for reuse (aiayn.accel, as its "
             "Trainer does), its decoding processes freed blocks under 16 MiB (as its Translator "

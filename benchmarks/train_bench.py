@@ -44,7 +44,7 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     the library's model, its fused projection + label-smoothed loss
     (``projected_label_smoothed_nll``), ``build_optimizer`` (fused Adam) and
     ``build_schedule``. With ``bf16``, what ``train.precision=bf16`` does on the CPU
-    (opt-in, outside the issue's fp32 workloads): the model under bfloat16 autocast and the
+    (opt-in, outside the fp32 workloads): the model under bfloat16 autocast and the
     fused loss with bfloat16 products."""
     from aiayn.accel import accelerate
     from aiayn.accel.loss import projected_label_smoothed_nll

@@ -190,8 +190,8 @@ def test_calls_add_up_and_each_undoes_its_own() -> None:
     plain, model = _model().eval(), _model().eval()
     first = accelerate(model, "decode", memory_settings=False)
     second = accelerate(model, "decode", pack_weights=True, memory_settings=False)
-    assert "dropout with fewer draws" in first.levers and second.packed > 0
-    assert "dropout with fewer draws" not in second.levers  # nothing plain was left of it
+    assert "grid dropout" in first.levers and second.packed > 0
+    assert "grid dropout" not in second.levers  # nothing plain was left of it
     assert _hypotheses(model) == _hypotheses(plain)
     second.undo()
     assert not any(isinstance(m, CpuLinear) for m in model.modules())

@@ -12,8 +12,8 @@ process's ``malloc`` thresholds; :meth:`Acceleration.undo` puts everything back:
 ===========================  ==========================  =======================================
 lever                        applied in                  what changes
 ===========================  ==========================  =======================================
-dropout with fewer draws     train and decode (where     ``nn.Dropout`` → :class:`GridDropout`,
-                             it is a cheaper identity)   ``Residual`` → :class:`GridResidual`
+grid dropout (one random    train and decode (where     ``nn.Dropout`` → :class:`GridDropout`,
+draw per four elements)      it is a cheaper identity)   ``Residual`` → :class:`GridResidual`
 attention in float32         bf16 (train and decode)     ``MultiHeadAttention`` →
                                                          :class:`Float32Attention`
 padded bfloat16 rows         bf16 (train and decode)     ``nn.Linear`` → :class:`CpuLinear`
@@ -163,7 +163,7 @@ def accelerate(
                 f"{PRECISION_DTYPES[precision]}, not {sorted(map(str, weights))}"
             )
     bf16 = precision == "bf16"
-    acceleration._swap(model, [nn.Dropout, Residual], "dropout with fewer draws")
+    acceleration._swap(model, [nn.Dropout, Residual], "grid dropout")
     if mode == "train":
         acceleration.fused_loss = True
         acceleration.levers.append("fused projection + loss")

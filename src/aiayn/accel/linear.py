@@ -18,7 +18,7 @@
   :func:`pack` checks every pack against ``F.linear`` at several row counts and keeps only
   those that agree.
 - **Padded bfloat16 rows.** oneDNN builds and keeps a kernel for every row count of a bfloat16
-  product (about 1 ms each), and token batches bring a new row count nearly every update, so
+  product, and token batches bring a new row count nearly every update, so
   bfloat16 products on the CPU run over rows padded with zeros (:data:`BF16_ROW_MULTIPLE`;
   :func:`onednn_rows` for packed products), cut off again after.
 """

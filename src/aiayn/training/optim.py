@@ -28,9 +28,9 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Adam:
     The base learning rate is 1.0: the schedule's factor *is* the learning rate. A shared
     embedding matrix appears once in ``model.parameters()``, so it gets one Adam state.
 
-    With every parameter on the CPU or a CUDA device, Adam's fused kernel does the update (one
-    pass per parameter instead of a dozen elementwise ones; whole updates 1.02x faster at SMALL
-    and 1.06x at BASE on 2 CPU threads, benchmarks/levers.py); the algorithm is the same.
+    With every parameter on the CPU or a CUDA device, Adam's fused kernel does the update: one
+    pass per parameter instead of a dozen elementwise ones, the same algorithm
+    (docs/performance.md).
     """
     params = list(model.parameters())
     fused = bool(params) and all(
