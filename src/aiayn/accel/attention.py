@@ -27,7 +27,7 @@ class Float32Attention(MultiHeadAttention):
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     ) -> Tensor:
-        if not _bf16_on_cpu(q):
+        if q.dtype is not torch.bfloat16 or q.device.type != "cpu":
             return super().scaled_dot_product(q, k, v, mask, causal)
         if mask is not None and mask.is_floating_point():
             mask = mask.float()

@@ -234,29 +234,30 @@ class CpuLinear(nn.Linear):
     def packed_product(self, x: Tensor) -> Tensor | None:
         """The product through :attr:`pack`, or None where the pack does not serve ``x``."""
         pack = self.pack
-        if pack is None or not x.dim() or x.shape[-1] != self.in_features:
+        if pack is None or not x.dim():
             return None
+        width = x.shape[-1]
+        if width != self.in_features or torch.is_grad_enabled():
+            return None
+        rows = x.numel() // width if width else 0
         if pack.onednn:
             if x.dtype is not torch.bfloat16:
                 return None
         elif (
             x.dtype is not torch.float32
-            or not MIN_PACKED_ROWS <= rows_of(x) <= MAX_PACKED_ROWS
+            or not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS
             or not x.is_contiguous()
         ):
             return None
-        weight = self.weight
-        if (
-            torch.is_grad_enabled()
-            or torch.is_autocast_enabled("cpu")  # the packed product would skip autocast
-            or not pack.matches(weight)
-        ):
+        parameters = self._parameters  # one lookup each, not nn.Module.__getattr__'s
+        weight, bias = parameters["weight"], parameters["bias"]
+        # autocast: the packed product would skip it
+        if torch.is_autocast_enabled("cpu") or weight is None or not pack.matches(weight):
             return None
-        rows = rows_of(x)
         if pack.onednn:
-            product = partial(_onednn_linear, packed=pack.packed, bias=self.bias)
+            product = partial(_onednn_linear, packed=pack.packed, bias=bias)
             return on_padded_rows(product, x, onednn_rows(rows))
-        return torch.ops.mkl._mkl_linear(x, pack.packed, weight, self.bias, rows)
+        return torch.ops.mkl._mkl_linear(x, pack.packed, weight, bias, rows)
 
     def __getstate__(self) -> dict[str, object]:
         # A copied or pickled layer multiplies without a pack (packed buffers stay put).
