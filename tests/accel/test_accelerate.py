@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,44 @@ def test_calls_add_up_and_each_undoes_its_own() -> None:
     assert _classes(model) == _classes(plain)
 
 
+def test_a_later_call_packs_and_pads_the_layers_an_earlier_one_swapped() -> None:
+    model = _model().eval()
+    first = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    assert first.packed > 0
+    again = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    assert again.packed == first.packed and again.levers == []  # the packs serve: nothing new
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    float_packs = [m.pack for m in linears]
+    model.to(torch.bfloat16)  # the float32 packs no longer match the weights
+    bf16 = accelerate(model, "decode", precision="bf16", memory_settings=False)
+    assert bf16.packed == len(linears) and "padded bfloat16 rows" in bf16.levers
+    assert all(m.pad_bf16_rows and m.pack is not None and m.pack.onednn for m in linears)
+    bf16.undo()  # the first call's packs and settings come back
+    assert [m.pack for m in linears] == float_packs
+    assert not any(m.pad_bf16_rows for m in linears)
+    first.undo()
+    again.undo()
+    assert not any(isinstance(m, CpuLinear) for m in model.modules())
+
+
+def test_undo_leaves_a_module_that_was_swapped_again_since() -> None:
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, weight: Tensor) -> Tensor:
+            return 2 * weight
+
+    model = _model().eval()
+    acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    layer = model.decoder.layers[0].ffn.w1
+    parametrize.register_parametrization(layer, "weight", Double())  # its class changes again
+    acceleration.undo()
+    assert isinstance(layer, CpuLinear)  # left to its parametrization, not broken
+    src, src_pad, tgt = _batch()
+    with torch.no_grad():
+        model(src, src_pad, tgt)
+
+
 def test_a_model_elsewhere_than_the_cpu_is_left_as_it_is() -> None:
     model = _model().to("meta")
     acceleration = accelerate(model, "train", precision="fp16")
@@ -258,6 +297,44 @@ def test_trainer_and_translator_accelerate_on_the_cpu_unless_asked_not_to(tmp_pa
         assert (translator.acceleration is not None) is accelerated
         if translator.acceleration is not None:
             translator.acceleration.undo()
+
+
+def test_a_translator_accelerates_the_precision_its_model_has() -> None:
+    from aiayn.inference.translator import Translator
+
+    class Letters:
+        def encode(self, text: str) -> list[int]:
+            return [4 + (ord(c) % 40) for c in text]
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    half = _model().eval().half()  # fp16 weights on the CPU: decoded plain, slowly, as given
+    translator = Translator(half, Letters())  # type: ignore[arg-type]
+    assert translator.acceleration is None
+    if cpu_has_bfloat16() and onednn_packing_available():
+        model = _model().eval().to(torch.bfloat16)
+        translator = Translator(model, Letters())  # type: ignore[arg-type]  # default precision
+        assert translator.acceleration is not None
+        assert "attention in float32" in translator.acceleration.levers
+        assert len(translator.translate(["hello"])) == 1
+
+
+def test_closing_the_trainer_gives_the_plain_model_and_the_malloc_setting_back(
+    tmp_path: Path,
+) -> None:
+    from aiayn.accel import memory
+    from aiayn.config import load_config
+    from aiayn.training.trainer import Trainer
+
+    config = load_config(None, ["preset=tiny", "model.vocab_size=50"])
+    model = Transformer(config.model)
+    before = memory.in_force()
+    trainer = Trainer(config, model, [], [], tmp_path, show_progress=False, tensorboard=False)  # type: ignore[arg-type]
+    assert GridResidual in _classes(model)
+    trainer.close()
+    assert GridResidual not in _classes(model) and Residual in _classes(model)
+    assert memory.in_force() == before
 
 
 # What a fresh process has after importing aiayn and building its objects without the

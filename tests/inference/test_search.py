@@ -451,6 +451,34 @@ def test_paper_rule_finds_the_long_hypothesis_fairseqs_misses(k: int) -> None:
     assert paper_cache.batch_sizes == [k] * 3
 
 
+# A short hypothesis [] is likely at the first step; a long one [A, A, A, A] scores better with
+# a large alpha, although each of its steps has a lower log-probability than [] had.
+LONG_AT_LARGE_ALPHA = table(
+    {
+        (): {EOS: 0.6, A: 0.4},
+        (A,): {A: 0.999, EOS: 0.001},
+        (A, A): {A: 0.999, EOS: 0.001},
+        (A, A, A): {A: 0.999, EOS: 0.001},
+    },
+    default={EOS: 0.999, A: 0.001},
+)
+
+
+def test_the_bound_divides_by_the_largest_length_penalty_still_reachable() -> None:
+    # By the paper's rule (fairseq's stops here at its second finished hypothesis). The live
+    # [A] (log 0.4) divided by the penalty of its own next length (2 positions) is below the
+    # finished []'s score, but divided by the largest reachable one (11 positions) it is
+    # above it: the search must go on, to [A, A, A, A].
+    alpha = 2.0
+    short = math.log(0.6) / lp(1, alpha)
+    assert math.log(0.4) / lp(2, alpha) < short < math.log(0.4) / lp(11, alpha)
+    long_logp = math.log(0.4) + 3 * math.log(0.999) + math.log(0.999)
+    assert long_logp / lp(5, alpha) > short
+    [[best]], _ = run_beam(LONG_AT_LARGE_ALPHA, 1, 2, alpha=alpha, max_len=10, rule="paper")
+    assert best.tokens == [A, A, A, A]
+    assert best.score == pytest.approx(long_logp / lp(5, alpha), rel=1e-6)
+
+
 # -- sampling ----------------------------------------------------------------------------------
 
 

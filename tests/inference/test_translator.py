@@ -291,11 +291,13 @@ def test_precision_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_cpu_translator_accelerates_its_model_for_decoding() -> None:
     """On the CPU the model is accelerated for decoding (aiayn.accel), malloc setting
     included where glibc is; elsewhere (here the meta device) it is left as it is."""
-    import platform
+
+    from aiayn.accel import memory
 
     translator = Translator(tiny_model(), CharTokenizer())
     assert translator.acceleration is not None and translator.acceleration.mode == "decode"
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    # where the malloc setting applies: glibc, and not AIAYN_MALLOC=system
+    if memory._mallopt() is not None:
         assert "malloc thresholds (decode)" in translator.acceleration.levers
     translator.acceleration.undo()
     elsewhere = Translator(tiny_model().to("meta"), CharTokenizer())
@@ -354,6 +356,40 @@ def test_translate_command(
 
     assert main(["translate", "run", "-i", str(source), "--beam", "2", "--nbest", "3"]) == 2
     assert "nbest" in capsys.readouterr().err
+
+
+def test_the_beam_rule_reaches_the_search(
+    fake_checkpoint: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import aiayn.inference.translator as translator_module
+
+    rules: list[str] = []
+    real = translator_module.beam_search
+
+    def spy(*args: object, **kwargs: object) -> object:
+        rules.append(str(kwargs["rule"]))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(translator_module, "beam_search", spy)
+    source = tmp_path / "src.txt"
+    source.write_text("abc\ndeed\n", encoding="utf-8")
+    assert main(["translate", "run", "-i", str(source), "--beam", "2"]) == 0
+    assert rules and set(rules) == {"paper"}  # decode.beam_rule's default
+    rules.clear()
+    assert (
+        main(["translate", "run", "-i", str(source), "--beam", "2", "--beam-rule", "fairseq"]) == 0
+    )
+    assert rules and set(rules) == {"fairseq"}
+    rules.clear()
+    sources = [[4, 5, 6], [7, 8]]
+    translator = Translator(tiny_model(), CharTokenizer(), DecodeConfig(beam_size=2, max_len_b=4))
+    translator.decode = replace(translator.decode, beam_rule="fairseq")
+    translator.search_ids(sources)
+    assert set(rules) == {"fairseq"}
+    capsys.readouterr()
 
 
 def test_translate_command_stdin_and_bad_utf8(

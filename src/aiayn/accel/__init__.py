@@ -2,8 +2,10 @@
 
 The network in :mod:`aiayn.model` is the paper's, in plain PyTorch. On the CPU,
 :func:`accelerate` swaps some of its modules for faster ones with the same parameters, state
-dict and results (bit for bit, or to the tolerances that ``tests/accel`` states), and raises the
-process's ``malloc`` thresholds; :meth:`Acceleration.undo` puts everything back::
+dict and the plain model's results (bit for bit in fp32 without dropout; the same dropout
+distribution from other draws; packed weights and bfloat16 to the tolerances that
+``tests/accel`` states), and raises the process's ``malloc`` thresholds;
+:meth:`Acceleration.undo` puts everything back::
 
     acceleration = accelerate(model, mode="train", precision="bf16")
     ...
@@ -65,7 +67,11 @@ __all__ = [
 Mode = Literal["train", "decode"]
 Precision = Literal["fp32", "bf16", "fp16"]
 MODES = ("train", "decode")
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 # Each swap: the plain class (matched exactly, not its subclasses) and its faster subclass.
 _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
@@ -75,6 +81,9 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: CpuLinear,
     Transformer: BufferedDecoding,
 }
+
+
+_UNSET = object()
 
 
 @dataclass
@@ -88,18 +97,28 @@ class Acceleration:
     # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
     fused_loss: bool = False
     _swapped: list[tuple[nn.Module, type[nn.Module]]] = field(default_factory=list, repr=False)
+    # (module, attribute, its value before, or _UNSET): what this call set on CpuLinear layers
+    _attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list, repr=False)
     _memory: int | None = field(default=None, repr=False)
     _watching: bool = field(default=False, repr=False)
 
     def undo(self) -> None:
-        """Put the plain modules back, drop the packs and release the process settings."""
-        for module, plain in reversed(self._swapped):
-            for name in ("pack", "pad_bf16_rows"):
+        """Put back what this call changed: the attributes it set, the plain classes of the
+        modules it swapped (unless something has swapped them again since), the packs; and
+        release its process settings."""
+        for module, name, before in reversed(self._attributes):
+            if before is _UNSET:
                 module.__dict__.pop(name, None)
-            module.__class__ = plain
+            else:
+                setattr(module, name, before)
+        self._attributes.clear()
+        for module, plain in reversed(self._swapped):
+            if type(module) is _SWAPS[plain]:
+                for name in ("pack", "pad_bf16_rows"):
+                    module.__dict__.pop(name, None)
+                module.__class__ = plain
         self._swapped.clear()
-        memory.release(self._memory)
-        self._memory = None
+        self.release_memory()
         if self._watching:
             unwatch_optimizer_steps()
             self._watching = False
@@ -107,22 +126,30 @@ class Acceleration:
         self.packed = 0
         self.fused_loss = False
 
+    def release_memory(self) -> None:
+        """Release the malloc setting only (the model stays accelerated)."""
+        memory.release(self._memory)
+        self._memory = None
+
     def __enter__(self) -> Acceleration:
         return self
 
     def __exit__(self, *_: Any) -> None:
         self.undo()
 
-    def _swap(self, model: nn.Module, plain: list[type[nn.Module]], lever: str) -> list[nn.Module]:
+    def _swap(self, model: nn.Module, plain: list[type[nn.Module]], lever: str = "") -> None:
         """Swap every module of exactly a ``plain`` class for its faster subclass; ``lever``
         is recorded if any was."""
         swapped = [m for m in model.modules() if type(m) in plain]
         for module in swapped:
             self._swapped.append((module, type(module)))
             module.__class__ = _SWAPS[type(module)]
-        if swapped:
+        if swapped and lever:
             self.levers.append(lever)
-        return swapped
+
+    def _set(self, module: nn.Module, name: str, value: object) -> None:
+        self._attributes.append((module, name, module.__dict__.get(name, _UNSET)))
+        setattr(module, name, value)
 
 
 def accelerate(
@@ -172,21 +199,32 @@ def accelerate(
     if bf16:
         acceleration._swap(model, [MultiHeadAttention], "attention in float32")
     if bf16 or pack_weights:
-        lever = "padded bfloat16 rows" if bf16 else "linear layers for packing"
-        linears = [
-            m for m in acceleration._swap(model, [nn.Linear], lever) if isinstance(m, CpuLinear)
-        ]
-        for layer in linears:
-            layer.pad_bf16_rows = bf16
+        acceleration._swap(model, [nn.Linear])
+        # Every CpuLinear, also those an earlier call swapped in: calls add up.
+        linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+        if bf16:
+            unpadded = [layer for layer in linears if not layer.pad_bf16_rows]
+            for layer in unpadded:
+                acceleration._set(layer, "pad_bf16_rows", True)
+            if unpadded:
+                acceleration.levers.append("padded bfloat16 rows")
         if mode == "decode":
+            made = 0
             for layer in linears:
-                layer.pack = pack(layer)
-                acceleration.packed += layer.pack is not None
-            if acceleration.packed:
+                if layer.pack is not None and layer.pack.matches(layer.weight):
+                    continue
+                new = pack(layer)
+                if new is not None:
+                    acceleration._set(layer, "pack", new)
+                    made += 1
+            acceleration.packed = sum(
+                layer.pack is not None and layer.pack.matches(layer.weight) for layer in linears
+            )
+            if made:
                 watch_optimizer_steps()
                 acceleration._watching = True
                 library = "oneDNN" if bf16 else "MKL"
-                acceleration.levers.append(f"packed weights ({library}, {acceleration.packed})")
+                acceleration.levers.append(f"packed weights ({library}, {made})")
     if memory_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:

@@ -239,7 +239,7 @@ class CpuLinear(nn.Linear):
         width = x.shape[-1]
         if width != self.in_features or torch.is_grad_enabled():
             return None
-        rows = x.numel() // width if width else 0
+        rows = rows_of(x)
         if pack.onednn:
             if x.dtype is not torch.bfloat16:
                 return None
@@ -261,6 +261,6 @@ class CpuLinear(nn.Linear):
 
     def __getstate__(self) -> dict[str, object]:
         # A copied or pickled layer multiplies without a pack (packed buffers stay put).
-        state = dict(self.__dict__)
+        state: dict[str, object] = super().__getstate__()
         state.pop("pack", None)
         return state

@@ -36,6 +36,8 @@ def _recorder(store: list[Tensor]) -> Callable[..., None]:
             assert memory is not None
             q = module.project_q(x)
             k, v = module.project_kv(memory)
+        # In float32: an accelerated bfloat16 model gives float32 keys and values.
+        q, k, v = q.float(), k.float(), v.float()
         _, weights = naive_attention(q, k, v, mask, causal)  # (B, H, T, S)
         store.append(weights[0].float().cpu())
 

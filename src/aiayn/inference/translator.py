@@ -24,7 +24,14 @@ import torch
 from torch import Tensor, nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-from aiayn.accel import Acceleration, Precision, accelerate, cpu_has_bfloat16
+from aiayn.accel import (
+    PRECISION_DTYPES,
+    Acceleration,
+    CpuLinear,
+    Precision,
+    accelerate,
+    cpu_has_bfloat16,
+)
 from aiayn.config import DecodeConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.inference.loading import load_for_inference
@@ -63,20 +70,14 @@ def _print_warning(message: str) -> None:
 
 
 def quantize_int8(model: Transformer) -> Transformer:
-    """Dynamic int8 quantization of every Linear layer (CPU only; embeddings stay float)."""
+    """Dynamic int8 quantization of every Linear layer (CPU only; embeddings stay float).
+    Quantize the plain model: an accelerated one's linear layers are not ``nn.Linear``."""
+    if any(isinstance(m, CpuLinear) for m in model.modules()):
+        raise ValueError("quantize the plain model: this one is accelerated (undo() it first)")
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, not a dependency here.
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-
-
-# Decoding precisions: the weights' and the products' dtype. Beam scores, log-probabilities
-# and (on the CPU) attention and the cached keys and values stay float32.
-PRECISIONS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
 
 
 def inference_dtype(
@@ -85,8 +86,8 @@ def inference_dtype(
     """The dtype for ``precision`` on ``device``; ValueError where it cannot run (fp16 on
     the CPU), a warning where it runs slowly (bf16 on a CPU without bfloat16 instructions,
     where its products are emulated)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r} (one of {', '.join(PRECISIONS)})")
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"unknown precision {precision!r} (one of {', '.join(PRECISION_DTYPES)})")
     if precision == "fp32":
         return torch.float32
     if precision == "fp16" and device.type == "cpu":
@@ -96,7 +97,14 @@ def inference_dtype(
             "precision bf16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): "
             "its products are emulated, slower than fp32"
         )
-    return PRECISIONS[precision]
+    return PRECISION_DTYPES[precision]
+
+
+def _weights_precision(model: nn.Module) -> Precision | None:
+    """The precision of ``model``'s floating-point weights (None if mixed or none)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    names = [name for name, dtype in PRECISION_DTYPES.items() if {dtype} == dtypes]
+    return names[0] if names else None  # type: ignore[return-value]
 
 
 class Translator:
@@ -110,7 +118,7 @@ class Translator:
     ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
     ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or CUDA) or
     ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
-    log-softmax and the beam scores stay in float32 (see :data:`PRECISIONS`).
+    log-softmax and the beam scores stay in float32.
 
     On the CPU the model is accelerated for decoding (:func:`aiayn.accel.accelerate`: the
     same translations, faster; ``accelerated=False`` decodes with the plain model), and
@@ -156,9 +164,10 @@ class Translator:
                 )
             self.model.to(dtype)
         self.acceleration: Acceleration | None = None
-        if accelerated:
+        weights = _weights_precision(self.model)
+        if accelerated and weights in ("fp32", "bf16"):  # what the CPU levers serve
             self.acceleration = accelerate(
-                self.model, "decode", precision=precision, pack_weights=pack_weights
+                self.model, "decode", precision=weights, pack_weights=pack_weights
             )
         if pack_weights and (self.acceleration is None or not self.acceleration.packed):
             self.warn(

@@ -239,13 +239,14 @@ def train_run(
 def train_and_average(trainer: Trainer) -> TrainResult:
     """Train (SIGINT and SIGTERM stop after the current update, with a checkpoint), then, if
     the run was not interrupted, average its last ``train.average_last`` checkpoints into
-    ``averaged.pt`` (§6.1) and validate the average; the same call on every rank."""
+    ``averaged.pt`` (§6.1) and validate the average; finally :meth:`Trainer.close`. The same
+    call on every rank."""
     try:
-        with trainer.signals_handled():
+        with trainer.signals_handled():  # a signal during averaging lets it finish too
             result = trainer.train()
-        cfg = trainer.config.train
-        if not result.interrupted and cfg.average_last > 0 and result.step > 0:
-            result.averaged = _average(trainer, cfg.average_last)
+            cfg = trainer.config.train
+            if not result.interrupted and cfg.average_last > 0 and result.step > 0:
+                result.averaged = _average(trainer, cfg.average_last)
         return result
     finally:
         trainer.close()

@@ -113,8 +113,8 @@ class Trainer:
         if self.train_cfg.update_tokens <= 0:
             raise ConfigError("train.update_tokens must be positive")
         self.model = model.to(self.device)
-        # On the CPU, the faster modules and malloc settings of aiayn.accel (same results);
-        # ``accelerated=False`` trains the plain model.
+        # On the CPU, the faster modules and malloc settings of aiayn.accel (the plain model's
+        # results, see its docstring); ``accelerated=False`` trains the plain model.
         self.acceleration: Acceleration | None = None
         if accelerated:
             self.acceleration = accelerate(self.model, "train", precision=precision)
@@ -173,7 +173,8 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
-        """Run updates until a limit, early stopping or a signal; save; average at the end."""
+        """Run updates until a limit, early stopping or a signal; validate and save at the end.
+        Averaging the last checkpoints, and closing: ``training.launch.train_and_average``."""
         cfg = self.train_cfg
         interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "time": time.monotonic()}
         reason = self._limit_reached()
@@ -613,5 +614,8 @@ class Trainer:
         interval.update(loss=0.0, nll=0.0, tokens=0.0, time=now)
 
     def close(self) -> None:
-        """Close the metrics log (its TensorBoard writer)."""
+        """Close the metrics log (its TensorBoard writer) and undo the acceleration: the model
+        is the plain one again, and the process's malloc setting is released."""
         self.metrics.close()
+        if self.acceleration is not None:
+            self.acceleration.undo()
