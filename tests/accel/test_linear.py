@@ -41,10 +41,7 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
 
 
 def _packed(model: nn.Module) -> list[bool]:
-    return [
-        isinstance(m, CpuLinear) and m.pack is not None and m.pack.matches(m.weight)
-        for m in _linears(model)
-    ]
+    return [isinstance(m, CpuLinear) and m.pack_serves() for m in _linears(model)]
 
 
 @pytest.fixture

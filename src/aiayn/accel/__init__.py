@@ -211,15 +211,13 @@ def accelerate(
         if mode == "decode":
             made = 0
             for layer in linears:
-                if layer.pack is not None and layer.pack.matches(layer.weight):
+                if layer.pack_serves():
                     continue
                 new = pack(layer)
                 if new is not None:
                     acceleration._set(layer, "pack", new)
                     made += 1
-            acceleration.packed = sum(
-                layer.pack is not None and layer.pack.matches(layer.weight) for layer in linears
-            )
+            acceleration.packed = sum(layer.pack_serves() for layer in linears)
             if made:
                 watch_optimizer_steps()
                 acceleration._watching = True

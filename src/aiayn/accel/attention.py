@@ -15,10 +15,6 @@ from torch import Tensor
 from aiayn.model.attention import MultiHeadAttention
 
 
-def _bf16_on_cpu(x: Tensor) -> bool:
-    return x.dtype is torch.bfloat16 and x.device.type == "cpu"
-
-
 class Float32Attention(MultiHeadAttention):
     """:class:`~aiayn.model.attention.MultiHeadAttention` whose bfloat16 CPU heads are attended
     in float32 (outside autocast, which would convert them back). Other dtypes and devices
@@ -37,6 +33,6 @@ class Float32Attention(MultiHeadAttention):
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         k, v = super().project_kv(memory)
-        if _bf16_on_cpu(k):
+        if k.dtype is torch.bfloat16 and k.device.type == "cpu":
             return k.float(), v.float()
         return k, v

@@ -231,6 +231,10 @@ class CpuLinear(nn.Linear):
                 return on_padded_rows(super().forward, x, padded)
         return F.linear(x, self.weight, self.bias)
 
+    def pack_serves(self) -> bool:
+        """Whether the layer has a pack of its current weight."""
+        return self.pack is not None and self.pack.matches(self.weight)
+
     def packed_product(self, x: Tensor) -> Tensor | None:
         """The product through :attr:`pack`, or None where the pack does not serve ``x``."""
         pack = self.pack
