@@ -1,4 +1,5 @@
-"""``aiayn prepare``: raw parallel text (or a named corpus) to a binarised DATA_DIR."""
+"""``aiayn prepare``: raw parallel text, monolingual or labelled text (or a named corpus) to a
+binarised DATA_DIR."""
 
 from __future__ import annotations
 
@@ -10,25 +11,51 @@ from aiayn.config import DataConfig
 from aiayn.errors import CLIError
 
 _CORPORA = ("bible", "multi30k", "wmt14")
+_TASKS = ("translation", "lm", "classify")
+_DEFAULT_VOCAB_SIZE = 8000
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "prepare",
-        help="train the joint vocabulary and binarise a parallel corpus",
+        help="train the vocabulary and binarise a corpus (parallel, monolingual or labelled)",
         description="Read PREFIX.SRC / PREFIX.TGT text files (UTF-8, one sentence a line), train "
         "one joint sentencepiece vocabulary on the training text, and write memory-mapped token "
         "ids, the kept text and manifest.json to DATA_DIR. Re-running with the same inputs and "
         "options reuses DATA_DIR. With --corpus, the files come from a named corpus instead: "
         "'bible' (English-Spanish, from the SWORD modules installed by scripts/setup_env.sh), "
-        "'multi30k' or 'wmt14' (downloaded into --cache-dir).",
+        "'multi30k' or 'wmt14' (downloaded into --cache-dir). With --task lm (one document or "
+        "sentence a line, for language models and masked-LM pre-training) or --task classify "
+        "(LABEL<TAB>TEXT lines), --train/--valid/--test name whole files of one language; "
+        "--corpus bible gives its --lang text (lm: held-out books; classify: each verse's "
+        "--label, genre or book).",
+    )
+    parser.add_argument(
+        "--task",
+        choices=_TASKS,
+        default="translation",
+        help="translation (parallel text, the default), lm or classify (text of one language)",
     )
     inputs = parser.add_argument_group("input files")
-    inputs.add_argument("--train", metavar="PREFIX", help="training text: PREFIX.SRC, PREFIX.TGT")
-    inputs.add_argument("--valid", metavar="PREFIX", help="validation text")
-    inputs.add_argument("--test", metavar="PREFIX", help="test text (optional)")
-    inputs.add_argument("--src", metavar="LANG", help="source language suffix, e.g. en")
-    inputs.add_argument("--tgt", metavar="LANG", help="target language suffix, e.g. de")
+    inputs.add_argument(
+        "--train",
+        metavar="PREFIX|FILE",
+        help="training text: PREFIX.SRC, PREFIX.TGT (translation) or FILE (lm, classify)",
+    )
+    inputs.add_argument("--valid", metavar="PREFIX|FILE", help="validation text")
+    inputs.add_argument("--test", metavar="PREFIX|FILE", help="test text (optional)")
+    inputs.add_argument(
+        "--src", metavar="LANG", help="translation: source language suffix, e.g. en"
+    )
+    inputs.add_argument(
+        "--tgt", metavar="LANG", help="translation: target language suffix, e.g. de"
+    )
+    inputs.add_argument(
+        "--tokenizer",
+        metavar="SPM_MODEL",
+        help="lm, classify: use this sentencepiece model (with <mask> at id 4: the spm.model of a "
+        "pre-trained model or of another DATA_DIR of these tasks) instead of training one",
+    )
     named = parser.add_argument_group("named corpus (instead of --train/--valid/--test)")
     named.add_argument(
         "--corpus", choices=_CORPORA, help="bible (embedded en-es), multi30k or wmt14 (en-de)"
@@ -48,23 +75,37 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="bible: fetch CrossWire's module zips when no modules are installed",
     )
+    named.add_argument(
+        "--lang", choices=("en", "es"), help="bible with --task lm or classify: the text (en)"
+    )
+    named.add_argument(
+        "--label",
+        choices=("genre", "book"),
+        help="bible with --task classify: what a verse is labelled with (genre)",
+    )
     parser.add_argument("--out", metavar="DATA_DIR", required=True, help="output directory")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="joint vocabulary size")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"vocabulary size (default {_DEFAULT_VOCAB_SIZE:,})",
+    )
     parser.add_argument(
         "--model-type", choices=("bpe", "unigram"), default="bpe", help="sentencepiece model"
     )
     parser.add_argument(
         "--max-len",
         type=int,
-        default=DataConfig.max_len,
-        help="drop training pairs with more tokens on a side (default %(default)s)",
+        default=None,
+        help=f"translation: drop training pairs with more tokens on a side "
+        f"(default {DataConfig.max_len})",
     )
     parser.add_argument(
         "--max-len-ratio",
         type=float,
-        default=DataConfig.max_len_ratio,
-        help="drop training pairs whose longer side exceeds this many times the shorter "
-        "(0 = off; default %(default)s)",
+        default=None,
+        help="translation: drop training pairs whose longer side exceeds this many times the "
+        f"shorter (0 = off; default {DataConfig.max_len_ratio})",
     )
     parser.add_argument(
         "--encoding-errors",
@@ -90,15 +131,10 @@ def _log(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast (aiayn.cli).
-    from aiayn.data.prepare import prepare_corpus, prepare_data
-
-    if args.vocab_size < 5:
+    if args.vocab_size is not None and args.vocab_size < 5:
         raise CLIError(f"--vocab-size must be at least 5, got {args.vocab_size}")
     options: dict[str, Any] = {
         "model_type": args.model_type,
-        "max_len": args.max_len,
-        "max_len_ratio": args.max_len_ratio,
         "encoding_errors": args.encoding_errors,
         "force": args.force,
     }
@@ -110,10 +146,30 @@ def run(args: argparse.Namespace) -> int:
         given = [f"--{n}" for n in ("train", "valid", "test") if getattr(args, n)]
         if given:
             raise CLIError(f"--corpus {args.corpus} reads its own files; drop {', '.join(given)}")
-        manifest = prepare_corpus(
+    elif args.sword_path or args.download:
+        raise CLIError("--sword-path and --download go with --corpus bible")
+    prepare = _prepare_translation if args.task == "translation" else _prepare_text
+    print(summary(prepare(args, options), args.out))
+    return 0
+
+
+def _prepare_translation(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    # Imported here: `aiayn --help` stays fast (aiayn.cli).
+    from aiayn.data.prepare import prepare_corpus, prepare_data
+
+    text_only = [f"--{n}" for n in ("tokenizer", "lang", "label") if getattr(args, n)]
+    if text_only:
+        raise CLIError(f"{', '.join(text_only)}: only with --task lm or --task classify")
+    options["max_len"] = DataConfig.max_len if args.max_len is None else args.max_len
+    options["max_len_ratio"] = (
+        DataConfig.max_len_ratio if args.max_len_ratio is None else args.max_len_ratio
+    )
+    vocab_size = args.vocab_size or _DEFAULT_VOCAB_SIZE
+    if args.corpus:
+        return prepare_corpus(
             args.corpus,
             args.out,
-            vocab_size=args.vocab_size,
+            vocab_size=vocab_size,
             src=args.src,
             tgt=args.tgt,
             cache_dir=args.cache_dir,
@@ -122,39 +178,114 @@ def run(args: argparse.Namespace) -> int:
             log=_log,
             **options,
         )
-    else:
-        missing = [f"--{n}" for n in ("train", "valid", "src", "tgt") if not getattr(args, n)]
-        if missing:
-            raise CLIError(f"missing {', '.join(missing)} (or name a --corpus)")
-        if args.sword_path or args.download:
-            raise CLIError("--sword-path and --download go with --corpus bible")
-        manifest = prepare_data(
-            args.train,
-            args.valid,
-            args.test,
-            args.src,
-            args.tgt,
-            args.vocab_size,
+    missing = [f"--{n}" for n in ("train", "valid", "src", "tgt") if not getattr(args, n)]
+    if missing:
+        raise CLIError(f"missing {', '.join(missing)} (or name a --corpus)")
+    return prepare_data(
+        args.train,
+        args.valid,
+        args.test,
+        args.src,
+        args.tgt,
+        vocab_size,
+        args.out,
+        log=_log,
+        **options,
+    )
+
+
+def _prepare_text(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from aiayn.data.text import prepare_bible_text, prepare_text
+
+    task = args.task
+    translation_only = [
+        f"--{n.replace('_', '-')}"
+        for n in ("src", "tgt", "max_len", "max_len_ratio")
+        if getattr(args, n) is not None
+    ]
+    if translation_only:
+        raise CLIError(
+            f"{', '.join(translation_only)}: only for translation; --task {task} reads whole "
+            "files of one language and keeps every line (long ones are cut when batched)"
+        )
+    if args.label and task != "classify":
+        raise CLIError("--label goes with --task classify")
+    if args.tokenizer:
+        if args.vocab_size is not None:
+            raise CLIError("--tokenizer brings its own vocabulary; drop --vocab-size")
+        options["tokenizer"] = args.tokenizer
+    vocab_size = args.vocab_size or _DEFAULT_VOCAB_SIZE
+    if args.corpus:
+        if args.corpus != "bible":
+            raise CLIError(
+                f"--task {task} has no --corpus {args.corpus}: only bible (its --lang text), "
+                "or --train FILE --valid FILE"
+            )
+        return prepare_bible_text(
             args.out,
+            task,
+            lang=args.lang or "en",
+            label=args.label or "genre",
+            vocab_size=vocab_size,
+            sword_path=args.sword_path,
+            download=args.download,
+            cache_dir=args.cache_dir,
             log=_log,
             **options,
         )
-    print(summary(manifest, args.out))
-    return 0
+    if args.lang or args.label:
+        raise CLIError("--lang and --label go with --corpus bible")
+    missing = [f"--{n}" for n in ("train", "valid") if not getattr(args, n)]
+    if missing:
+        raise CLIError(f"missing {', '.join(missing)} (or --corpus bible)")
+    return prepare_text(
+        task, args.train, args.valid, args.test, args.out, vocab_size, log=_log, **options
+    )
 
 
 def summary(manifest: dict[str, Any], out: str) -> str:
     """A few lines on what DATA_DIR now holds."""
+    from aiayn.data.corpus import data_kind
+
+    if data_kind(manifest) == "text":
+        return _text_summary(manifest, out)
     src, tgt = manifest["src"], manifest["tgt"]
     lines = [
         f"{out}: {src}-{tgt}, joint vocabulary {manifest['vocab_size']:,} "
         f"({manifest['tokenizer_options']['model_type']})"
     ]
     for split, info in manifest["splits"].items():
-        dropped = ", ".join(f"{n:,} {why}" for why, n in info["dropped"].items() if n)
         lines.append(
             f"  {split:<5} {info['pairs']:>10,} pairs  {info['tokens'][src]:>12,} {src} tokens  "
-            f"{info['tokens'][tgt]:>12,} {tgt} tokens"
-            + (f"  (dropped: {dropped})" if dropped else "")
+            f"{info['tokens'][tgt]:>12,} {tgt} tokens" + _dropped(info)
         )
     return "\n".join(lines)
+
+
+def _text_summary(manifest: dict[str, Any], out: str) -> str:
+    options = manifest["tokenizer_options"]
+    origin = f"from {options['from']}" if "from" in options else options["model_type"]
+    lines = [
+        f"{out}: text for the {manifest['task']} task, vocabulary {manifest['vocab_size']:,} "
+        f"({origin})"
+    ]
+    splits = manifest["splits"]
+    for split, info in splits.items():
+        lines.append(
+            f"  {split:<5} {info['lines']:>10,} lines  {info['tokens']:>12,} tokens  "
+            f"longest {info['longest']:,}" + _dropped(info)
+        )
+    if names := manifest.get("labels"):
+        width = max(len(name) for name in names) + 2
+        lines.append(
+            f"  {len(names)} classes".ljust(width + 2) + "".join(f"{s:>10}" for s in splits)
+        )
+        for name in names:
+            counts = "".join(f"{info['label_counts'][name]:>10,}" for info in splits.values())
+            lines.append(f"    {name:<{width}}{counts}")
+    return "\n".join(lines)
+
+
+def _dropped(info: dict[str, Any]) -> str:
+    dropped = ", ".join(f"{n:,} {why}" for why, n in info["dropped"].items() if n)
+    return f"  (dropped: {dropped})" if dropped else ""

@@ -13,6 +13,9 @@ PAD_ID = 0
 UNK_ID = 1
 BOS_ID = 2
 EOS_ID = 3
+# "<mask>": a user-defined symbol of the tokenizers that `aiayn prepare --task lm|classify`
+# trains (masked-language-model pre-training replaces chosen tokens with it).
+MASK_ID = 4
 
 
 @dataclass
@@ -42,6 +45,63 @@ class Batch:
             self.src_pad.to(device, non_blocking=True),
             self.tgt_in.to(device, non_blocking=True),
             self.tgt_out.to(device, non_blocking=True),
+        )
+
+
+@dataclass
+class TokenBatch:
+    """A padded batch for a token-level task of one sequence: the language model (``inputs``
+    are a span without its last token, ``targets`` the span shifted by one) or the masked
+    language model (``inputs`` with the chosen tokens replaced, ``targets`` the original token
+    at the chosen positions). ``targets`` is PAD_ID where no loss is taken."""
+
+    inputs: Tensor  # (B, T)
+    targets: Tensor  # (B, T)
+
+    @property
+    def pad(self) -> Tensor:
+        """(B, T), True at padding."""
+        return self.inputs == PAD_ID
+
+    @property
+    def n_src_tokens(self) -> int:
+        return int((self.inputs != PAD_ID).sum())
+
+    @property
+    def n_tgt_tokens(self) -> int:
+        """Predictions the loss takes (the budget and normaliser of an update)."""
+        return int((self.targets != PAD_ID).sum())
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return TokenBatch(
+            self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True)
+        )
+
+
+@dataclass
+class LabelBatch:
+    """A padded batch of labelled texts: ``inputs`` (B, T) are BOS + text + EOS (the BOS
+    is the position a first-token classifier reads), ``labels`` (B,) class indices."""
+
+    inputs: Tensor
+    labels: Tensor
+
+    @property
+    def pad(self) -> Tensor:
+        return self.inputs == PAD_ID
+
+    @property
+    def n_src_tokens(self) -> int:
+        return int((self.inputs != PAD_ID).sum())
+
+    @property
+    def n_tgt_tokens(self) -> int:
+        """Predictions the loss takes: one per text."""
+        return int(self.labels.numel())
+
+    def to(self, device: torch.device | str) -> LabelBatch:
+        return LabelBatch(
+            self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True)
         )
 
 

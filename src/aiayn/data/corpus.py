@@ -1,6 +1,7 @@
 """A prepared DATA_DIR: one split read through memory maps, never as Python lists.
 
-Layout written by :func:`aiayn.data.prepare.prepare_data` (see ``docs/data.md``)::
+Layout written by :func:`aiayn.data.prepare.prepare_data` (see ``docs/data.md``; the text
+tasks' layout, :mod:`aiayn.data.text`, reuses its files with the suffix ``txt``)::
 
     DATA_DIR/manifest.json            written last: a directory without it is not trusted
     DATA_DIR/spm.model                the joint sentencepiece model
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -53,6 +54,11 @@ def ids_paths(data_dir: str | Path, split: str, lang: str) -> tuple[Path, Path, 
     )
 
 
+def ids_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of the ``.bin`` token files: ``uint16`` while the ids fit, else ``int32``."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
 def load_manifest(data_dir: str | Path) -> dict[str, Any]:
     """Read DATA_DIR/manifest.json; a missing or foreign file is a :class:`UserError`."""
     path = manifest_path(data_dir)
@@ -78,6 +84,17 @@ def load_manifest(data_dir: str | Path) -> dict[str, Any]:
             f"{MANIFEST_FORMAT_VERSION}; run `aiayn prepare` again"
         )
     return manifest
+
+
+def data_kind(manifest: dict[str, Any]) -> Literal["parallel", "text"]:
+    """What a manifest describes: ``"parallel"`` text for translation (manifests without a
+    ``kind``) or ``"text"`` for the lm / mlm / classify tasks (:mod:`aiayn.data.text`)."""
+    kind = manifest.get("kind", "parallel")
+    if kind == "parallel":
+        return "parallel"
+    if kind == "text":
+        return "text"
+    raise UserError(f"unknown kind of data {kind!r} in the manifest; run `aiayn prepare` again")
 
 
 class Corpus:
@@ -109,12 +126,14 @@ class Corpus:
         """Open ``split`` ("train", "valid" or "test") of a prepared directory."""
         data_dir = Path(data_dir)
         manifest = load_manifest(data_dir)
-        if split not in manifest.get("splits", {}):
-            have = ", ".join(manifest.get("splits", {})) or "none"
+        if data_kind(manifest) != "parallel":
+            task = manifest.get("task", "?")
             raise UserError(
-                f"{manifest_path(data_dir)}: no {split!r} split in this data directory "
-                f"(it has: {have})"
+                f"{data_dir} is prepared for the {task} task (aiayn prepare --task {task}); a "
+                "translation model needs parallel data (aiayn prepare --train PREFIX --valid "
+                "PREFIX --src LANG --tgt LANG)"
             )
+        check_split(data_dir, manifest, split)
         return cls(data_dir, split, manifest)
 
     def __len__(self) -> int:
@@ -159,6 +178,15 @@ class Corpus:
     def tgt_texts(self) -> list[str]:
         """The raw target sentences (the original references), aligned with the pair indices."""
         return _read_lines(self.tgt_text_path())
+
+
+def check_split(data_dir: Path, manifest: dict[str, Any], split: str) -> None:
+    """A :class:`UserError` naming the splits there are when ``split`` is not one of them."""
+    if split not in manifest.get("splits", {}):
+        have = ", ".join(manifest.get("splits", {})) or "none"
+        raise UserError(
+            f"{manifest_path(data_dir)}: no {split!r} split in this data directory (it has: {have})"
+        )
 
 
 def _open_side(

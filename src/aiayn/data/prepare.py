@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
@@ -37,6 +37,7 @@ from aiayn.data.corpus import (
     MANIFEST_FORMAT_VERSION,
     MANIFEST_NAME,
     TOKENIZER_NAME,
+    ids_dtype,
     ids_paths,
     load_manifest,
     manifest_path,
@@ -162,23 +163,17 @@ def prepare_data(
     )
 
     out = Path(out_dir)
-    outputs = {text_path(out, split, lang).resolve() for split in inputs for lang in (src, tgt)}
-    for path in (p for paths in inputs.values() for p in paths):
-        if path.resolve() in outputs:
-            raise UserError(f"{path}: an input file inside --out {out} would be overwritten")
+    _refuse_overwriting(
+        [p for paths in inputs.values() for p in paths],
+        [text_path(out, split, lang) for split in inputs for lang in (src, tgt)],
+        out,
+    )
     old = _existing_manifest(out)
-    if not force and old is not None and old.get("fingerprint") == fingerprint:
-        if _files_intact(out, old):
-            say(f"{out}: up to date (same inputs and options), reusing it")
-            return old
+    if not force and old is not None and _up_to_date(out, old, fingerprint):
+        say(f"{out}: up to date (same inputs and options), reusing it")
+        return old
 
-    _make_dir(out)
-    _remove_stale_staging(out)
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
-    except OSError as err:
-        raise UserError(f"{out}: output directory is not writable ({err.strerror})") from None
-    try:
+    with _staging_dir(out) as staging:
         stats: dict[str, _SplitStats] = {}
         for split, (src_path, tgt_path) in inputs.items():
             say(f"reading {split}: {src_path}, {tgt_path} ({line_counts[split]:,} lines)")
@@ -197,26 +192,22 @@ def prepare_data(
         tokenizer_key = _digest(
             {"train_text": _content_digest(train_text), **{k: options[k] for k in vocab_keys}}
         )
-        old_tokenizer = _reusable_tokenizer(out, old, tokenizer_key) if not force else None
-        model_file = staging / TOKENIZER_NAME
-        if old_tokenizer is not None:
-            say(f"reusing {old_tokenizer} (same training text and vocabulary options)")
-            shutil.copyfile(old_tokenizer, model_file)
-            tokenizer = Tokenizer.load(model_file)
-        else:
-            say(f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}")
-            tokenizer = train_tokenizer(
+        tokenizer = _staged_tokenizer(
+            staging,
+            _reusable_tokenizer(out, old, tokenizer_key) if not force else None,
+            f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}",
+            lambda prefix: train_tokenizer(
                 train_text,
                 vocab_size,
-                staging / Path(TOKENIZER_NAME).stem,
+                prefix,
                 model_type,
                 character_coverage=character_coverage,
                 input_sentence_size=input_sentence_size,
                 source=" and ".join(str(p) for p in inputs["train"]),
-            )
-            with contextlib.suppress(FileNotFoundError):
-                (staging / (Path(TOKENIZER_NAME).stem + ".vocab")).unlink()
-        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32)
+            ),
+            say,
+        )
+        dtype = ids_dtype(tokenizer.vocab_size)
 
         for split in inputs:
             say(f"encoding {split}")
@@ -232,12 +223,42 @@ def prepare_data(
             options, inputs, stats, tokenizer, dtype, fingerprint, tokenizer_key, staging
         )
         _commit(staging, out, manifest, old)
-    except OSError as err:  # disk full, permissions changed under us, ...
+    return manifest
+
+
+def _refuse_overwriting(inputs: list[Path], outputs: list[Path], out: Path) -> None:
+    """A :class:`UserError` when an input file is one that preparing ``out`` writes."""
+    written = {path.resolve() for path in outputs}
+    for path in inputs:
+        if path.resolve() in written:
+            raise UserError(f"{path}: an input file inside --out {out} would be overwritten")
+
+
+def _up_to_date(out: Path, old: dict[str, Any], fingerprint: str) -> bool:
+    """Whether ``out`` holds complete data (manifest ``old``) of the same inputs and options."""
+    return old.get("fingerprint") == fingerprint and _files_intact(out, old)
+
+
+@contextlib.contextmanager
+def _staging_dir(out: Path) -> Iterator[Path]:
+    """A fresh staging directory inside ``out`` (created when missing), removed afterwards.
+
+    Stale ones of killed runs go first; an ``OSError`` inside (disk full, permissions changed
+    under us, ...) becomes a :class:`UserError` naming the file.
+    """
+    _make_dir(out)
+    _remove_stale_staging(out)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
+    except OSError as err:
+        raise UserError(f"{out}: output directory is not writable ({err.strerror})") from None
+    try:
+        yield staging
+    except OSError as err:
         where = err.filename or out
         raise UserError(f"{where}: {err.strerror or err} while preparing {out}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return manifest
 
 
 def _reusable_tokenizer(out: Path, old: dict[str, Any] | None, key: str) -> Path | None:
@@ -246,6 +267,28 @@ def _reusable_tokenizer(out: Path, old: dict[str, Any] | None, key: str) -> Path
     if old is not None and old.get("tokenizer_key") == key and path.is_file():
         return path
     return None
+
+
+def _staged_tokenizer(
+    staging: Path,
+    reusable: Path | None,
+    training: str,
+    train: Callable[[Path], Tokenizer],
+    say: Log,
+) -> Tokenizer:
+    """``staging/spm.model``: a copy of ``reusable`` when there is one, else trained by
+    ``train(model_prefix)`` (after saying ``training``); sentencepiece's ``.vocab`` is left out.
+    """
+    model_file = staging / TOKENIZER_NAME
+    if reusable is not None:
+        say(f"reusing {reusable} (same training text and vocabulary options)")
+        shutil.copyfile(reusable, model_file)
+        return Tokenizer.load(model_file)
+    say(training)
+    tokenizer = train(staging / model_file.stem)
+    with contextlib.suppress(FileNotFoundError):
+        (staging / (model_file.stem + ".vocab")).unlink()
+    return tokenizer
 
 
 # -- pass 1: read, check, clean ---------------------------------------------------------------
@@ -375,12 +418,7 @@ def _encode_split(
             rows = np.flatnonzero(keep).tolist()
             lines = {"src": src_lines, "tgt": tgt_lines}
             for side in sides:
-                chosen = [ids[side][r] for r in rows]
-                kept_lens = lens[side][keep]
-                flat = np.fromiter(
-                    chain.from_iterable(chosen), dtype=dtype, count=int(kept_lens.sum())
-                )
-                flat.tofile(bins[side])
+                kept_lens = _write_ids([ids[side][r] for r in rows], dtype, bins[side])
                 lengths[side].append(kept_lens)
                 texts[side].writelines(lines[side][r] + "\n" for r in rows)
                 stats.tokens[side] += int(kept_lens.sum())
@@ -388,13 +426,26 @@ def _encode_split(
             kept += len(rows)
     stats.pairs = kept
     for side, lang in sides.items():
-        all_lens = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, np.int64)
-        offsets = np.zeros(len(all_lens) + 1, dtype=np.int64)
-        np.cumsum(all_lens, out=offsets[1:])
-        _, idx_path, len_path = ids_paths(staging, split, lang)
-        np.save(idx_path, offsets)
-        np.save(len_path, all_lens.astype(np.int32))
+        _write_offsets(staging, split, lang, lengths[side])
         _staged_text(staging, split, lang).unlink()
+
+
+def _write_ids(ids: list[list[int]], dtype: np.dtype, out: BinaryIO) -> np.ndarray:
+    """Append the sentences' ids back to back to a ``.bin`` file; returns their lengths."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    flat.tofile(out)
+    return lengths
+
+
+def _write_offsets(directory: Path, split: str, lang: str, lengths: list[np.ndarray]) -> None:
+    """``.idx.npy`` (int64 offsets) and ``.len.npy`` (int32) of sentences of these lengths."""
+    all_lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    offsets = np.zeros(len(all_lens) + 1, dtype=np.int64)
+    np.cumsum(all_lens, out=offsets[1:])
+    _, idx_path, len_path = ids_paths(directory, split, lang)
+    np.save(idx_path, offsets)
+    np.save(len_path, all_lens.astype(np.int32))
 
 
 # -- manifest and commit ----------------------------------------------------------------------
@@ -571,10 +622,7 @@ def prepare_corpus(
     if corpus == "bible":
         if {src, tgt} != set(bible.BIBLE_LANGS):
             raise UserError("the Bible corpus is English-Spanish: --src/--tgt must be en and es")
-        modules: str | Path | Sequence[str | Path] | None = sword_path
-        if modules is None and download and not bible.sword_paths(None):
-            modules = bible.download_sword_modules(cache, log=log)
-        prefixes = bible.write_bible_corpus(cache / "bible", modules, log=log)
+        prefixes = bible.bible_corpus(cache, sword_path, download, log)
     elif corpus == "multi30k":
         prefixes = multi30k.download_multi30k(cache, src, tgt, log=log)
     else:

@@ -2,6 +2,8 @@
 
 The special ids are fixed (``PAD_ID=0 UNK_ID=1 BOS_ID=2 EOS_ID=3``, see
 :mod:`aiayn.data.collate`), so corpus files, checkpoints and the model agree without a lookup.
+The tokenizers of the text tasks carry one more symbol, ``<mask>`` at ``MASK_ID=4`` (the
+``user_defined_symbols`` of :func:`train_tokenizer`); translation tokenizers do not.
 A :class:`Tokenizer` round-trips through bytes, so a checkpoint can embed it.
 """
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from aiayn.data.collate import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
 from aiayn.errors import UserError
 
 # sentencepiece's own default: characters covering 99.95% of the text get a piece; the rare rest
@@ -24,6 +26,8 @@ DEFAULT_CHARACTER_COVERAGE = 0.9995
 # merge table while keeping memory flat on WMT-sized text.
 DEFAULT_INPUT_SENTENCE_SIZE = 2_000_000
 _SPECIAL_IDS = frozenset((PAD_ID, BOS_ID, EOS_ID))
+# The masked-language-model symbol of the text tasks' tokenizers (at MASK_ID).
+MASK_PIECE = "<mask>"
 
 
 class Tokenizer:
@@ -88,6 +92,11 @@ class Tokenizer:
     def piece(self, token_id: int) -> str:
         return str(self._sp.id_to_piece(int(token_id)))
 
+    @property
+    def has_mask(self) -> bool:
+        """Whether ``<mask>`` is the symbol at ``MASK_ID`` (a tokenizer of the text tasks)."""
+        return self.vocab_size > MASK_ID and self.piece(MASK_ID) == MASK_PIECE
+
 
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
@@ -104,16 +113,22 @@ def train_tokenizer(
     num_threads: int = 0,
     seed: int = 1,
     source: str | None = None,
+    user_defined_symbols: Sequence[str] = (),
 ) -> Tokenizer:
     """Train one joint model on all ``text_files``; writes ``{model_prefix}.model`` and ``.vocab``.
 
+    ``user_defined_symbols`` take the ids after the four special ones, in order (``[MASK_PIECE]``
+    puts ``<mask>`` at ``MASK_ID``); each is always one token, also where the text spells it.
     A vocabulary size the text cannot support raises :class:`UserError` naming the limit and
     the text (``source``, by default the file names).
     """
     if model_type not in ("bpe", "unigram", "char", "word"):
         raise UserError(f"unknown tokenizer model type {model_type!r} (bpe, unigram, char, word)")
-    if vocab_size <= 4:
-        raise UserError(f"vocabulary size {vocab_size} leaves no room beyond the 4 special ids")
+    reserved = 4 + len(user_defined_symbols)
+    if vocab_size <= reserved:
+        raise UserError(
+            f"vocabulary size {vocab_size} leaves no room beyond the {reserved} special ids"
+        )
     spm.set_random_generator_seed(seed)
     model_prefix = Path(model_prefix)
     try:
@@ -129,6 +144,7 @@ def train_tokenizer(
             unk_id=UNK_ID,
             bos_id=BOS_ID,
             eos_id=EOS_ID,
+            user_defined_symbols=list(user_defined_symbols),
             # Sentences longer than this (bytes) are skipped by the trainer, not truncated.
             max_sentence_length=16384,
             num_threads=num_threads or min(8, os.cpu_count() or 1),

@@ -235,6 +235,20 @@ def write_bible_corpus(
     return prefixes
 
 
+def bible_corpus(
+    cache_dir: str | Path,
+    sword_path: str | Path | Sequence[str | Path] | None = None,
+    download: bool = False,
+    log: Log | None = None,
+) -> dict[str, Path]:
+    """:func:`write_bible_corpus` into ``cache_dir/bible``; with ``download``, CrossWire's
+    module zips are fetched into the cache first when no modules are installed."""
+    modules = sword_path
+    if modules is None and download and not sword_paths(None):
+        modules = download_sword_modules(cache_dir, log=log)
+    return write_bible_corpus(Path(cache_dir) / "bible", modules, log=log)
+
+
 def _modules_stamp(paths: list[Path]) -> list[list[Any]]:
     """What identifies the module files: zips and conf files by name, size and mtime."""
     files = [p for p in paths if p.is_file()]

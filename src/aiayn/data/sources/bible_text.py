@@ -1,5 +1,7 @@
 """The Bible corpus's text, without I/O: OSIS markup cleaning, the length-based verse alignment
-(Gale & Church, 1993) and the fixed train/valid/test split by verse reference.
+(Gale & Church, 1993), the fixed train/valid/test split by verse reference, and the books,
+genres and splits of the text tasks (held-out books for the language model, chapters for
+classification).
 
 See ``docs/data.md`` for what each step does to the text.
 """
@@ -33,6 +35,96 @@ def bible_split(ref: str) -> str:
     if bucket < VALID_BUCKETS + TEST_BUCKETS:
         return "test"
     return "train"
+
+
+# -- books, genres and the splits of the text tasks -------------------------------------------
+
+# The 66 books of the corpus in canonical order (OSIS ids).
+BIBLE_BOOKS: tuple[str, ...] = (
+    *("Gen", "Exod", "Lev", "Num", "Deut", "Josh", "Judg", "Ruth", "1Sam", "2Sam", "1Kgs"),
+    *("2Kgs", "1Chr", "2Chr", "Ezra", "Neh", "Esth", "Job", "Ps", "Prov", "Eccl", "Song"),
+    *("Isa", "Jer", "Lam", "Ezek", "Dan", "Hos", "Joel", "Amos", "Obad", "Jonah", "Mic"),
+    *("Nah", "Hab", "Zeph", "Hag", "Zech", "Mal"),
+    *("Matt", "Mark", "Luke", "John", "Acts", "Rom", "1Cor", "2Cor", "Gal", "Eph", "Phil"),
+    *("Col", "1Thess", "2Thess", "1Tim", "2Tim", "Titus", "Phlm", "Heb", "Jas", "1Pet", "2Pet"),
+    *("1John", "2John", "3John", "Jude", "Rev"),
+)
+# The genres, in this (class index) order, and the runs of books each one covers.
+BIBLE_GENRES = ("law", "history", "wisdom", "prophets", "gospels", "epistles", "apocalyptic")
+_GENRE_RUNS = (
+    ("law", "Gen", "Deut"),
+    ("history", "Josh", "Esth"),
+    ("wisdom", "Job", "Song"),
+    ("prophets", "Isa", "Mal"),
+    ("gospels", "Matt", "John"),
+    ("history", "Acts", "Acts"),
+    ("epistles", "Rom", "Jude"),
+    ("apocalyptic", "Rev", "Rev"),
+)
+_BOOK_GENRE = {
+    book: genre
+    for genre, first, last in _GENRE_RUNS
+    for book in BIBLE_BOOKS[BIBLE_BOOKS.index(first) : BIBLE_BOOKS.index(last) + 1]
+}
+# The held-out books of the language-model task: a few of each part of the canon.
+LM_VALID_BOOKS = ("Ruth", "Joel", "Jonah", "Phil", "2Pet")
+LM_TEST_BOOKS = ("Esth", "Amos", "Col", "Jas", "Titus")
+# The classification task holds out this share of the chapters of every book for valid, and as
+# many for test (rounded to whole chapters: books of fewer than 10 chapters are all train).
+CHAPTER_SHARE = 0.05
+
+
+def ref_book(ref: str) -> str:
+    """The OSIS book id of a reference: "Gen" for "Gen.1.1" (the first verse of a joined pair)."""
+    book = ref.split(".", 1)[0]
+    if book not in _BOOK_GENRE:
+        raise ValueError(f"{ref!r}: unknown OSIS book {book!r}")
+    return book
+
+
+def book_genre(book: str) -> str:
+    """The genre of an OSIS book id: one of :data:`BIBLE_GENRES`."""
+    try:
+        return _BOOK_GENRE[book]
+    except KeyError:
+        raise ValueError(f"unknown OSIS book {book!r}") from None
+
+
+def canonical_order(ref: str) -> tuple[int, int, int]:
+    """A sort key putting references in canonical order: (book, chapter, verse)."""
+    book, chapter, verse = ref.split("+", 1)[0].split(".")
+    return BIBLE_BOOKS.index(ref_book(book)), int(chapter), int(verse)
+
+
+def book_split(ref: str) -> str:
+    """The split of a verse in the language-model task: held-out books are valid and test."""
+    book = ref_book(ref)
+    if book in LM_VALID_BOOKS:
+        return "valid"
+    if book in LM_TEST_BOOKS:
+        return "test"
+    return "train"
+
+
+def chapter_splits(refs: Sequence[str]) -> list[str]:
+    """The split of each verse in the classification task, by chapter ("Gen.1", from the first
+    verse of a joined pair): all verses of a chapter go together, so neighbouring verses never
+    straddle train and test. Within each book the chapters are ranked by a hash of their id;
+    the first ``round(CHAPTER_SHARE * chapters)`` are valid, as many more test, the rest train.
+    So every genre is in every split, in about its share of the text."""
+    chapters = [".".join(ref.split("+", 1)[0].split(".")[:2]) for ref in refs]
+    by_book: dict[str, set[str]] = {}
+    for chapter in chapters:
+        by_book.setdefault(ref_book(chapter), set()).add(chapter)
+    split_of: dict[str, str] = {}
+    for book_chapters in by_book.values():
+        held_out = int(CHAPTER_SHARE * len(book_chapters) + 0.5)
+        ranked = sorted(book_chapters, key=lambda c: hashlib.sha256(c.encode()).digest())
+        for rank, chapter in enumerate(ranked):
+            split_of[chapter] = (
+                "valid" if rank < held_out else "test" if rank < 2 * held_out else "train"
+            )
+    return [split_of[chapter] for chapter in chapters]
 
 
 # -- markup -----------------------------------------------------------------------------------
