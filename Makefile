@@ -1,11 +1,25 @@
 # The two commands at the top of the README. Each creates or reuses .venv.
-.PHONY: demo test lint format venv bench
+.PHONY: demo demo-lm demo-classify test lint format venv bench
 
 venv:
 	@bash scripts/setup_env.sh
 
 demo: venv
 	.venv/bin/aiayn demo $(ARGS)
+
+# The other two families on the embedded corpus (docs/families.md): about 12 and 25 minutes.
+demo-lm: venv
+	.venv/bin/aiayn prepare --corpus bible --task lm --lang en --out data/bible-lm-en
+	.venv/bin/aiayn train --config configs/bible_lm.toml --data data/bible-lm-en --out runs/bible-lm
+	.venv/bin/aiayn generate runs/bible-lm "In the beginning" --top-p 0.9 --seed 1
+
+demo-classify: venv
+	.venv/bin/aiayn prepare --corpus bible --task classify --lang en --out data/bible-genre
+	.venv/bin/aiayn train --config configs/bible_mlm.toml --data data/bible-genre --out runs/bible-mlm
+	.venv/bin/aiayn train --config configs/bible_classify.toml --data data/bible-genre \
+		--out runs/bible-genre
+	.venv/bin/aiayn classify runs/bible-genre --data data/bible-genre --split test \
+		--confusion runs/bible-genre/confusion.png
 
 test: venv
 	.venv/bin/python -m pytest -q

@@ -83,6 +83,14 @@ class ModelConfig:
     # Post-norm LayerNorm(x + Dropout(Sublayer(x))) is the paper's (§3.1); pre-norm is an option.
     pre_norm: bool = False
     layer_norm_eps: float = 1e-6
+    # What the model is for (docs/families.md): the paper's encoder-decoder ("translation"), a
+    # decoder-only language model ("lm"), or the encoder alone with a masked-language-model
+    # head ("mlm") or a classification head ("classify").
+    task: Literal["translation", "lm", "mlm", "classify"] = "translation"
+    # classify: the number of classes (from the data unless set) and how the encoder output is
+    # pooled: the first position's (BOS, BERT's [CLS]) or the mean over the text.
+    n_classes: int = 2
+    pooling: Literal["first", "mean"] = "first"
 
     @property
     def head_dim_k(self) -> int:
@@ -93,7 +101,9 @@ class ModelConfig:
         return self.d_v if self.d_v is not None else self.d_model // self.n_heads
 
     def validate(self) -> None:
-        positive = ("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers")
+        positive = (
+            *("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "n_classes"),
+        )
         probabilities = ("dropout", "attention_dropout", "relu_dropout")
         rules = {name: _POSITIVE for name in (*positive, "max_positions", "layer_norm_eps")}
         _require(self, "model", rules | {name: _PROBABILITY for name in probabilities})
@@ -115,9 +125,25 @@ class DataConfig:
     max_len: int = 256
     # Pairs whose length ratio (longer / shorter) exceeds this are dropped (and counted).
     max_len_ratio: float = 3.0
+    # lm and mlm: 0 = one example per line (document or sentence); N > 0 = examples of N tokens,
+    # contiguous windows over the text ("blocks") or whole lines packed up to N ("documents").
+    block_size: int = 0
+    pack: Literal["blocks", "documents"] = "blocks"
+    # mlm: the share of tokens chosen for prediction (of which 80% become <mask>, 10% a random
+    # token, 10% stay), as BERT.
+    mask_prob: float = 0.15
 
     def validate(self) -> None:
-        _require(self, "data", {"max_tokens": _POSITIVE, "max_len": _POSITIVE})
+        _require(
+            self,
+            "data",
+            {
+                "max_tokens": _POSITIVE,
+                "max_len": _POSITIVE,
+                "block_size": _NON_NEGATIVE,
+                "mask_prob": (lambda p: 0.0 < p < 1.0, "in (0, 1)"),
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -155,6 +181,9 @@ class TrainConfig:
     average_last: int = 5
     patience: int = 0
     max_bad_steps: int = 10
+    # A checkpoint whose embedding and encoder start a classify run (fine-tuning after mlm
+    # pre-training), or none. The run's data must use that checkpoint's tokenizer.
+    init_from: str | None = None
 
     def validate(self) -> None:
         _require(

@@ -19,6 +19,16 @@ Preset = dict[str, dict[str, Any]]
 # Table 3, "base": N=6, d_model=512, d_ff=2048, h=8, d_k=d_v=64, P_drop=0.1, eps_ls=0.1, 100K steps.
 _BASE: Preset = {"model": {}, "train": {"max_steps": 100000, "average_last": 5}}
 
+# GPT's and BERT-base's shape: 12 layers of 768 with 12 heads and 3,072-wide feed-forward.
+_BASE_FAMILY: dict[str, Any] = {
+    "d_model": 768,
+    "d_ff": 3072,
+    "n_heads": 12,
+    "n_layers": 12,
+    "positional": "learned",
+    "max_positions": 512,
+}
+
 PRESETS: dict[str, Preset] = {
     "base": _BASE,
     # Table 3, "big": N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3, 300K steps; §6.1 averages
@@ -64,6 +74,25 @@ PRESETS: dict[str, Preset] = {
     "small": {
         "model": {"d_model": 256, "d_ff": 1024, "n_heads": 4, "n_layers": 3},
         "train": {"average_last": 5},
+    },
+    # The other two families (docs/families.md), without label smoothing. "*_small": the
+    # "small" shape; "gpt_base": GPT's 12 × 768 (Radford et al., 2018); "bert_base": BERT-base
+    # (Devlin et al., 2019); both with learned positions over 512, as those models have.
+    "gpt_small": {
+        "model": {"task": "lm", "d_model": 256, "d_ff": 1024, "n_heads": 4, "n_layers": 4},
+        "train": {"label_smoothing": 0.0, "average_last": 5},
+    },
+    "gpt_base": {
+        "model": {"task": "lm", **_BASE_FAMILY},
+        "train": {"label_smoothing": 0.0, "average_last": 5},
+    },
+    "bert_small": {
+        "model": {"task": "mlm", "d_model": 256, "d_ff": 1024, "n_heads": 4, "n_layers": 4},
+        "train": {"label_smoothing": 0.0, "average_last": 5},
+    },
+    "bert_base": {
+        "model": {"task": "mlm", **_BASE_FAMILY},
+        "train": {"label_smoothing": 0.0, "average_last": 5},
     },
     # "tiny": for unit tests and smoke runs only.
     "tiny": {

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from aiayn.inference import loading
-from aiayn.model.transformer import Transformer
+from aiayn.model.families import build_model
 from aiayn.training.distributed import DistInfo
 from aiayn.training.trainer import Trainer
 from tests.helpers import (
@@ -36,18 +37,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(rank: int, world_size: int, run_dir: str, port: int) -> None:
+def _source(task: str) -> tuple[Any, list[str]]:
+    """The examples of ``task`` and its update budget's overrides."""
+    from tests.training.test_tasks import Labelled, Sequences
+
+    if task == "translation":
+        corpus = ListCorpus(reverse_pairs(BATCH * N_BATCHES, LENGTH, 64, seed=5))
+        return corpus, [f"train.update_tokens={2 * TOKENS}"]
+    if task == "lm":  # every sequence has the same length: each update is two batches
+        sequences = Sequences("lm", BATCH * N_BATCHES)
+        sequences.docs = [doc[:6] for doc in sequences.docs]
+        return sequences, ["model.task=lm", f"train.update_tokens={2 * BATCH * 5}"]
+    labelled = Labelled(BATCH * N_BATCHES)
+    return labelled, [
+        "model.task=classify",
+        "model.n_classes=2",
+        f"train.update_tokens={2 * BATCH}",
+    ]
+
+
+def _run(rank: int, world_size: int, run_dir: str, port: int, task: str = "translation") -> None:
     torch.set_num_threads(1)
     if world_size > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    corpus, budget = _source(task)
     # Dropout off: each process draws its own dropout masks.
-    config = tiny_config(
-        f"train.max_steps={STEPS}", "model.dropout=0", f"train.update_tokens={2 * TOKENS}"
-    )
+    config = tiny_config(f"train.max_steps={STEPS}", "model.dropout=0", *budget)
     torch.manual_seed(config.train.seed)
-    model = Transformer(config.model)
-    corpus = ListCorpus(reverse_pairs(BATCH * N_BATCHES, LENGTH, 64, seed=5))
+    model = build_model(config.model)
     batches = [list(range(i, i + BATCH)) for i in range(0, BATCH * N_BATCHES, BATCH)]
     # One process reads batches 0, 1, 2, ... two at a time; rank r of two reads r, r+2, ...
     sampler = FixedSampler(batches, shuffle=False, rank=rank, world_size=world_size)
@@ -81,6 +99,18 @@ def test_two_gloo_processes_equal_one(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == [
         f"step_{STEPS:08d}.pt"
     ]
+
+
+@pytest.mark.parametrize("task", ["lm", "classify"])
+def test_two_gloo_processes_equal_one_for_the_other_families(tmp_path, task):
+    _run(0, 1, str(tmp_path / "single"), 0, task)
+    mp.spawn(_run, args=(2, str(tmp_path / "ddp"), _free_port(), task), nprocs=2, join=True)
+    single = loading.load_checkpoint(loading.step_checkpoint_path(tmp_path / "single", STEPS))
+    double = loading.load_checkpoint(loading.step_checkpoint_path(tmp_path / "ddp", STEPS))
+    assert double["sampler"][1] == {"epoch": 0, "position": STEPS}
+    assert double["progress"]["tokens"] == single["progress"]["tokens"]
+    for key, value in single["model"].items():
+        torch.testing.assert_close(double["model"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow

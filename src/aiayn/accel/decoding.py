@@ -30,7 +30,7 @@ class BufferedCache(DecoderCache):
         """The first ``rows`` rows of a (batch rows, width) float32 buffer kept for the
         whole decode."""
         if self.buffer is None or self.buffer.size(1) != width or self.buffer.size(0) < rows:
-            device = self.layers[0].cross_k.device
+            device = self.layers[0].self_k.device
             shape = (max(rows, self.batch_size), width)
             self.buffer = torch.empty(shape, dtype=torch.float32, device=device)
         return self.buffer[:rows]
@@ -53,7 +53,7 @@ class BufferedDecoding(Transformer):
         if (
             not isinstance(cache, BufferedCache)
             or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(cache.layers[0].cross_k.device.type)
+            or torch.is_autocast_enabled(cache.layers[0].self_k.device.type)
             or type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
             or out_proj._forward_hooks
             or out_proj._forward_pre_hooks

@@ -21,13 +21,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
-    from aiayn.model.transformer import Transformer, count_parameters
+    from aiayn.model.families import build_model
+    from aiayn.model.transformer import count_parameters
 
     names = args.presets or list(PRESETS)
     print(f"{'preset':<16} {'params':>14} {'paper (M)':>10}")
     for name in names:
         config = load_config(overrides=[f"preset={name}", f"model.vocab_size={args.vocab_size}"])
-        count = count_parameters(Transformer(config.model))
+        count = count_parameters(build_model(config.model))
         paper = PAPER_PARAMS_M.get(name)
         print(f"{name:<16} {count:>14,} {paper if paper is not None else '-':>10}")
     return 0

@@ -59,6 +59,7 @@ def attention_weights(
     handles = []
     hooked = [(layer.self_attn, encoder) for layer in model.encoder.layers]
     for decoder_layer in model.decoder.layers:
+        assert decoder_layer.cross_attn is not None
         hooked += [(decoder_layer.self_attn, decoder), (decoder_layer.cross_attn, cross)]
     for attention, store in hooked:
         handles.append(attention.register_forward_hook(_recorder(store), with_kwargs=True))

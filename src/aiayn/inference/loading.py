@@ -38,15 +38,18 @@ from __future__ import annotations
 import pickle
 import re
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError, UserError
+from aiayn.model.families import build_model
 from aiayn.model.transformer import Transformer
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint"
@@ -165,10 +168,11 @@ def tensor_to_bytes(tensor: Tensor) -> bytes:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint file as given, or for a run directory: ``averaged.pt`` if present, else the
     newest readable step checkpoint."""
-    return _resolve_and_load(path)[0]
+    return resolve_and_load(path)[0]
 
 
-def _resolve_and_load(path: str | Path) -> tuple[Path, dict[str, Any]]:
+def resolve_and_load(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """:func:`resolve_checkpoint` and the checkpoint read from it."""
     path = Path(path)
     if path.is_dir():
         if (path / AVERAGED_NAME).is_file():
@@ -180,20 +184,62 @@ def _resolve_and_load(path: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, load_checkpoint(path)
 
 
-def load_for_inference(
-    path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Transformer, RunConfig, Tokenizer]:
-    """The model (eval mode, on ``device``), its config and its tokenizer from a checkpoint
-    file or a run directory (see :func:`resolve_checkpoint`)."""
-    path, state = _resolve_and_load(path)
+@dataclass
+class LoadedModel:
+    """A checkpoint ready for inference: the model of its task (eval mode), its config, its
+    tokenizer, a classifier's class names, and the file it came from."""
+
+    model: nn.Module
+    config: RunConfig
+    tokenizer: Tokenizer
+    labels: list[str]
+    path: Path
+
+
+# What each task's model is used with, for the error that a wrong command gets.
+TASK_COMMANDS = {
+    "translation": "aiayn translate",
+    "lm": "aiayn generate",
+    "mlm": "fine-tuning (train.init_from) and aiayn classify",
+    "classify": "aiayn classify",
+}
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", *, tasks: Sequence[str] | None = None
+) -> LoadedModel:
+    """The model (eval mode, on ``device``), config, tokenizer and class names from a
+    checkpoint file or a run directory (see :func:`resolve_checkpoint`). With ``tasks``, a
+    checkpoint of another task is refused with a :class:`CheckpointError` naming the command
+    that serves it."""
+    path, state = resolve_and_load(path)
     try:
         config = config_from_dict(state["config"], stored=True)
     except ConfigError as err:
         raise CheckpointError(f"{path}: stored config is invalid: {err}") from None
-    model = Transformer(config.model)
+    task = config.model.task
+    if tasks is not None and task not in tasks:
+        raise CheckpointError(
+            f"{path} holds a model for the {task} task (model.task); use it with "
+            f"{TASK_COMMANDS[task]}"
+        )
+    model = build_model(config.model)
     model.load_state_dict(state["model"])
     model.to(device).eval()
     if "tokenizer" not in state or state["tokenizer"].numel() == 0:
         raise CheckpointError(f"{path} carries no tokenizer")
     tokenizer = Tokenizer.from_bytes(tensor_to_bytes(state["tokenizer"]))
-    return model, config, tokenizer
+    labels = [str(name) for name in state.get("labels") or []]
+    if task == "classify" and len(labels) != config.model.n_classes:
+        raise CheckpointError(f"{path}: {len(labels)} class names for {config.model.n_classes}")
+    return LoadedModel(model, config, tokenizer, labels, path)
+
+
+def load_for_inference(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Transformer, RunConfig, Tokenizer]:
+    """The translation model (eval mode, on ``device``), its config and its tokenizer from a
+    checkpoint file or a run directory (see :func:`resolve_checkpoint`)."""
+    loaded = load_model(path, device, tasks=("translation",))
+    assert isinstance(loaded.model, Transformer)
+    return loaded.model, loaded.config, loaded.tokenizer

@@ -32,8 +32,9 @@ class LayerCache:
 
     self_k: Tensor  # (sentences, H, max_len, beam, Dk)
     self_v: Tensor  # (sentences, H, max_len, beam, Dv)
-    cross_k: Tensor  # (sentences, H, S, Dk)
-    cross_v: Tensor  # (sentences, H, S, Dv)
+    # None in a decoder-only model (no cross-attention).
+    cross_k: Tensor | None  # (sentences, H, S, Dk)
+    cross_v: Tensor | None  # (sentences, H, S, Dv)
 
     def write(self, position: int, k: Tensor, v: Tensor) -> None:
         """Store the keys/values (sentences, H, beam, Dh) of step ``position``."""
@@ -53,8 +54,9 @@ class LayerCache:
         self-attention buffers only the ``length`` positions written so far are copied."""
         self.self_k = _keep_rows(self.self_k, moves, n, length)
         self.self_v = _keep_rows(self.self_v, moves, n, length)
-        self.cross_k = _keep_rows(self.cross_k, moves, n)
-        self.cross_v = _keep_rows(self.cross_v, moves, n)
+        if self.cross_k is not None and self.cross_v is not None:
+            self.cross_k = _keep_rows(self.cross_k, moves, n)
+            self.cross_v = _keep_rows(self.cross_v, moves, n)
 
 
 def _keep_rows(

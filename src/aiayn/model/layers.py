@@ -79,25 +79,30 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, attention over the encoder output, then the feed-forward network."""
+    """Masked self-attention, attention over the encoder output, then the feed-forward network.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With ``cross_attention=False`` the middle sub-layer is absent: the layer of a decoder-only
+    language model (masked self-attention, then the feed-forward network)."""
+
+    def __init__(self, config: ModelConfig, cross_attention: bool = True) -> None:
         super().__init__()
         self.self_attn = _attention(config, self_attention=True)
-        self.cross_attn = _attention(config, self_attention=False)
+        self.cross_attn = _attention(config, self_attention=False) if cross_attention else None
         self.ffn = PositionwiseFeedForward(config.d_model, config.d_ff, config.relu_dropout)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.cross_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.cross_attn_norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if cross_attention else None
+        )
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.residual = Residual(config.dropout)
         self.pre_norm = config.pre_norm
 
-    def forward(self, x: Tensor, memory: Tensor, cross_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor | None, cross_mask: Tensor | None) -> Tensor:
         """Teacher forcing over all target positions at once (causal self-attention)."""
         x = self._sublayer(x, lambda h: self.self_attn(h, causal=True), self.self_attn_norm)
-        x = self._sublayer(
-            x, lambda h: self.cross_attn(h, memory, mask=cross_mask), self.cross_attn_norm
-        )
+        if self.cross_attn is not None and self.cross_attn_norm is not None:
+            cross = self.cross_attn
+            x = self._sublayer(x, lambda h: cross(h, memory, mask=cross_mask), self.cross_attn_norm)
         return self._sublayer(x, self.ffn, self.ffn_norm)
 
     def step(
@@ -124,13 +129,18 @@ class DecoderLayer(nn.Module):
             out = self.self_attn.attend(q, keys, values, self_mask)
             return out.view(rows, 1, d_model)
 
-        def cross_attention(h: Tensor) -> Tensor:
-            q = self.cross_attn.project_q(h.view(sentences, beam_size, d_model))
-            out = self.cross_attn.attend(q, cache.cross_k, cache.cross_v, cross_mask)
-            return out.view(rows, 1, d_model)
-
         x = self._sublayer(x, self_attention, self.self_attn_norm)
-        x = self._sublayer(x, cross_attention, self.cross_attn_norm)
+        cross = self.cross_attn
+        if cross is not None and self.cross_attn_norm is not None:
+            cross_k, cross_v = cache.cross_k, cache.cross_v
+            assert cross_k is not None and cross_v is not None
+
+            def cross_attention(h: Tensor) -> Tensor:
+                q = cross.project_q(h.view(sentences, beam_size, d_model))
+                out = cross.attend(q, cross_k, cross_v, cross_mask)
+                return out.view(rows, 1, d_model)
+
+            x = self._sublayer(x, cross_attention, self.cross_attn_norm)
         return self._sublayer(x, self.ffn, self.ffn_norm)
 
     def _sublayer(

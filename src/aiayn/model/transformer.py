@@ -32,18 +32,19 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of N decoder layers. Post-norm has no final LayerNorm; pre-norm needs one."""
+    """A stack of N decoder layers. Post-norm has no final LayerNorm; pre-norm needs one.
+    With ``cross_attention=False``, the stack of a decoder-only language model."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, cross_attention: bool = True) -> None:
         super().__init__()
         self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
-            DecoderLayer(config) for _ in range(config.n_layers)
+            DecoderLayer(config, cross_attention) for _ in range(config.n_layers)
         )
         self.final_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
         )
 
-    def forward(self, x: Tensor, memory: Tensor, cross_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor | None, cross_mask: Tensor | None) -> Tensor:
         for layer in self.layers:
             x = layer(x, memory, cross_mask)
         return self.final_norm(x) if self.final_norm is not None else x
@@ -135,6 +136,7 @@ class Transformer(nn.Module):
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
         layers = []
         for layer in self.decoder.layers:
+            assert layer.cross_attn is not None
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
             # The step's keys and values are stored as the projected memory's are.
             self_k, self_v = empty_self_kv(
@@ -181,8 +183,3 @@ def count_parameters(model: nn.Module) -> int:
             seen.add(id(param))
             total += param.numel()
     return total
-
-
-def build_model(config: ModelConfig, device: torch.device | str | None = None) -> Transformer:
-    """A freshly initialised Transformer on ``device``."""
-    return Transformer(config).to(device) if device is not None else Transformer(config)

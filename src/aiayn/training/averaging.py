@@ -111,6 +111,7 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
         chosen.append(path)
         if newest is None:
             newest = {k: state[k] for k in ("config", "tokenizer", "step", "epoch")}
+            newest["labels"] = state.get("labels")
         del state
     if newest is None:
         raise CheckpointError(f"{run_dir} has no readable checkpoints in {CHECKPOINT_DIR}/")
@@ -127,6 +128,7 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
         newest["step"],
         newest["epoch"],
         {"averaged": float(len(chosen)), "first_step": float(_step_of(chosen[-1]))},
+        labels=newest["labels"],
     )
     save_atomic(payload, target)
     return target

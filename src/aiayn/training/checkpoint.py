@@ -184,8 +184,11 @@ def model_checkpoint(
     step: int,
     epoch: int,
     metrics: dict[str, float] | None = None,
+    labels: list[str] | None = None,
 ) -> dict[str, Any]:
-    """A model-only checkpoint (``best.pt``, ``averaged.pt``)."""
+    """A model-only checkpoint (``best.pt``, ``averaged.pt``); a classifier's carries its
+    class names (``labels``, in class-index order)."""
+    extra = {"labels": list(labels)} if labels else {}
     return {
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_VERSION,
@@ -196,4 +199,5 @@ def model_checkpoint(
         "step": int(step),
         "epoch": int(epoch),
         "metrics": dict(metrics or {}),
+        **extra,
     }

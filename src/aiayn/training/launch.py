@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from aiayn.accel import accelerate
-from aiayn.config import RunConfig, load_config, parse_overrides
+from aiayn.config import RunConfig, config_from_dict, load_config, parse_overrides
 from aiayn.data.batching import TokenBatchSampler
-from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
+from aiayn.data.corpus import Corpus, data_kind, load_manifest, tokenizer_path
+from aiayn.data.text import TextCorpus, TextExamples
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
-from aiayn.model.transformer import Transformer
+from aiayn.model.families import build_model, pretrained_encoder_state
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.averaging import average_run
 from aiayn.training.distributed import (
@@ -35,7 +36,8 @@ from aiayn.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from aiayn.training.trainer import Trainer, TrainResult
+from aiayn.training.tasks import TextValidSet
+from aiayn.training.trainer import ExampleSource, Trainer, TrainResult
 from aiayn.training.validation import ValidSet
 
 if sys.version_info >= (3, 11):
@@ -50,8 +52,8 @@ RUN_INFO_NAME = "run.json"
 # -- the config ----------------------------------------------------------------------------
 
 
-def _sets_vocab_size(config_path: Path | None, overrides: list[str]) -> bool:
-    if "vocab_size" in parse_overrides(overrides).get("model", {}):
+def _sets_model_key(config_path: Path | None, overrides: list[str], key: str) -> bool:
+    if key in parse_overrides(overrides).get("model", {}):
         return True
     if config_path is None:
         return False
@@ -60,18 +62,21 @@ def _sets_vocab_size(config_path: Path | None, overrides: list[str]) -> bool:
             raw = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError):
         return False  # load_config reports it
-    return isinstance(raw.get("model"), dict) and "vocab_size" in raw["model"]
+    return isinstance(raw.get("model"), dict) and key in raw["model"]
 
 
 def resolve_config(
     config_path: str | Path | None, data_dir: str | Path, overrides: list[str] | None = None
 ) -> RunConfig:
-    """The run config; ``model.vocab_size`` from the data's manifest unless set explicitly."""
+    """The run config; ``model.vocab_size`` (and a classifier's ``model.n_classes``) from the
+    data's manifest unless set explicitly."""
     overrides = list(overrides or [])
     manifest = load_manifest(data_dir)
     path = Path(config_path) if config_path is not None else None
-    if not _sets_vocab_size(path, overrides):
+    if not _sets_model_key(path, overrides, "vocab_size"):
         overrides.append(f"model.vocab_size={int(manifest['vocab_size'])}")
+    if manifest.get("labels") and not _sets_model_key(path, overrides, "n_classes"):
+        overrides.append(f"model.n_classes={len(manifest['labels'])}")
     config = load_config(path, overrides)
     check_fits_data(config, data_dir, manifest)
     return config
@@ -79,6 +84,31 @@ def resolve_config(
 
 def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str, Any]) -> None:
     """Refuse, before training, a config that the data cannot feed (ConfigError)."""
+    task = config.model.task
+    kind = data_kind(manifest)
+    if (task == "translation") != (kind == "parallel"):
+        wanted = "parallel text" if task == "translation" else "text (aiayn prepare --task ...)"
+        raise ConfigError(
+            f"model.task={task} needs {wanted}, but {data_dir} holds {kind} data"
+            + (f" for the {manifest.get('task')} task" if kind == "text" else "")
+            + "; choose the preset or data that go together (docs/families.md)"
+        )
+    if task == "classify":
+        labels = manifest.get("labels") or []
+        if len(labels) < 2:
+            raise ConfigError(
+                f"{data_dir} has no class labels; a classifier trains on data prepared with "
+                "aiayn prepare --task classify"
+            )
+        if config.model.n_classes != len(labels):
+            raise ConfigError(
+                f"model.n_classes={config.model.n_classes} but {data_dir} has {len(labels)} "
+                "classes; drop model.n_classes from the config (it is then taken from the data)"
+            )
+    if config.train.init_from is not None and task != "classify":
+        raise ConfigError(
+            f"train.init_from starts a classifier from a pre-trained encoder; model.task={task}"
+        )
     vocab = int(manifest["vocab_size"])
     if config.model.vocab_size != vocab:
         raise ConfigError(
@@ -97,6 +127,8 @@ def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str,
     for split in ("train", "valid"):
         if split not in splits or (split == "valid" and config.train.valid_interval <= 0):
             continue
+        if kind == "text":
+            continue  # long lines are cut to model.max_positions (aiayn.data.text)
         longest = max(int(n) for n in splits[split]["longest"].values()) + 1  # + BOS/EOS
         if longest > config.model.max_positions:
             raise ConfigError(
@@ -161,6 +193,67 @@ def _valid_set(data_dir: Path, tokenizer: Any) -> ValidSet:
     return ValidSet(corpus, corpus.src_lengths, references, tokenizer.decode)
 
 
+def _examples(data_dir: Path, split: str, config: RunConfig) -> TextExamples:
+    """The examples of an lm, mlm or classify run on one split of a text data directory."""
+    return TextExamples(
+        TextCorpus.open(data_dir, split),
+        config.model.task,
+        block_size=config.data.block_size,
+        pack=config.data.pack,
+        max_positions=config.model.max_positions,
+        mask_prob=config.data.mask_prob,
+    )
+
+
+def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, torch.Tensor]:
+    """The embedding and encoder weights of ``train.init_from``, checked against the run."""
+    path = config.train.init_from
+    assert path is not None
+    found, state = loading.resolve_and_load(path)
+    stored = config_from_dict(state["config"], stored=True)
+    if stored.model.task not in ("mlm", "classify"):
+        raise ConfigError(
+            f"train.init_from={path}: a {stored.model.task} model; a classifier starts from "
+            "an encoder-only (mlm) checkpoint"
+        )
+    shape = (
+        *("d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "vocab_size", "positional"),
+        *("max_positions", "share_embeddings", "pre_norm", "attention_bias"),
+    )
+    differ = [
+        f"{name} {getattr(stored.model, name)!r} vs {getattr(config.model, name)!r}"
+        for name in shape
+        if getattr(stored.model, name) != getattr(config.model, name)
+    ]
+    if differ:
+        raise ConfigError(
+            f"train.init_from={found}: its encoder differs from model config: " + "; ".join(differ)
+        )
+    saved = state.get("tokenizer")
+    if (
+        saved is None
+        or ckpt.bytes_to_tensor(tokenizer_bytes).numel() != saved.numel()
+        or not (torch.equal(saved, ckpt.bytes_to_tensor(tokenizer_bytes)))
+    ):
+        raise ConfigError(
+            f"train.init_from={found} was trained with another tokenizer than the data's: "
+            "prepare the data with --tokenizer set to the pre-training data's spm.model"
+        )
+    return pretrained_encoder_state(state["model"])
+
+
+def load_pretrained_encoder(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy pre-trained embedding and encoder weights into ``model``; every one of its
+    embedding and encoder parameters must be among them."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    left = [k for k in missing if k.startswith(("embed.", "encoder."))]
+    if left or unexpected:
+        raise ConfigError(
+            "the pre-trained checkpoint does not fit the model: "
+            f"missing {left[:3]}, unexpected {unexpected[:3]}"
+        )
+
+
 def train_run(
     config: RunConfig,
     data_dir: str | Path,
@@ -182,11 +275,25 @@ def train_run(
         tok_path = tokenizer_path(data_dir)
         tokenizer = Tokenizer.load(tok_path)  # a missing or broken file: a UserError naming it
         tokenizer_bytes = tok_path.read_bytes()
-        corpus = Corpus.open(data_dir, "train")
+        validating = config.train.valid_interval > 0
+        corpus: ExampleSource
+        valid: ValidSet | TextValidSet | None = None
+        labels: list[str] | None = None
+        if config.model.task == "translation":
+            pairs = Corpus.open(data_dir, "train")
+            corpus, lengths = pairs, (pairs.src_lengths, pairs.tgt_lengths)
+            valid = _valid_set(data_dir, tokenizer) if validating else None
+        else:
+            examples = _examples(data_dir, "train", config)
+            corpus, lengths = examples, (examples.lengths, examples.lengths)
+            if validating:
+                n_classes = config.model.n_classes if config.model.task == "classify" else 0
+                valid = TextValidSet(_examples(data_dir, "valid", config), n_classes)
+            if config.model.task == "classify":
+                labels = list(load_manifest(data_dir)["labels"])
         try:
             sampler = TokenBatchSampler(
-                corpus.src_lengths,
-                corpus.tgt_lengths,
+                *lengths,
                 config.data.max_tokens,
                 seed=config.train.seed,
                 shuffle=True,
@@ -195,9 +302,8 @@ def train_run(
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        valid = _valid_set(data_dir, tokenizer) if config.train.valid_interval > 0 else None
         _seed_everything(config.train.seed)
-        model = Transformer(config.model)
+        model = build_model(config.model)
         if info.rank > 0:  # different dropout masks on every rank
             torch.manual_seed(config.train.seed + info.rank)
         trainer = Trainer(
@@ -208,6 +314,7 @@ def train_run(
             run_dir,
             valid=valid,
             tokenizer_bytes=tokenizer_bytes,
+            labels=labels,
             dist_info=info,
             show_progress=show_progress,
         )
@@ -227,6 +334,11 @@ def train_run(
         state = broadcast_object(state, info)
         if state is not None:
             trainer.load_state_dict(state)  # refuses another [model] section or tokenizer
+        elif config.train.init_from:
+            weights = _pretrained_weights(config, tokenizer_bytes) if info.is_main else None
+            load_pretrained_encoder(trainer.model, broadcast_object(weights, info))
+            if info.is_main:
+                print(f"encoder initialised from {config.train.init_from}", file=sys.stderr)
         if info.is_main:  # only once the config is known to fit the data and the checkpoint
             (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
             run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
@@ -263,7 +375,7 @@ def _average(trainer: Trainer, last: int) -> Path:
     if info.is_main:
         state = loading.load_checkpoint(averaged)
         weights, count = state["model"], int(state["metrics"]["averaged"])
-    model = Transformer(trainer.config.model).to(info.device)
+    model = build_model(trainer.config.model, info.device)
     model.load_state_dict(broadcast_object(weights, info))
     if trainer.acceleration is not None:  # validated as the trained model was
         accelerate(model, "train", precision=trainer.config.train.precision, memory_settings=False)

@@ -28,12 +28,10 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
-from aiayn.accel.loss import projected_label_smoothed_nll
 from aiayn.config import RunConfig, config_from_dict
-from aiayn.data.collate import PAD_ID, Batch
+from aiayn.data.collate import Batch, LabelBatch, TokenBatch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference import loading
-from aiayn.model.transformer import Transformer
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -42,14 +40,21 @@ from aiayn.training.distributed import (
     barrier,
     reduce_device,
 )
-from aiayn.training.loss import label_smoothed_nll
 from aiayn.training.metrics import MetricsLog, Progress, perplexity
 from aiayn.training.optim import build_optimizer, build_schedule
-from aiayn.training.validation import Indices, PairSource, ValidSet, autocast, evaluate
+from aiayn.training.tasks import TextValidSet, batch_loss, evaluate_text
+from aiayn.training.validation import Indices, ValidSet, autocast, evaluate
 
 
 class TrainingError(UserError):
     """Training cannot go on (e.g. the loss stayed non-finite for ``max_bad_steps`` updates)."""
+
+
+class ExampleSource(Protocol):
+    """What training needs of a split: padded batches by index (sentence pairs for
+    translation, :class:`TokenBatch` or :class:`LabelBatch` for the other tasks)."""
+
+    def batch(self, indices: Indices) -> Batch | TokenBatch | LabelBatch: ...
 
 
 class BatchSampler(Protocol):
@@ -85,19 +90,23 @@ class Trainer:
 
     Every rank builds its own Trainer (same config, its own sampler shard). ``tokenizer_bytes``
     (the sentencepiece model) is stored in every checkpoint so that a checkpoint translates text
-    on its own.
+    on its own; so are a classifier's class names (``labels``).
+
+    ``model`` is the model of ``config.model.task`` (:func:`aiayn.model.families.build_model`)
+    and ``corpus`` gives that task's batches.
     """
 
     def __init__(
         self,
         config: RunConfig,
-        model: Transformer,
-        corpus: PairSource,
+        model: nn.Module,
+        corpus: ExampleSource,
         sampler: BatchSampler,
         run_dir: str | Path,
         *,
-        valid: ValidSet | None = None,
+        valid: ValidSet | TextValidSet | None = None,
         tokenizer_bytes: bytes = b"",
+        labels: list[str] | None = None,
         dist_info: DistInfo | None = None,
         show_progress: bool = True,
         tensorboard: bool = True,
@@ -123,6 +132,7 @@ class Trainer:
         self.valid = valid
         self.run_dir = Path(run_dir)
         self.tokenizer = ckpt.bytes_to_tensor(tokenizer_bytes)
+        self.labels = list(labels) if labels else None
         self.optimizer = build_optimizer(self.model, self.train_cfg)
         self.schedule = build_schedule(self.optimizer, config.model.d_model, self.train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
@@ -136,8 +146,13 @@ class Trainer:
             self.train_module = torch.compile(self.train_module)  # type: ignore[assignment]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Accelerated on the CPU: the projection and the loss fused (aiayn.accel.loss), in
-        # bfloat16 products under bf16. Otherwise the plain loss over the logits.
-        self._fused_loss = self.acceleration is not None and self.acceleration.fused_loss
+        # bfloat16 products under bf16, for the tasks that predict tokens. Otherwise the plain
+        # loss over the logits.
+        self._fused_loss = (
+            self.acceleration is not None
+            and self.acceleration.fused_loss
+            and config.model.task != "classify"
+        )
         self._loss_dtype = torch.bfloat16 if precision == "bf16" else None
         # Progress, saved in every checkpoint.
         self.step = 0
@@ -349,22 +364,20 @@ class Trainer:
             "out_of_time": float(stats[5]),
         }
 
-    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
+    def _loss(self, batch: Batch | TokenBatch | LabelBatch) -> tuple[Tensor, Tensor]:
         """Summed label-smoothed loss and NLL of one micro-batch (through DDP/compile)."""
-        eps = self.train_cfg.label_smoothing
         # the fused loss takes the decoder output, unprojected
-        with autocast(self.train_cfg.precision, self.device):
-            out = self.train_module(
-                batch.src_ids, batch.src_pad, batch.tgt_in, project=not self._fused_loss
-            )
-        if self._fused_loss:
-            weight = self.model.out_proj.weight
-            return projected_label_smoothed_nll(
-                out, weight, batch.tgt_out, eps, PAD_ID, self._loss_dtype
-            )
-        return label_smoothed_nll(out, batch.tgt_out, eps, PAD_ID)
+        weight = self.model.get_parameter("out_proj.weight") if self._fused_loss else None
+        return batch_loss(
+            self.train_module,
+            batch,
+            self.train_cfg.label_smoothing,
+            weight,
+            self._loss_dtype,
+            autocast(self.train_cfg.precision, self.device),
+        )
 
-    def _next_batch(self) -> tuple[Batch, int, int]:
+    def _next_batch(self) -> tuple[Batch | TokenBatch | LabelBatch, int, int]:
         """The next batch on the device, with its target and source token counts (counted on
         the CPU, so that no device synchronisation is needed)."""
         empty_epochs = 0
@@ -403,14 +416,16 @@ class Trainer:
 
     # -- validation ----------------------------------------------------------------------------
 
-    def validate(self, model: Transformer | None = None) -> dict[str, float]:
-        """:func:`aiayn.training.validation.evaluate` of ``model`` (default: the one being
+    def validate(self, model: nn.Module | None = None) -> dict[str, float]:
+        """:func:`aiayn.training.validation.evaluate` (translation) or
+        :func:`aiayn.training.tasks.evaluate_text` of ``model`` (default: the one being
         trained) on the valid set; ``{}`` without one. Collective under DDP."""
         if self.valid is None:
             return {}
-        return evaluate(
-            model if model is not None else self.model, self.valid, self.config, self.info
-        )
+        model = model if model is not None else self.model
+        if isinstance(self.valid, TextValidSet):
+            return evaluate_text(model, self.valid, self.config, self.info)
+        return evaluate(model, self.valid, self.config, self.info)  # type: ignore[arg-type]
 
     def _after_validation(self, metrics: dict[str, float]) -> bool:
         """Record the metrics, keep the best model; True when patience has run out."""
@@ -435,6 +450,7 @@ class Trainer:
                         self.step,
                         self.epoch,
                         metrics,
+                        self.labels,
                     ),
                     self.run_dir / loading.BEST_NAME,
                 )
@@ -472,6 +488,7 @@ class Trainer:
             "config": self.config.to_dict(),
             "model": ckpt.model_state(self.model),
             "tokenizer": self.tokenizer,
+            **({"labels": self.labels} if self.labels else {}),
             "step": self.step,
             "epoch": self.epoch,
             "metrics": dict(self.last_metrics),

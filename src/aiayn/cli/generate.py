@@ -1,0 +1,105 @@
+"""``aiayn generate``: continue a prompt with a decoder-only language model (task ``lm``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from aiayn.errors import CLIError
+
+if TYPE_CHECKING:
+    from aiayn.inference.generation import GenerateOptions, Strategy, TextGenerator
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="continue a prompt with a language model",
+        description="Continue PROMPT with a decoder-only language model (a run trained with "
+        "model.task=lm, e.g. preset gpt_small). Sampling (the default) and greedy search print "
+        "the text as it is generated; beam search prints its best continuation at the end. "
+        "Without PROMPT, or with '-', each line of stdin is a prompt and each continuation is "
+        "printed on one line. The continuation stops at the end of a line of the training "
+        "text (EOS) or after --max-new-tokens.",
+    )
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_OR_RUN",
+        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
+    )
+    parser.add_argument("prompt", nargs="?", default="-", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="default %(default)s")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--greedy", action="store_true", help="the most probable token each step")
+    how.add_argument("--beam", type=int, metavar="K", help="beam search with K beams")
+    parser.add_argument("--alpha", type=float, default=0.6, help="beam: length penalty alpha")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the K best (0: all)")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample within the nucleus of mass P (1: off)"
+    )
+    parser.add_argument("--seed", type=int, help="seed of the sampling (repeatable output)")
+    parser.add_argument("--samples", type=int, default=1, help="continuations per prompt")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiayn.devices import pick_device
+    from aiayn.inference.generation import GenerateOptions, TextGenerator
+
+    if args.samples < 1:
+        raise CLIError(f"--samples must be at least 1, got {args.samples}")
+    strategy: Strategy = "sample"
+    if args.greedy or args.beam is not None:
+        strategy = "greedy" if args.greedy else "beam"
+    options = GenerateOptions(
+        max_new_tokens=args.max_new_tokens,
+        strategy=strategy,
+        beam_size=args.beam or 4,
+        alpha=args.alpha,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    options.validate()
+    generator = TextGenerator.from_checkpoint(args.checkpoint, pick_device(args.device or "auto"))
+    if args.prompt != "-":
+        for number in range(args.samples):
+            if number:
+                options = replace(options, seed=_next(options.seed))
+            _stream(generator, args.prompt, options)
+        return 0
+    for number, raw in enumerate(sys.stdin.buffer, 1):
+        try:
+            prompt = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise CLIError(f"stdin line {number} is not valid UTF-8") from None
+        for _ in range(args.samples):
+            result = generator.generate(prompt, options)
+            print(prompt + result.text, flush=True)
+            options = replace(options, seed=_next(options.seed))
+    return 0
+
+
+def _next(seed: int | None) -> int | None:
+    return None if seed is None else seed + 1
+
+
+def _stream(generator: TextGenerator, prompt: str, options: GenerateOptions) -> None:
+    """Print the prompt, then the continuation as it comes, then a newline."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generator.generate(prompt, options, on_text=show)
+    if options.strategy == "beam":
+        show(result.text)
+    sys.stdout.write("\n")
+    sys.stdout.flush()

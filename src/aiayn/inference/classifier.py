@@ -1,0 +1,94 @@
+"""Texts in, class probabilities out, from an encoder-only classifier (task ``classify``).
+
+Each text becomes ``BOS + tokens + EOS`` (cut to the model's positions, as in training),
+texts are sorted by length and batched by a token budget, and the softmax of the class logits
+comes back in input order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, pad_sequences
+from aiayn.errors import UserError
+from aiayn.inference.loading import load_model
+from aiayn.inference.translator import TextTokenizer
+from aiayn.model.families import EncoderOnly
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The most probable class of a text, and every class's probability."""
+
+    label: str
+    probability: float
+    probabilities: list[float]  # in the order of TextClassifier.labels
+
+
+class TextClassifier:
+    """An encoder-only classifier with its tokenizer and class names."""
+
+    def __init__(
+        self,
+        model: EncoderOnly,
+        tokenizer: TextTokenizer,
+        labels: Sequence[str],
+        device: torch.device | str = "cpu",
+        batch_tokens: int = 4096,
+    ) -> None:
+        if model.classifier is None:
+            raise UserError("the model has no classification head (model.task is not classify)")
+        if len(labels) != model.config.n_classes:
+            raise UserError(f"{len(labels)} class names for {model.config.n_classes} classes")
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.labels = list(labels)
+        self.device = torch.device(device)
+        self.batch_tokens = batch_tokens
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, device: torch.device | str = "cpu", batch_tokens: int = 4096
+    ) -> TextClassifier:
+        loaded = load_model(path, device, tasks=("classify",))
+        assert isinstance(loaded.model, EncoderOnly)
+        return cls(loaded.model, loaded.tokenizer, loaded.labels, device, batch_tokens)
+
+    def inputs(self, text: str) -> list[int]:
+        """``BOS + tokens + EOS``, the tokens cut to fit the model's positions."""
+        room = self.model.config.max_positions - 2
+        return [BOS_ID, *self.tokenizer.encode(text)[:room], EOS_ID]
+
+    @torch.no_grad()
+    def probabilities(self, texts: Sequence[str]) -> torch.Tensor:
+        """(len(texts), n_classes) class probabilities, float32, in input order."""
+        encoded = [self.inputs(text) for text in texts]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        out = torch.zeros(len(encoded), len(self.labels))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while (
+                end < len(order)
+                and len(encoded[order[end]]) * (end + 1 - start) <= self.batch_tokens
+            ):
+                end += 1
+            rows = order[start:end]
+            ids = pad_sequences([encoded[i] for i in rows]).to(self.device)
+            logits = self.model(ids, ids == PAD_ID)
+            out[rows] = torch.softmax(logits.float(), dim=-1).cpu()
+            start = end
+        return out
+
+    def predict(self, texts: Sequence[str]) -> list[Prediction]:
+        """The most probable class of each text, with all probabilities."""
+        probs = self.probabilities(texts)
+        best = probs.argmax(dim=-1).tolist()
+        return [
+            Prediction(self.labels[k], float(row[k]), row.tolist())
+            for k, row in zip(best, probs, strict=True)
+        ]

@@ -1,0 +1,209 @@
+"""The two families that grew from the paper's two stacks, built from the same layers.
+
+- :class:`DecoderOnlyLM` (task ``lm``, GPT's shape): the decoder stack without its
+  cross-attention sub-layer — masked self-attention and the feed-forward network per layer,
+  post-norm by default (pre-norm with ``model.pre_norm``), the embedding scaled by √d_model plus
+  sinusoidal or learned positions (§3.4, §3.5), and the pre-softmax projection tied to the
+  embedding (``model.share_embeddings``). Incremental decoding uses the translation model's
+  :class:`~aiayn.model.cache.DecoderCache`, so every search of :mod:`aiayn.inference.search`
+  drives it unchanged.
+- :class:`EncoderOnly` (tasks ``mlm`` and ``classify``, BERT's shape): the encoder stack over
+  ``BOS + text + EOS``; a masked-language-model head (the tied pre-softmax projection over
+  every position) for pre-training, or a sequence-classification head (the first position's
+  output, or the mean over the text, through a tanh layer, dropout and a linear layer to the
+  classes) for fine-tuning. The classification model keeps the MLM model's parameter names
+  for the embedding and the encoder, so that a pre-trained checkpoint loads into it.
+
+Neither has a copy of attention, feed-forward or normalisation code: the layers are
+:class:`~aiayn.model.layers.EncoderLayer` and :class:`~aiayn.model.layers.DecoderLayer`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.attention import attention_mask
+from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
+from aiayn.model.embedding import Embeddings, PositionalEncoding
+from aiayn.model.transformer import Decoder, Encoder, Transformer
+
+
+def _token_embedding(config: ModelConfig) -> nn.Embedding:
+    token = nn.Embedding(config.vocab_size, config.d_model)
+    # As the translation model: normal with std d_model^-0.5 (unit variance after √d_model).
+    nn.init.normal_(token.weight, mean=0.0, std=config.d_model**-0.5)
+    return token
+
+
+def _projection(config: ModelConfig, token: nn.Embedding) -> nn.Linear:
+    """The pre-softmax projection, tied to ``token`` with ``share_embeddings`` (§3.4)."""
+    out_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+    if config.share_embeddings:
+        out_proj.weight = token.weight
+    else:
+        nn.init.normal_(out_proj.weight, mean=0.0, std=config.d_model**-0.5)
+    return out_proj
+
+
+def _embeddings(config: ModelConfig, token: nn.Embedding) -> Embeddings:
+    learned = config.positional == "learned"
+    positions = PositionalEncoding(config.max_positions, config.d_model, learned)
+    return Embeddings(token, positions, config.dropout)
+
+
+class DecoderOnlyLM(nn.Module):
+    """A causal language model: ``inputs`` (B, T) token ids → next-token logits (B, T, V).
+
+    Position t sees positions 0..t only, so its output does not depend on later tokens
+    (padding at the end of a row changes nothing before it)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        token = _token_embedding(config)
+        self.embed = _embeddings(config, token)
+        self.decoder = Decoder(config, cross_attention=False)
+        self.out_proj = _projection(config, token)
+
+    def forward(self, inputs: Tensor, pad: Tensor | None = None, project: bool = True) -> Tensor:
+        """Logits (B, T, V); with ``project=False`` the hidden states (B, T, d_model) before
+        the pre-softmax projection. ``pad`` is accepted for a common signature: causal
+        attention never looks right, where padding is."""
+        hidden = self.decoder(self.embed(inputs), None, None)
+        return self.out_proj(hidden) if project else hidden
+
+    def project(self, hidden: Tensor) -> Tensor:
+        return self.out_proj(hidden)
+
+    # -- incremental decoding --------------------------------------------------------------
+
+    def init_cache(self, rows: int, max_len: int, beam_size: int = 1) -> DecoderCache:
+        """A cache for ``max_len`` positions of ``rows // beam_size`` sequences with
+        ``beam_size`` rows each (the layout of :meth:`Transformer.init_cache`)."""
+        if max_len > self.config.max_positions:
+            raise ValueError(
+                f"max_len={max_len} exceeds model.max_positions={self.config.max_positions}"
+            )
+        if beam_size < 1 or rows % beam_size:
+            raise ValueError(f"{rows} rows do not split into beams of {beam_size}")
+        like = self.out_proj.weight
+        layers = []
+        for layer in self.decoder.layers:
+            self_k, self_v = empty_self_kv(
+                rows // beam_size,
+                self.config.n_heads,
+                max_len,
+                beam_size,
+                layer.self_attn.d_k,
+                layer.self_attn.d_v,
+                like=like,
+            )
+            layers.append(LayerCache(self_k, self_v, None, None))
+        return DecoderCache(layers, None, length=0, max_len=max_len, beam_size=beam_size)
+
+    def step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """The output (rows, d_model) at position ``cache.length`` for ``tokens`` (rows,)
+        there; appends their keys and values to the cache."""
+        if cache.length >= cache.max_len:
+            raise ValueError(f"cache is full ({cache.max_len} positions)")
+        x = self.embed(tokens[:, None], offset=cache.length)
+        hidden = self.decoder.step(x, cache)
+        cache.length += 1
+        return hidden[:, 0]
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Next-token logits (rows, V)."""
+        return self.out_proj(self.step_hidden(tokens, cache))
+
+    def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Next-token log-probabilities (rows, V) in float32: the ``step_fn`` of search."""
+        return torch.log_softmax(self.decode_step(tokens, cache), dim=-1, dtype=torch.float32)
+
+    def prefill(self, prefix: Tensor, cache: DecoderCache) -> None:
+        """Feed ``prefix`` (rows, P) through the cache one position at a time (a prompt
+        before generation); the cache then holds P positions."""
+        for position in range(prefix.size(1)):
+            self.step_hidden(prefix[:, position], cache)
+
+
+class EncoderOnly(nn.Module):
+    """The encoder stack with a head: ``model.task = "mlm"`` → logits (B, T, V) over the
+    vocabulary at every position; ``"classify"`` → logits (B, n_classes) per text.
+
+    ``inputs`` (B, T) are ``BOS + text + EOS``; ``pad`` (B, T) is True at padding."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        if config.task not in ("mlm", "classify"):
+            raise ValueError(f"EncoderOnly serves the mlm and classify tasks, not {config.task}")
+        self.config = config
+        token = _token_embedding(config)
+        self.embed = _embeddings(config, token)
+        self.encoder = Encoder(config)
+        self.out_proj = _projection(config, token)  # the MLM head (tied: no parameters)
+        self.classifier: ClassificationHead | None = None
+        if config.task == "classify":
+            self.classifier = ClassificationHead(config)
+
+    def encode(self, inputs: Tensor, pad: Tensor | None) -> Tensor:
+        """The encoder output (B, T, d_model)."""
+        return self.encoder(self.embed(inputs), attention_mask(pad))
+
+    def forward(self, inputs: Tensor, pad: Tensor, project: bool = True) -> Tensor:
+        """MLM: logits (B, T, V), or with ``project=False`` the encoder output (B, T,
+        d_model). Classification: class logits (B, n_classes)."""
+        hidden = self.encode(inputs, pad)
+        if self.classifier is not None:
+            return self.classifier(hidden, pad)
+        return self.out_proj(hidden) if project else hidden
+
+    def project(self, hidden: Tensor) -> Tensor:
+        return self.out_proj(hidden)
+
+
+class ClassificationHead(nn.Module):
+    """Pooled encoder output → tanh(W_p · pooled + b_p) → dropout → class logits.
+
+    ``pooling = "first"`` reads the BOS position (BERT's [CLS]); ``"mean"`` averages the
+    non-padding positions."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pooling = config.pooling
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.out = nn.Linear(config.d_model, config.n_classes)
+
+    def forward(self, hidden: Tensor, pad: Tensor) -> Tensor:
+        if self.pooling == "first":
+            pooled = hidden[:, 0]
+        else:
+            keep = (~pad).unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+        return self.out(self.dropout(torch.tanh(self.dense(pooled))))
+
+
+AnyModel = Transformer | DecoderOnlyLM | EncoderOnly
+
+
+def build_model(config: ModelConfig, device: torch.device | str | None = None) -> AnyModel:
+    """A freshly initialised model of ``config.task``: the encoder-decoder for translation,
+    :class:`DecoderOnlyLM` for ``lm``, :class:`EncoderOnly` for ``mlm`` and ``classify``."""
+    model: AnyModel
+    if config.task == "translation":
+        model = Transformer(config)
+    elif config.task == "lm":
+        model = DecoderOnlyLM(config)
+    else:
+        model = EncoderOnly(config)
+    return model.to(device) if device is not None else model
+
+
+def pretrained_encoder_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The entries of an encoder-only model's state dict that a classifier takes over from
+    pre-training: the embedding and the encoder (not the heads)."""
+    return {k: v for k, v in state.items() if k.startswith(("embed.", "encoder."))}

@@ -1,0 +1,119 @@
+"""The lm and classify tasks through the command line: prepare, train, resume, fine-tune from a
+pre-trained encoder, generate, classify and score."""
+
+import random
+
+import pytest
+import torch
+
+from aiayn.cli import main
+from aiayn.inference import loading
+from tests.helpers import TINY
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+WORDS = "sun moon star sky sea land fire water stone wind rain snow cloud light dark".split()
+QUICK = [
+    "train.warmup_steps=10",
+    "train.save_interval_steps=5",
+    "train.save_interval_minutes=0",
+    "train.valid_interval=5",
+    "train.log_interval=1000",
+    "train.average_last=2",
+    "train.label_smoothing=0",
+    "model.max_positions=64",
+    "data.max_tokens=256",
+    "train.update_tokens=200",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Prepared lm and classify data (labels: whether a line mentions fire)."""
+    folder = tmp_path_factory.mktemp("families")
+    rng = random.Random(1)
+
+    def write(name: str, n: int, labelled: bool) -> str:
+        lines = []
+        for _ in range(n):
+            text = " ".join(rng.choices(WORDS, k=rng.randint(3, 10)))
+            lines.append(f"{'hot' if 'fire' in text else 'cold'}\t{text}" if labelled else text)
+        (folder / name).write_text("".join(line + "\n" for line in lines))
+        return str(folder / name)
+
+    for task, ext in (("lm", "txt"), ("classify", "tsv")):
+        train, valid = write(f"train.{ext}", 300, task == "classify"), write(f"v.{ext}", 30, True)
+        if task == "lm":
+            valid = write("valid.txt", 30, False)
+        args = ["prepare", "--task", task, "--train", train, "--valid", valid, "--test", valid]
+        assert main([*args, "--vocab-size", "60", "--out", str(folder / task)]) == 0
+    return folder
+
+
+def test_lm_trains_resumes_and_generates(data, tmp_path, capsys):
+    run = tmp_path / "lm"
+    args = ["train", "--config", TINY, "--data", str(data / "lm"), "--out", str(run)]
+    assert main([*args, "model.task=lm", "train.max_steps=6", *QUICK]) == 0
+    assert main([*args, "model.task=lm", "train.max_steps=10", *QUICK]) == 0  # resumes
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "valid @ 10: loss" in err
+    state = loading.load_checkpoint(run / "averaged.pt")
+    assert state["config"]["model"]["task"] == "lm" and state["step"] == 10
+    assert main(["generate", str(run), "sun moon", "--seed", "1", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sun moon") and out.endswith("\n")
+    assert main(["generate", str(run), "sun", "--beam", "3", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("sun")
+    # The wrong command for the model says which one serves it.
+    assert main(["classify", str(run), "--input", str(data / "valid.txt")]) == 2
+    assert "aiayn generate" in capsys.readouterr().err
+
+
+def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys):
+    mlm, clf = tmp_path / "mlm", tmp_path / "clf"
+    common = ["--config", TINY, "--data", str(data / "classify"), *QUICK]
+    assert main(["train", *common, "--out", str(mlm), "model.task=mlm", "train.max_steps=5"]) == 0
+    pretrained = loading.load_checkpoint(mlm / "averaged.pt")["model"]
+    over = ["model.task=classify", "train.max_steps=5", "train.update_tokens=16"]
+    init = f"train.init_from={mlm / 'averaged.pt'}"
+    assert main(["train", *common, "--out", str(clf), *over, init, "train.max_steps=0"]) == 2
+    assert "no stopping rule" in capsys.readouterr().err
+    # Fine-tuning starts from the pre-trained weights exactly: an update of learning rate 0.
+    assert main(["train", *common, "--out", str(clf), *over, init, "train.lr_scale=0"]) == 0
+    assert "encoder initialised from" in capsys.readouterr().err
+    tuned = loading.load_checkpoint(clf / "averaged.pt")
+    assert tuned["labels"] == ["cold", "hot"]
+    for name, tensor in pretrained.items():
+        if name.startswith(("embed.", "encoder.")):
+            assert torch.equal(tuned["model"][name], tensor), name
+    png = tmp_path / "confusion.png"
+    score = ["classify", str(clf), "--data", str(data / "classify"), "--split", "test"]
+    assert main([*score, "--confusion", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "macro-F1" in out and "hot" in out
+    assert png.stat().st_size > 1000
+    texts = tmp_path / "texts.txt"
+    texts.write_text("fire fire sun\nsnow rain\n")
+    assert main(["classify", str(clf), "--input", str(texts), "--top", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.count(":") == 2 for line in lines)
+
+
+def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):
+    lm = tmp_path / "lm"
+    lm_args = ["--config", TINY, "--data", str(data / "lm"), *QUICK, "train.max_steps=1"]
+    assert main(["train", *lm_args, "--out", str(lm), "model.task=lm"]) == 0
+    common = ["--config", TINY, "--data", str(data / "classify"), *QUICK, "train.max_steps=1"]
+    clf = ["train", *common, "--out", str(tmp_path / "c"), "model.task=classify"]
+    assert main([*clf, f"train.init_from={lm / 'averaged.pt'}"]) == 2
+    assert "encoder-only" in capsys.readouterr().err
+    # An encoder pre-trained on other data has another vocabulary.
+    mlm = tmp_path / "mlm"
+    assert main(["train", *lm_args, "--out", str(mlm), "model.task=mlm"]) == 0
+    assert main([*clf, f"train.init_from={mlm / 'averaged.pt'}"]) == 2
+    assert "another tokenizer" in capsys.readouterr().err
+    # Translation presets refuse text data, in one line.
+    assert main(["train", *common, "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "model.task=translation needs parallel text" in err
