@@ -16,10 +16,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from aiayn.cli import attention, average, bleu, demo, params, plot, prepare, train, translate
+from aiayn.cli import (
+    attention,
+    average,
+    bleu,
+    demo,
+    params,
+    plot,
+    prepare,
+    serve,
+    train,
+    translate,
+)
 from aiayn.errors import CLIError, ConfigError, UserError
 
-_COMMANDS = [demo, params, prepare, train, average, plot, translate, bleu, attention]
+_COMMANDS = [demo, params, prepare, train, average, plot, translate, bleu, attention, serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
