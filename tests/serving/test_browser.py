@@ -71,7 +71,7 @@ def browser() -> Iterator[object]:
         driver.quit()
 
 
-def test_a_person_translates_and_reads_the_attention(server, browser, tmp_path):
+def test_a_person_translates_and_reads_the_attention(browser, server, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as visible
@@ -156,7 +156,7 @@ def test_a_person_translates_and_reads_the_attention(server, browser, tmp_path):
     print(f"screenshot: {picture}")
 
 
-def test_the_page_shows_a_refusal(server, browser):
+def test_the_page_shows_a_refusal(browser, server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
