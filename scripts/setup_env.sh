@@ -47,3 +47,22 @@ if [ ! -f "$SWORD_CONF/engWEB2015eb.conf" ] || [ ! -f "$SWORD_CONF/spaRV1909eb.c
             "'aiayn prepare --corpus bible --download'; continuing without them" >&2
     fi
 fi
+# The browser test of aiayn serve's page (tests/serving/test_browser.py) drives Debian's
+# chromium through chromium-driver with Selenium; without them it is skipped and says why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "aiayn: installing chromium and chromium-driver for the browser test" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        if ! apt-get install -y -q chromium chromium-driver >/dev/null; then
+            if ! { apt-get update -q >/dev/null &&
+                apt-get install -y -q chromium chromium-driver >/dev/null; }; then
+                echo "aiayn: could not install chromium and chromium-driver;" \
+                    "the browser test will be skipped (continuing)" >&2
+            fi
+        fi
+    else
+        echo "aiayn: the browser test needs the Debian/Ubuntu packages chromium and" \
+            "chromium-driver (as root: apt-get install chromium chromium-driver);" \
+            "without them it is skipped" >&2
+    fi
+fi

@@ -26,6 +26,7 @@ from aiayn.cli import (
     params,
     plot,
     prepare,
+    serve,
     train,
     translate,
 )
@@ -33,7 +34,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, bleu, attention),
-    *(generate, classify),
+    *(generate, classify, serve),
 ]
 
 

@@ -1,0 +1,197 @@
+"""``aiayn serve``: a checkpoint behind an HTTP API with request batching, and a page to try
+it (docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from aiayn.errors import CLIError
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from aiayn.serving.settings import ServeSettings  # plain dataclass: no PyTorch import
+
+    d = ServeSettings()
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a checkpoint over HTTP (API and page)",
+        description="Serve a checkpoint over HTTP: POST /v1/translate (JSON: text, beam, "
+        "alpha, nbest), POST /v1/attention, GET /v1/health, GET /v1/model, the schema at "
+        "/openapi.json, and a page at / to translate and look at the cross-attention. "
+        "Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops "
+        "accepting, finishes what is queued and exits 0.",
+    )
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_OR_RUN",
+        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free one)")
+    parser.add_argument("--beam", type=int, help="default beam size (default: the run's)")
+    parser.add_argument("--alpha", type=float, help="default length penalty (the run's)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="as in translate"
+    )
+    parser.add_argument(
+        "--pack-weights", action="store_true", help="MKL pre-packed weights (as in translate)"
+    )
+    parser.add_argument("--threads", type=int, help="PyTorch threads for decoding (default: all)")
+    batching = parser.add_argument_group("batching")
+    batching.add_argument(
+        "--batch-tokens",
+        type=int,
+        help="source tokens (+1 EOS each) per decoding batch (default: the run's "
+        "decode.batch_tokens)",
+    )
+    batching.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=d.max_wait_ms,
+        help=f"how long an idle server waits for more requests to batch ({d.max_wait_ms:g})",
+    )
+    batching.add_argument(
+        "--no-batching", action="store_true", help="decode each request alone, as it comes"
+    )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per text")
+    limits.add_argument("--max-texts", type=int, default=d.max_texts, help="texts per request")
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size"
+    )
+    limits.add_argument(
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        help="texts waiting for a batch; beyond: 503 with Retry-After",
+    )
+    limits.add_argument(
+        "--timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="seconds from a request's body to its answer; beyond: 504",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds to receive a request's body; beyond: 408",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds for a connection to send a request's head; beyond: closed",
+    )
+    limits.add_argument("--max-beam", type=int, default=d.max_beam, help="largest beam allowed")
+    limits.add_argument(
+        "--max-attention-tokens",
+        type=int,
+        default=d.max_attention_tokens,
+        help="source tokens of a sentence for /v1/attention",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections; beyond: 503",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="warning",
+        help="uvicorn's log level (warning)",
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+    parser.set_defaults(run=run)
+
+
+def _say(message: str) -> None:
+    print(f"aiayn serve: {message}", file=sys.stderr, flush=True)
+
+
+def _on_signal(signum: int) -> None:
+    # In a signal handler: one write(2), no buffered stream that may be mid-write.
+    name = signal.Signals(signum).name
+    message = f"aiayn serve: {name}: no new connections; finishing what is queued\n"
+    os.write(sys.stderr.fileno(), message.encode())
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: `aiayn --help` stays fast (aiayn.cli).
+    from aiayn.devices import pick_device
+    from aiayn.serving.app import create_app
+    from aiayn.serving.engine import Engine
+    from aiayn.serving.server import bind, serve
+    from aiayn.serving.settings import ServeSettings
+
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be positive, got {args.threads}")
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    settings = ServeSettings(
+        max_chars=args.max_chars,
+        max_texts=args.max_texts,
+        max_body_bytes=args.max_body_bytes,
+        max_queue=args.max_queue,
+        request_timeout_s=args.timeout,
+        body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
+        max_beam=args.max_beam,
+        max_attention_tokens=args.max_attention_tokens,
+        batch_tokens=args.batch_tokens,
+        max_wait_ms=args.max_wait_ms,
+        batching=not args.no_batching,
+        max_connections=args.max_connections,
+    )
+    overrides = {"beam_size": args.beam, "alpha": args.alpha}
+    device = pick_device(args.device or "auto")
+    try:
+        engine = Engine.from_checkpoint(
+            args.checkpoint,
+            device=device,
+            decode_overrides={k: v for k, v in overrides.items() if v is not None},
+            pack_weights=args.pack_weights,
+            precision=args.precision,
+            threads=args.threads,
+        )
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    if engine.default_key.beam > settings.max_beam:
+        raise CLIError(f"the default beam {engine.default_key.beam} exceeds --max-beam")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as err:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    app = create_app(engine, settings)
+    batching = (
+        f"batches of up to {settings.batch_tokens or engine.batch_tokens} tokens, "
+        f"{settings.max_wait_ms:g} ms wait"
+        if settings.batching
+        else "no batching"
+    )
+    _say(
+        f"{args.checkpoint}: preset {engine.config.preset}, "
+        f"{engine.parameters / 1e6:.1f}M parameters, on {device}; {batching}"
+    )
+    _say(f"listening on http://{url_host}:{port} (page /, API /v1/translate, /openapi.json)")
+    with sock:
+        serve(
+            app,
+            sock,
+            settings,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            on_signal=_on_signal,
+        )
+    stats = app.state.batcher.stats
+    requests = f"{stats.requests} translation request{'' if stats.requests == 1 else 's'}"
+    batches = f"{stats.batches} batch{'' if stats.batches == 1 else 'es'}"
+    _say(f"stopped after {requests} in {batches}")
+    return 0
