@@ -78,7 +78,7 @@ def aiayn_decoder(
     from aiayn.accel import accelerate
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
-    from aiayn.model.transformer import build_model
+    from aiayn.model.families import build_model
 
     w = dw.model
     config = ModelConfig(

@@ -55,7 +55,7 @@ def show(title: str, results: dict[str, float]) -> None:
 
 def _model(w: Workload, train: bool) -> torch.nn.Module:
     from aiayn.config import ModelConfig
-    from aiayn.model.transformer import build_model
+    from aiayn.model.families import build_model
 
     torch.manual_seed(0)
     config = ModelConfig(

@@ -49,7 +49,7 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     from aiayn.accel import accelerate
     from aiayn.accel.loss import projected_label_smoothed_nll
     from aiayn.config import ModelConfig, TrainConfig
-    from aiayn.model.transformer import build_model
+    from aiayn.model.families import build_model
     from aiayn.training.optim import build_optimizer, build_schedule
 
     config = ModelConfig(

@@ -65,9 +65,18 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys):
     assert out.startswith("sun moon") and out.endswith("\n")
     assert main(["generate", str(run), "sun", "--beam", "3", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("sun")
-    # The wrong command for the model says which one serves it.
-    assert main(["classify", str(run), "--input", str(data / "valid.txt")]) == 2
-    assert "aiayn generate" in capsys.readouterr().err
+    # The wrong command for the model says which one serves it, in one line.
+    for command in (["classify", str(run)], ["translate", str(run)]):
+        assert main([*command, "--input", str(data / "valid.txt")]) == 2
+        err = capsys.readouterr().err
+        assert "aiayn generate" in err and len(err.strip().splitlines()) == 1, err
+    for bad, message in (
+        (["--beam", "0"], "beam size must be at least 1"),
+        (["--greedy", "--samples", "2"], "--samples goes with sampling"),
+        (["--beam", "2", "--top-p", "0.5"], "--top-p set the sampling"),
+    ):
+        assert main(["generate", str(run), "sun", *bad]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys):
@@ -93,6 +102,14 @@ def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys)
     out = capsys.readouterr().out
     assert "accuracy" in out and "macro-F1" in out and "hot" in out
     assert png.stat().st_size > 1000
+    # A vocabulary taken from the pre-trained run: the same tokenizer as its data's.
+    again = tmp_path / "again"
+    train, valid = str(data / "train.tsv"), str(data / "v.tsv")
+    prepare = ["prepare", "--task", "classify", "--train", train, "--valid", valid]
+    assert main([*prepare, "--tokenizer", str(mlm), "--out", str(again)]) == 0
+    spm = (data / "classify" / "spm.model").read_bytes()
+    assert (again / "spm.model").read_bytes() == spm
+    capsys.readouterr()
     texts = tmp_path / "texts.txt"
     texts.write_text("fire fire sun\nsnow rain\n")
     assert main(["classify", str(clf), "--input", str(texts), "--top", "2"]) == 0
@@ -117,3 +134,12 @@ def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):
     assert main(["train", *common, "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "model.task=translation needs parallel text" in err
+    # A translation checkpoint is not a language model.
+    from tests.helpers import make_reverse_data
+
+    pairs = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
+    t_args = ["train", "--config", TINY, "--data", str(pairs), "--out", str(tmp_path / "tr")]
+    assert main([*t_args, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0
+    assert main(["generate", str(tmp_path / "tr"), "alpha"]) == 2
+    err = capsys.readouterr().err
+    assert "translation task" in err and "aiayn translate" in err

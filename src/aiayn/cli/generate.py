@@ -52,13 +52,28 @@ def run(args: argparse.Namespace) -> int:
 
     if args.samples < 1:
         raise CLIError(f"--samples must be at least 1, got {args.samples}")
+    sampling = not args.greedy and args.beam is None
+    if not sampling and args.samples > 1:
+        raise CLIError("--samples goes with sampling; greedy and beam search give one output")
+    changed = [
+        name
+        for name, value, default in (
+            ("--temperature", args.temperature, 1.0),
+            ("--top-k", args.top_k, 0),
+            ("--top-p", args.top_p, 1.0),
+            ("--seed", args.seed, None),
+        )
+        if value != default
+    ]
+    if not sampling and changed:
+        raise CLIError(f"{', '.join(changed)} set the sampling; drop them with --greedy or --beam")
     strategy: Strategy = "sample"
     if args.greedy or args.beam is not None:
         strategy = "greedy" if args.greedy else "beam"
     options = GenerateOptions(
         max_new_tokens=args.max_new_tokens,
         strategy=strategy,
-        beam_size=args.beam or 4,
+        beam_size=args.beam if args.beam is not None else 4,
         alpha=args.alpha,
         temperature=args.temperature,
         top_k=args.top_k,

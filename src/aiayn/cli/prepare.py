@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from aiayn.config import DataConfig
@@ -52,9 +54,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     inputs.add_argument(
         "--tokenizer",
-        metavar="SPM_MODEL",
-        help="lm, classify: use this sentencepiece model (with <mask> at id 4: the spm.model of a "
-        "pre-trained model or of another DATA_DIR of these tasks) instead of training one",
+        metavar="SPM_MODEL_OR_CHECKPOINT",
+        help="lm, classify: use this vocabulary instead of training one: a sentencepiece model "
+        "with <mask> at id 4, the DATA_DIR of an lm or classify run, or a checkpoint or run "
+        "directory of such a model (its tokenizer is taken from the checkpoint)",
     )
     named = parser.add_argument_group("named corpus (instead of --train/--valid/--test)")
     named.add_argument(
@@ -148,8 +151,12 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--corpus {args.corpus} reads its own files; drop {', '.join(given)}")
     elif args.sword_path or args.download:
         raise CLIError("--sword-path and --download go with --corpus bible")
-    prepare = _prepare_translation if args.task == "translation" else _prepare_text
-    print(summary(prepare(args, options), args.out))
+    if args.task == "translation":
+        manifest = _prepare_translation(args, options)
+    else:
+        with tempfile.TemporaryDirectory(prefix="aiayn-tokenizer-") as staging:
+            manifest = _prepare_text(args, options, Path(staging))
+    print(summary(manifest, args.out))
     return 0
 
 
@@ -194,7 +201,32 @@ def _prepare_translation(args: argparse.Namespace, options: dict[str, Any]) -> d
     )
 
 
-def _prepare_text(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+def _sentencepiece_model(given: str, staging: Path) -> Path:
+    """The sentencepiece model file that ``--tokenizer`` names: the file itself, a data
+    directory's spm.model, or the tokenizer of a checkpoint (or run directory) written to
+    ``staging``."""
+    from aiayn.data.corpus import tokenizer_path
+    from aiayn.inference.loading import CheckpointError, resolve_and_load, tensor_to_bytes
+
+    path = Path(given)
+    if path.is_dir() and tokenizer_path(path).is_file():
+        return tokenizer_path(path)
+    if path.is_file() and not path.name.endswith((".pt", ".pth")):
+        return path
+    try:
+        found, state = resolve_and_load(path)
+    except CheckpointError as err:
+        raise CLIError(f"--tokenizer {given}: {err}") from None
+    if state.get("tokenizer") is None or state["tokenizer"].numel() == 0:
+        raise CLIError(f"--tokenizer {given}: {found} carries no tokenizer")
+    out = staging / "spm.model"
+    out.write_bytes(tensor_to_bytes(state["tokenizer"]))
+    return out
+
+
+def _prepare_text(
+    args: argparse.Namespace, options: dict[str, Any], staging: Path
+) -> dict[str, Any]:
     from aiayn.data.text import prepare_bible_text, prepare_text
 
     task = args.task
@@ -213,7 +245,7 @@ def _prepare_text(args: argparse.Namespace, options: dict[str, Any]) -> dict[str
     if args.tokenizer:
         if args.vocab_size is not None:
             raise CLIError("--tokenizer brings its own vocabulary; drop --vocab-size")
-        options["tokenizer"] = args.tokenizer
+        options["tokenizer"] = _sentencepiece_model(args.tokenizer, staging)
     vocab_size = args.vocab_size or _DEFAULT_VOCAB_SIZE
     if args.corpus:
         if args.corpus != "bible":

@@ -32,8 +32,10 @@ def confusion_matrix(labels: Sequence[int], predicted: Sequence[int], n_classes:
 
 
 def classification_scores(matrix: np.ndarray) -> ClassificationScores:
-    """Scores of a confusion matrix (row = true class). A class with no true and no predicted
-    example has F1 0 and still counts in the macro average (as scikit-learn's default)."""
+    """Scores of a confusion matrix (row = true class). The macro average takes the classes
+    that occur among the true or the predicted labels (as scikit-learn's ``f1_score`` with
+    ``average="macro"`` does when it is given the labels alone): a class absent from both,
+    e.g. a book with no chapter in the test split, is left out, not counted as F1 0."""
     matrix = np.asarray(matrix, dtype=np.float64)
     hits = np.diag(matrix)
     true = matrix.sum(axis=1)
@@ -41,11 +43,12 @@ def classification_scores(matrix: np.ndarray) -> ClassificationScores:
     total = matrix.sum()
     precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
     recall = np.divide(hits, true, out=np.zeros_like(hits), where=true > 0)
+    seen = (true > 0) | (predicted > 0)
     both = precision + recall
     f1 = np.divide(2 * precision * recall, both, out=np.zeros_like(hits), where=both > 0)
     return ClassificationScores(
         accuracy=float(hits.sum() / total) if total else 0.0,
-        macro_f1=float(f1.mean()) if f1.size else 0.0,
+        macro_f1=float(f1[seen].mean()) if seen.any() else 0.0,
         precision=precision.tolist(),
         recall=recall.tolist(),
         f1=f1.tolist(),

@@ -200,7 +200,7 @@ class LoadedModel:
 TASK_COMMANDS = {
     "translation": "aiayn translate",
     "lm": "aiayn generate",
-    "mlm": "fine-tuning (train.init_from) and aiayn classify",
+    "mlm": "a classify run that fine-tunes it (train.init_from), then aiayn classify",
     "classify": "aiayn classify",
 }
 

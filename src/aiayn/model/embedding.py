@@ -69,3 +69,25 @@ class Embeddings(nn.Module):
         x = self.token(ids) * self.scale  # (B, T, d_model)
         x = x + self.positions(ids.size(1), offset).to(x.dtype)
         return self.dropout(x)
+
+
+def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
+    """A token embedding, normal with standard deviation d_model^-0.5.
+
+    Deviation: the paper does not state an initialisation; this is tensor2tensor's, so that
+    after the √d_model scale of §3.4 the inputs have unit variance."""
+    token = nn.Embedding(vocab_size, d_model)
+    nn.init.normal_(token.weight, mean=0.0, std=d_model**-0.5)
+    return token
+
+
+def output_projection(token: nn.Embedding, tied: bool) -> nn.Linear:
+    """The pre-softmax linear transformation (§3.4), without bias: with ``tied`` its weight is
+    the very same Parameter as ``token``'s, else its own, initialised like an embedding."""
+    vocab_size, d_model = token.weight.shape
+    out_proj = nn.Linear(d_model, vocab_size, bias=False)
+    if tied:
+        out_proj.weight = token.weight
+    else:
+        nn.init.normal_(out_proj.weight, mean=0.0, std=d_model**-0.5)
+    return out_proj

@@ -26,31 +26,8 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
-from aiayn.model.embedding import Embeddings, PositionalEncoding
-from aiayn.model.transformer import Decoder, Encoder, Transformer
-
-
-def _token_embedding(config: ModelConfig) -> nn.Embedding:
-    token = nn.Embedding(config.vocab_size, config.d_model)
-    # As the translation model: normal with std d_model^-0.5 (unit variance after √d_model).
-    nn.init.normal_(token.weight, mean=0.0, std=config.d_model**-0.5)
-    return token
-
-
-def _projection(config: ModelConfig, token: nn.Embedding) -> nn.Linear:
-    """The pre-softmax projection, tied to ``token`` with ``share_embeddings`` (§3.4)."""
-    out_proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
-    if config.share_embeddings:
-        out_proj.weight = token.weight
-    else:
-        nn.init.normal_(out_proj.weight, mean=0.0, std=config.d_model**-0.5)
-    return out_proj
-
-
-def _embeddings(config: ModelConfig, token: nn.Embedding) -> Embeddings:
-    learned = config.positional == "learned"
-    positions = PositionalEncoding(config.max_positions, config.d_model, learned)
-    return Embeddings(token, positions, config.dropout)
+from aiayn.model.embedding import output_projection, token_embedding
+from aiayn.model.transformer import Decoder, Encoder, Transformer, decoder_step, embeddings
 
 
 class DecoderOnlyLM(nn.Module):
@@ -63,10 +40,10 @@ class DecoderOnlyLM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        token = _token_embedding(config)
-        self.embed = _embeddings(config, token)
+        token = token_embedding(config.vocab_size, config.d_model)
+        self.embed = embeddings(config, token)
         self.decoder = Decoder(config, cross_attention=False)
-        self.out_proj = _projection(config, token)
+        self.out_proj = output_projection(token, tied=config.share_embeddings)
 
     def forward(self, inputs: Tensor, pad: Tensor | None = None, project: bool = True) -> Tensor:
         """Logits (B, T, V); with ``project=False`` the hidden states (B, T, d_model) before
@@ -107,12 +84,7 @@ class DecoderOnlyLM(nn.Module):
     def step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """The output (rows, d_model) at position ``cache.length`` for ``tokens`` (rows,)
         there; appends their keys and values to the cache."""
-        if cache.length >= cache.max_len:
-            raise ValueError(f"cache is full ({cache.max_len} positions)")
-        x = self.embed(tokens[:, None], offset=cache.length)
-        hidden = self.decoder.step(x, cache)
-        cache.length += 1
-        return hidden[:, 0]
+        return decoder_step(self.embed, self.decoder, tokens, cache)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Next-token logits (rows, V)."""
@@ -141,12 +113,15 @@ class EncoderOnly(nn.Module):
         if config.task not in ("mlm", "classify"):
             raise ValueError(f"EncoderOnly serves the mlm and classify tasks, not {config.task}")
         self.config = config
-        token = _token_embedding(config)
-        self.embed = _embeddings(config, token)
+        token = token_embedding(config.vocab_size, config.d_model)
+        self.embed = embeddings(config, token)
         self.encoder = Encoder(config)
-        self.out_proj = _projection(config, token)  # the MLM head (tied: no parameters)
+        # The head: the MLM projection (tied: no parameters of its own), or the classifier.
+        self.out_proj: nn.Linear | None = None
         self.classifier: ClassificationHead | None = None
-        if config.task == "classify":
+        if config.task == "mlm":
+            self.out_proj = output_projection(token, tied=config.share_embeddings)
+        else:
             self.classifier = ClassificationHead(config)
 
     def encode(self, inputs: Tensor, pad: Tensor | None) -> Tensor:
@@ -159,17 +134,15 @@ class EncoderOnly(nn.Module):
         hidden = self.encode(inputs, pad)
         if self.classifier is not None:
             return self.classifier(hidden, pad)
+        assert self.out_proj is not None
         return self.out_proj(hidden) if project else hidden
-
-    def project(self, hidden: Tensor) -> Tensor:
-        return self.out_proj(hidden)
 
 
 class ClassificationHead(nn.Module):
     """Pooled encoder output → tanh(W_p · pooled + b_p) → dropout → class logits.
 
     ``pooling = "first"`` reads the BOS position (BERT's [CLS]); ``"mean"`` averages the
-    non-padding positions."""
+    non-padding positions (BOS and EOS included)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -8,7 +8,12 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
-from aiayn.model.embedding import Embeddings, PositionalEncoding
+from aiayn.model.embedding import (
+    Embeddings,
+    PositionalEncoding,
+    output_projection,
+    token_embedding,
+)
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 
 
@@ -69,33 +74,15 @@ class Transformer(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        d = config.d_model
-        learned = config.positional == "learned"
-        src_token = nn.Embedding(config.vocab_size, d)
-        # Deviation: the paper does not state an initialisation; embeddings are normal with
-        # standard deviation d_model^-0.5 (tensor2tensor's choice), so that after the √d_model
-        # scale of §3.4 the inputs have unit variance.
-        nn.init.normal_(src_token.weight, mean=0.0, std=d**-0.5)
-        if config.share_embeddings:
-            tgt_token = src_token
-        else:
-            tgt_token = nn.Embedding(config.vocab_size, d)
-            nn.init.normal_(tgt_token.weight, mean=0.0, std=d**-0.5)
-        self.src_embed = Embeddings(
-            src_token, PositionalEncoding(config.max_positions, d, learned), config.dropout
-        )
-        self.tgt_embed = Embeddings(
-            tgt_token, PositionalEncoding(config.max_positions, d, learned), config.dropout
-        )
+        src_token = token_embedding(config.vocab_size, config.d_model)
+        shared = config.share_embeddings
+        tgt_token = src_token if shared else token_embedding(config.vocab_size, config.d_model)
+        self.src_embed = embeddings(config, src_token)
+        self.tgt_embed = embeddings(config, tgt_token)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
-        # Pre-softmax linear transformation (§3.4): no bias; with shared embeddings its weight
-        # is the very same Parameter as both embedding matrices.
-        self.out_proj = nn.Linear(d, config.vocab_size, bias=False)
-        if config.share_embeddings:
-            self.out_proj.weight = tgt_token.weight
-        else:
-            nn.init.normal_(self.out_proj.weight, mean=0.0, std=d**-0.5)
+        # With shared embeddings, one matrix for both embeddings and the projection (§3.4).
+        self.out_proj = output_projection(tgt_token, tied=shared)
 
     # -- teacher forcing -------------------------------------------------------------------
 
@@ -166,12 +153,27 @@ class Transformer(nn.Module):
     def step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """The decoder output (B, d_model) for the next position: ``decode_step`` before the
         pre-softmax projection."""
-        if cache.length >= cache.max_len:
-            raise ValueError(f"cache is full ({cache.max_len} positions)")
-        x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, d_model)
-        hidden = self.decoder.step(x, cache)
-        cache.length += 1
-        return hidden[:, 0]
+        return decoder_step(self.tgt_embed, self.decoder, tokens, cache)
+
+
+def embeddings(config: ModelConfig, token: nn.Embedding) -> Embeddings:
+    """``token`` scaled by √d_model plus sinusoidal or learned positions, with dropout."""
+    learned = config.positional == "learned"
+    positions = PositionalEncoding(config.max_positions, config.d_model, learned)
+    return Embeddings(token, positions, config.dropout)
+
+
+def decoder_step(
+    embed: Embeddings, decoder: Decoder, tokens: Tensor, cache: DecoderCache
+) -> Tensor:
+    """One incremental step of a decoder stack: the output (rows, d_model) at position
+    ``cache.length`` for ``tokens`` (rows,) there; appends their keys and values to the cache."""
+    if cache.length >= cache.max_len:
+        raise ValueError(f"cache is full ({cache.max_len} positions)")
+    x = embed(tokens[:, None], offset=cache.length)  # (rows, 1, d_model)
+    hidden = decoder.step(x, cache)
+    cache.length += 1
+    return hidden[:, 0]
 
 
 def count_parameters(model: nn.Module) -> int:

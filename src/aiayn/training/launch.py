@@ -335,8 +335,17 @@ def train_run(
         if state is not None:
             trainer.load_state_dict(state)  # refuses another [model] section or tokenizer
         elif config.train.init_from:
-            weights = _pretrained_weights(config, tokenizer_bytes) if info.is_main else None
-            load_pretrained_encoder(trainer.model, broadcast_object(weights, info))
+            # Rank 0 reads and checks the file; every rank raises its error alike.
+            found_weights: dict[str, torch.Tensor] | str | None = None
+            if info.is_main:
+                try:
+                    found_weights = _pretrained_weights(config, tokenizer_bytes)
+                except (ConfigError, loading.CheckpointError) as err:
+                    found_weights = str(err)
+            found_weights = broadcast_object(found_weights, info)
+            if isinstance(found_weights, str) or found_weights is None:
+                raise ConfigError(found_weights or "train.init_from: nothing to load")
+            load_pretrained_encoder(trainer.model, found_weights)
             if info.is_main:
                 print(f"encoder initialised from {config.train.init_from}", file=sys.stderr)
         if info.is_main:  # only once the config is known to fit the data and the checkpoint

@@ -31,7 +31,7 @@ from aiayn.training.validation import autocast, valid_batches
 
 # A class index may be 0: nothing is ignored in a classifier's targets.
 _NO_PAD = -100
-# The seed of the validation masks of batch i: MLM_VALID_SEED + i.
+# The seed of the validation masks of a rank's batch i: MLM_VALID_SEED + i · world + rank.
 MLM_VALID_SEED = 1234
 
 
@@ -99,7 +99,8 @@ def evaluate_text(
     confusion = torch.zeros(max(valid.n_classes, 1) ** 2, dtype=torch.float64)
     eps = config.train.label_smoothing
     for number, chunk in enumerate(valid_batches(examples.lengths, mine, config.data.max_tokens)):
-        generator = torch.Generator().manual_seed(MLM_VALID_SEED + number * info.world_size)
+        seed = MLM_VALID_SEED + number * info.world_size + info.rank
+        generator = torch.Generator().manual_seed(seed)
         batch = examples.batch(chunk, generator).to(info.device)
         with autocast(config.train.precision, info.device):
             logits = model(batch.inputs, batch.pad)
