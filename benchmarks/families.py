@@ -23,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -125,14 +126,32 @@ def _scores(text: str) -> dict[str, float]:
     return {"accuracy": float(match.group(1)), "macro_f1": float(match.group(2))}
 
 
-def classifier(work: Path, scale: float) -> dict[str, Any]:
+def _finished(run: Path) -> dict[str, Any]:
+    """The figures of a finished run, as :func:`_train` reports them."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    averaged = [r for r in records if r["kind"] == "averaged"]
+    return {
+        "minutes": round(max(r["minutes"] for r in records)),
+        "updates": max(r["step"] for r in records),
+        "tokens_per_s": sum(r["tgt_tokens_per_s"] for r in train[-5:]) / max(len(train[-5:]), 1),
+        "averaged": averaged[-1] if averaged else None,
+        "reused": str(run),
+    }
+
+
+def classifier(work: Path, scale: float, reuse_pretraining: bool = False) -> dict[str, Any]:
     data = work / "data-bible-genre"
     _run("prepare", "--corpus", "bible", "--task", "classify", "--lang", "en", "--out", str(data))
     mlm = work / "bible-mlm"
-    pretraining = _train("configs/bible_mlm.toml", data, mlm, 10 * scale)
+    if reuse_pretraining and (mlm / "averaged.pt").is_file():
+        pretraining = _finished(mlm)
+    else:
+        pretraining = _train("configs/bible_mlm.toml", data, mlm, 10 * scale)
     results: dict[str, Any] = {"pretraining": pretraining, "bag_of_words": _bag_of_words(data)}
     for name, init in (("fine_tuned", str(mlm / "averaged.pt")), ("from_scratch", "none")):
         run = work / f"bible-genre-{name}"
+        shutil.rmtree(run, ignore_errors=True)
         training = _train("configs/bible_classify.toml", data, run, 5 * scale,
                           f"train.init_from={init}")  # fmt: skip
         png = work / f"confusion-{name}.png"
@@ -199,6 +218,11 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", choices=["lm", "classify"], default=None)
     parser.add_argument("--minutes", type=float, default=1.0, help="scale of training times")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "families")
+    parser.add_argument(
+        "--reuse-pretraining",
+        action="store_true",
+        help="classify: start from the finished MLM run in --work instead of pre-training again",
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     only = args.only or ["lm", "classify"]
@@ -210,7 +234,7 @@ def main() -> int:
     if "lm" in only:
         results["lm"] = language_model(args.work, args.minutes)
     if "classify" in only:
-        results["classify"] = classifier(args.work, args.minutes)
+        results["classify"] = classifier(args.work, args.minutes, args.reuse_pretraining)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "families.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "families.md").write_text(report(results))
