@@ -90,6 +90,47 @@ def test_resume_falls_back_past_a_truncated_checkpoint(data_dir, tmp_path, capsy
     assert "d_ff = 64" in (run / "config.toml").read_text()
 
 
+def test_garbage_checkpoints_are_set_aside_and_never_push_out_good_ones(data_dir, tmp_path, capsys):
+    """The newest checkpoint is random bytes and keep_last=1: resuming sets it aside, so the
+    checkpoints that the resumed run writes are kept, and the run can resume again."""
+    run = tmp_path / "run"
+    over = ["train.save_interval_steps=2", "train.valid_interval=0", "train.average_last=0"]
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
+    assert main([*args, *over, "train.keep_last=1", "train.max_steps=4"]) == 0
+    garbage = loading.step_checkpoint_path(run, 6)
+    garbage.write_bytes(os.urandom(4096))
+    capsys.readouterr()
+    resume = ["train", "--out", str(run), "--no-progress", "train.keep_last=1"]
+    assert main([*resume, "train.max_steps=5"]) == 0
+    err = capsys.readouterr().err
+    assert "set step_00000006.pt aside as step_00000006.pt.broken" in err
+    assert [p.name for p in loading.list_step_checkpoints(run)] == ["step_00000005.pt"]
+    assert main([*resume, "train.max_steps=6"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+
+
+def test_a_run_whose_checkpoints_are_all_unreadable_stops(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    over = ["train.save_interval_steps=2", "train.valid_interval=0", "train.average_last=0"]
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
+    assert main([*args, *over, "train.max_steps=2"]) == 0
+    for path in loading.list_step_checkpoints(run):
+        path.write_bytes(b"\x00" * 100)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--no-progress", "train.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "none can be read" in err and "--start-over" in err
+    lines = [line for line in err.splitlines() if line.startswith("aiayn train: error")]
+    assert len(lines) == 1
+    # Asked to, it starts over, and keeps the broken files aside for whoever wants to look.
+    assert (
+        main(["train", "--out", str(run), "--no-progress", "--start-over", "train.max_steps=3"])
+        == 0
+    )
+    assert "starting over" in capsys.readouterr().err
+    assert (run / loading.CHECKPOINT_DIR / "step_00000002.pt.broken").is_file()
+
+
 def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):
     run = tmp_path / "run"
     command = [
@@ -208,3 +249,29 @@ def test_every_shipped_config_loads(path):
     train = config.train
     assert train.max_steps > 0 or train.max_epochs > 0 or train.max_minutes > 0
     assert train.keep_last >= train.average_last
+
+
+def test_a_run_directory_is_owned_by_one_process(data_dir, tmp_path, capsys):
+    """A second train into a directory in use is refused with the holder's PID; the first
+    process's work is untouched; a holder killed with -9 leaves nothing locked."""
+    from aiayn.training.lock import run_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
+    with run_lock(run):  # as a running `aiayn train` holds it
+        assert main([*args, "train.max_steps=2"]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another aiayn train (PID {os.getpid()})" in err
+        assert not (run / "metrics.jsonl").exists() and not (run / "config.toml").exists()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from aiayn.training.lock import run_lock\n"
+         "with run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)", str(run)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    assert main([*args, "train.max_steps=2"]) == 2
+    assert f"PID {holder.pid}" in capsys.readouterr().err
+    holder.kill()
+    holder.wait()
+    assert main([*args, "train.max_steps=2", "train.valid_interval=0"]) == 0

@@ -100,11 +100,31 @@ def test_averaging_identity_and_mean(tmp_path):
 def test_averaging_refuses_different_shapes(tmp_path):
     _model_file(tmp_path / "a.pt", tiny_config(), seed=1)
     _model_file(tmp_path / "b.pt", tiny_config("model.d_ff=128"), seed=1)
-    with pytest.raises(loading.CheckpointError, match=r"w1\.weight has shape"):
+    with pytest.raises(loading.CheckpointError, match=r"model configs differ \(d_ff\)"):
         averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
     _model_file(tmp_path / "c.pt", tiny_config("model.n_layers=1"), seed=1)
-    with pytest.raises(loading.CheckpointError, match="missing"):
+    with pytest.raises(loading.CheckpointError, match=r"model configs differ \(n_layers\)"):
         averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "c.pt"])
+    # Weights alone (no config to compare): their names and shapes are checked.
+    total = averaging._ModelSum()
+    total.add(torch.load(tmp_path / "a.pt", weights_only=True)["model"], tmp_path / "a.pt")
+    with pytest.raises(loading.CheckpointError, match=r"w1\.weight has shape"):
+        total.add(torch.load(tmp_path / "b.pt", weights_only=True)["model"], tmp_path / "b.pt")
+
+
+def test_averaging_refuses_other_tokenizers_and_model_configs(tmp_path):
+    """Same shapes, different vocabularies (or configs): averaging them would be garbage."""
+    _model_file(tmp_path / "a.pt", tiny_config(), seed=1, tokenizer=b"vocabulary one")
+    _model_file(tmp_path / "b.pt", tiny_config(), seed=2, tokenizer=b"vocabulary two")
+    with pytest.raises(loading.CheckpointError, match="different tokenizers"):
+        averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    _model_file(
+        tmp_path / "c.pt", tiny_config("model.dropout=0.3"), seed=3, tokenizer=b"vocabulary one"
+    )
+    with pytest.raises(loading.CheckpointError, match=r"model configs differ \(dropout\)"):
+        averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "c.pt"])
+    _model_file(tmp_path / "d.pt", tiny_config(), seed=4, tokenizer=b"vocabulary one")
+    averaging.average_checkpoints([tmp_path / "a.pt", tmp_path / "d.pt"])  # the same: fine
 
 
 def test_load_for_inference_from_file_and_run_dir(tmp_path):

@@ -41,6 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "RUN_DIR has checkpoints)",
     )
     parser.add_argument(
+        "--start-over",
+        action="store_true",
+        help="when RUN_DIR holds checkpoints of which none can be read: train from scratch "
+        "instead of stopping",
+    )
+    parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
         default="auto",
@@ -66,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--resume: {run_dir} {where}; start a run there with --config and --data")
     config_path = args.config
     data_dir = args.data
-    if has_checkpoints or args.resume:
+    if has_checkpoints or args.resume or args.start_over:
         if config_path is None and (run_dir / CONFIG_NAME).is_file():
             config_path = run_dir / CONFIG_NAME
         if data_dir is None and saved_run_info(run_dir).get("data"):
@@ -79,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--data is required (except when resuming a run directory)")
     config = resolve_config(config_path, data_dir, args.overrides)
     result = train_run(
-        config, data_dir, run_dir, device=args.device, show_progress=not args.no_progress
+        config,
+        data_dir,
+        run_dir,
+        device=args.device,
+        show_progress=not args.no_progress,
+        start_over=args.start_over,
     )
     if result.rank != 0:  # under torchrun, rank 0 reports
         return 0

@@ -104,7 +104,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dic
         if not head:
             raise CheckpointCorrupt(f"checkpoint {path} is empty (truncated?)")
         if head != _ZIP_MAGIC:  # torch.save writes a zip archive
-            raise CheckpointError(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
+            # Bytes that are no zip archive at all never load: corrupt, like a truncated one.
+            raise CheckpointCorrupt(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
         state = torch.load(path, map_location=device, weights_only=True)
     except CheckpointError:
         raise

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from aiayn.config import config_from_dict
@@ -30,9 +31,37 @@ class _ModelSum:
 
     def __init__(self) -> None:
         self.total: dict[str, Tensor] = {}
+        self.model_config: dict[str, Any] | None = None
+        self.tokenizer: Tensor | None = None
         self.alias: dict[str, str] = {}  # key -> first key with the same storage
         self.reference: Path | None = None
         self.count = 0
+
+    def add_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """Add a checkpoint's model, after checking that it was trained with the same model
+        config and tokenizer as the first: models of other vocabularies or shapes may have
+        tensors of equal shapes, and their mean translates nothing."""
+        config = dict(checkpoint.get("config", {}).get("model", {}))
+        tokenizer = checkpoint.get("tokenizer")
+        if self.reference is not None:
+            if self.model_config is not None and config != self.model_config:
+                differ = sorted(
+                    k
+                    for k in set(config) | set(self.model_config)
+                    if config.get(k) != self.model_config.get(k)
+                )
+                raise CheckpointError(
+                    f"cannot average {path} with {self.reference}: their model configs differ "
+                    f"({', '.join(differ[:5])})"
+                )
+            if not _same_tensor(tokenizer, self.tokenizer):
+                raise CheckpointError(
+                    f"cannot average {path} with {self.reference}: they were trained with "
+                    "different tokenizers (vocabularies), so their weights mean different words"
+                )
+        else:
+            self.model_config, self.tokenizer = config, tokenizer
+        self.add(checkpoint["model"], path)
 
     def add(self, state: dict[str, Tensor], path: Path) -> None:
         if self.reference is None:
@@ -76,6 +105,12 @@ class _ModelSum:
         return {key: averaged[source] for key, source in self.alias.items()}
 
 
+def _same_tensor(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
 def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Tensor]:
     """Element-wise mean of the models of ``paths`` in fp32 (§6.1 averages the last 5 or 20),
     accumulated in float64, one file in memory at a time.
@@ -86,7 +121,7 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Tensor]:
     """
     total = _ModelSum()
     for path in paths:
-        total.add(load_checkpoint(path)["model"], Path(path))
+        total.add_checkpoint(load_checkpoint(path), Path(path))
     return total.mean()
 
 
@@ -107,7 +142,7 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
         except CheckpointError as err:
             print(f"warning: {err}; left out of the average", file=sys.stderr)
             continue
-        total.add(state["model"], path)
+        total.add_checkpoint(state, path)
         chosen.append(path)
         if newest is None:
             newest = {k: state[k] for k in ("config", "tokenizer", "step", "epoch")}

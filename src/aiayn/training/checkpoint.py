@@ -99,19 +99,24 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def resume_point(
-    run_dir: str | Path, device: str | torch.device = "cpu"
+    run_dir: str | Path,
+    device: str | torch.device = "cpu",
+    passed_over: list[Path] | None = None,
 ) -> tuple[Path, dict[str, Any]] | None:
     """Where a run resumes: :func:`latest_valid_checkpoint`, after which each corrupt newer
     checkpoint (what a dead process left) is set aside (:func:`set_aside`, said on stderr), so
     that it takes no ``keep_last`` slot from the resumed run's checkpoints and is never
     averaged. Newer ones that fail otherwise (a newer format, a file that cannot be read right
-    now) stay where they are."""
+    now) stay where they are and are listed in ``passed_over``: the run's pruning leaves them
+    alone and never counts them as one of its ``keep_last``."""
     failed: dict[Path, CheckpointError] = {}
     found = latest_valid_checkpoint(run_dir, device, failed=failed)
     for path, err in failed.items():
         if isinstance(err, CheckpointCorrupt):
             moved = set_aside(path)
             print(f"set {path.name} aside as {moved.name} (it will never load)", file=sys.stderr)
+        elif passed_over is not None:
+            passed_over.append(path)
     return found
 
 

@@ -9,6 +9,7 @@ one, and runs the :class:`~aiayn.training.trainer.Trainer`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -36,8 +37,9 @@ from aiayn.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from aiayn.training.lock import RunDirectoryBusy, run_lock
 from aiayn.training.tasks import TextValidSet
-from aiayn.training.trainer import ExampleSource, Trainer, TrainResult
+from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
 from aiayn.training.validation import ValidSet
 
 if sys.version_info >= (3, 11):
@@ -261,98 +263,122 @@ def train_run(
     *,
     device: str = "auto",
     show_progress: bool = True,
+    start_over: bool = False,
 ) -> TrainResult:
     """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank."""
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
     info: DistInfo = init_distributed(device)
     try:
-        if info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            for path in ckpt.remove_stale_temporaries(run_dir):
-                print(f"removed {path.name}, left by an interrupted save", file=sys.stderr)
-        barrier(info)
-        tok_path = tokenizer_path(data_dir)
-        tokenizer = Tokenizer.load(tok_path)  # a missing or broken file: a UserError naming it
-        tokenizer_bytes = tok_path.read_bytes()
-        validating = config.train.valid_interval > 0
-        corpus: ExampleSource
-        valid: ValidSet | TextValidSet | None = None
-        labels: list[str] | None = None
-        if config.model.task == "translation":
-            pairs = Corpus.open(data_dir, "train")
-            corpus, lengths = pairs, (pairs.src_lengths, pairs.tgt_lengths)
-            valid = _valid_set(data_dir, tokenizer) if validating else None
-        else:
-            examples = _examples(data_dir, "train", config)
-            corpus, lengths = examples, (examples.lengths, examples.lengths)
-            if validating:
-                n_classes = config.model.n_classes if config.model.task == "classify" else 0
-                valid = TextValidSet(_examples(data_dir, "valid", config), n_classes)
-            if config.model.task == "classify":
-                labels = list(load_manifest(data_dir)["labels"])
-        try:
-            sampler = TokenBatchSampler(
-                *lengths,
-                config.data.max_tokens,
-                seed=config.train.seed,
-                shuffle=True,
-                rank=info.rank,
-                world_size=info.world_size,
-            )
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        _seed_everything(config.train.seed)
-        model = build_model(config.model)
-        if info.rank > 0:  # different dropout masks on every rank
-            torch.manual_seed(config.train.seed + info.rank)
-        trainer = Trainer(
-            config,
-            model,
-            corpus,
-            sampler,
-            run_dir,
-            valid=valid,
-            tokenizer_bytes=tokenizer_bytes,
-            labels=labels,
-            dist_info=info,
-            show_progress=show_progress,
-        )
-        # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
-        state = None
-        if info.is_main:
-            found = ckpt.resume_point(run_dir)
-            if found is not None:
-                print(f"resuming from {found[0]}", file=sys.stderr)
-                state = found[1]
-            elif loading.list_step_checkpoints(run_dir):
-                print(
-                    f"warning: no readable checkpoint in {run_dir / loading.CHECKPOINT_DIR}; "
-                    "starting from scratch",
-                    file=sys.stderr,
-                )
-        state = broadcast_object(state, info)
-        if state is not None:
-            trainer.load_state_dict(state)  # refuses another [model] section or tokenizer
-        elif config.train.init_from:
-            # Rank 0 reads and checks the file; every rank raises its error alike.
-            found_weights: dict[str, torch.Tensor] | str | None = None
+        with contextlib.ExitStack() as held:
+            # One process at a time in a run directory (under torchrun: rank 0 holds it).
+            refusal = None
             if info.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
                 try:
-                    found_weights = _pretrained_weights(config, tokenizer_bytes)
-                except (ConfigError, loading.CheckpointError) as err:
-                    found_weights = str(err)
-            found_weights = broadcast_object(found_weights, info)
-            if isinstance(found_weights, str) or found_weights is None:
-                raise ConfigError(found_weights or "train.init_from: nothing to load")
-            load_pretrained_encoder(trainer.model, found_weights)
+                    held.enter_context(run_lock(run_dir))
+                except RunDirectoryBusy as err:
+                    refusal = str(err)
+                else:
+                    for path in ckpt.remove_stale_temporaries(run_dir):
+                        print(f"removed {path.name}, left by an interrupted save", file=sys.stderr)
+            refusal = broadcast_object(refusal, info)
+            if refusal is not None:
+                raise RunDirectoryBusy(refusal)
+            barrier(info)
+            tok_path = tokenizer_path(data_dir)
+            tokenizer = Tokenizer.load(tok_path)  # a missing or broken file: a UserError naming it
+            tokenizer_bytes = tok_path.read_bytes()
+            validating = config.train.valid_interval > 0
+            corpus: ExampleSource
+            valid: ValidSet | TextValidSet | None = None
+            labels: list[str] | None = None
+            if config.model.task == "translation":
+                pairs = Corpus.open(data_dir, "train")
+                corpus, lengths = pairs, (pairs.src_lengths, pairs.tgt_lengths)
+                valid = _valid_set(data_dir, tokenizer) if validating else None
+            else:
+                examples = _examples(data_dir, "train", config)
+                corpus, lengths = examples, (examples.lengths, examples.lengths)
+                if validating:
+                    n_classes = config.model.n_classes if config.model.task == "classify" else 0
+                    valid = TextValidSet(_examples(data_dir, "valid", config), n_classes)
+                if config.model.task == "classify":
+                    labels = list(load_manifest(data_dir)["labels"])
+            try:
+                sampler = TokenBatchSampler(
+                    *lengths,
+                    config.data.max_tokens,
+                    seed=config.train.seed,
+                    shuffle=True,
+                    rank=info.rank,
+                    world_size=info.world_size,
+                )
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            _seed_everything(config.train.seed)
+            model = build_model(config.model)
+            if info.rank > 0:  # different dropout masks on every rank
+                torch.manual_seed(config.train.seed + info.rank)
+            trainer = Trainer(
+                config,
+                model,
+                corpus,
+                sampler,
+                run_dir,
+                valid=valid,
+                tokenizer_bytes=tokenizer_bytes,
+                labels=labels,
+                dist_info=info,
+                show_progress=show_progress,
+            )
+            # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
+            state, refusal = None, None
             if info.is_main:
-                print(f"encoder initialised from {config.train.init_from}", file=sys.stderr)
-        if info.is_main:  # only once the config is known to fit the data and the checkpoint
-            (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
-            run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
-            (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
-        return train_and_average(trainer)
+                # Checkpoints set aside as unreadable count too: a run that has lost them all
+                # stops each time until it is told to start over.
+                had = loading.list_step_checkpoints(run_dir) or sorted(
+                    (run_dir / loading.CHECKPOINT_DIR).glob("step_*.pt.broken")
+                )
+                passed_over: list[Path] = []
+                found = ckpt.resume_point(run_dir, passed_over=passed_over)
+                trainer.passed_over = set(passed_over)
+                if found is not None:
+                    print(f"resuming from {found[0]}", file=sys.stderr)
+                    state = found[1]
+                elif had and not start_over:
+                    refusal = (
+                        f"{run_dir / loading.CHECKPOINT_DIR} holds {len(had)} checkpoint(s) and "
+                        "none can be read (set aside as *.broken); to start this run over, pass "
+                        "--start-over (or train into a new directory)"
+                    )
+                elif had:
+                    print(f"no readable checkpoint in {run_dir}: starting over", file=sys.stderr)
+            refusal = broadcast_object(refusal, info)
+            if refusal is not None:
+                raise TrainingError(refusal)
+            state = broadcast_object(state, info)
+            if state is not None:
+                trainer.load_state_dict(state)  # refuses another [model] section or tokenizer
+            elif config.train.init_from:
+                # Rank 0 reads and checks the file; every rank raises its error alike.
+                found_weights: dict[str, torch.Tensor] | str | None = None
+                if info.is_main:
+                    try:
+                        found_weights = _pretrained_weights(config, tokenizer_bytes)
+                    except (ConfigError, loading.CheckpointError) as err:
+                        found_weights = str(err)
+                found_weights = broadcast_object(found_weights, info)
+                if isinstance(found_weights, str) or found_weights is None:
+                    raise ConfigError(found_weights or "train.init_from: nothing to load")
+                load_pretrained_encoder(trainer.model, found_weights)
+                if info.is_main:
+                    print(f"encoder initialised from {config.train.init_from}", file=sys.stderr)
+            if info.is_main:  # only once the config is known to fit the data and the checkpoint
+                (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+                run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
+                (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
+            return train_and_average(trainer)
     finally:
         shutdown_distributed()
 

@@ -133,6 +133,9 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.tokenizer = ckpt.bytes_to_tensor(tokenizer_bytes)
         self.labels = list(labels) if labels else None
+        # Step checkpoints that could not be read when the run resumed and were left in place
+        # (a newer format, an I/O error): never pruned, never counted in keep_last.
+        self.passed_over: set[Path] = set()
         self.optimizer = build_optimizer(self.model, self.train_cfg)
         self.schedule = build_schedule(self.optimizer, config.model.d_model, self.train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
@@ -470,7 +473,10 @@ class Trainer:
             path = loading.step_checkpoint_path(self.run_dir, self.step)
             ckpt.save_atomic(state, path)
             keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
-            for old in loading.list_step_checkpoints(self.run_dir)[:-keep]:
+            mine = [
+                p for p in loading.list_step_checkpoints(self.run_dir) if p not in self.passed_over
+            ]
+            for old in mine[:-keep]:
                 old.unlink(missing_ok=True)
         barrier(self.info)
         self._saved_step = self.step
