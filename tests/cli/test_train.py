@@ -275,3 +275,74 @@ def test_a_run_directory_is_owned_by_one_process(data_dir, tmp_path, capsys):
     holder.kill()
     holder.wait()
     assert main([*args, "train.max_steps=2", "train.valid_interval=0"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        (OSError(28, "No space left on device"), "no space left on the device"),
+        (OSError(30, "Read-only file system"), "has become read-only"),
+        # torch's zip writer reports a full disk without errno: read from the free space.
+        (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
+         "no space left on the device"),
+    ],
+)  # fmt: skip
+def test_a_full_or_read_only_disk_is_one_line_and_the_run_resumes(
+    data_dir, tmp_path, capsys, monkeypatch, failure, message
+):
+    import torch
+
+    run = tmp_path / "run"
+    over = ["train.save_interval_steps=2", "train.valid_interval=0", "train.average_last=0"]
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
+    assert main([*args, *over, "train.max_steps=2"]) == 0
+    real_save = torch.save
+
+    def failing_save(obj, handle, *rest, **kwargs):
+        handle.write(b"PK\x03\x04 half a checkpoint")
+        raise failure
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    if isinstance(failure, RuntimeError):
+        import shutil
+
+        from aiayn.training import storage
+
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(storage.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--no-progress", "train.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("aiayn train: error")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step_00000002.pt"]  # the last one intact, no temporary left
+    monkeypatch.setattr(torch, "save", real_save)
+    assert main(["train", "--out", str(run), "--no-progress", "train.max_steps=4"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+
+
+def test_a_lowered_keep_last_makes_room_before_the_save(data_dir, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    over = ["train.save_interval_steps=1", "train.valid_interval=0", "train.average_last=0"]
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
+    assert main([*args, *over, "train.max_steps=4", "train.keep_last=4"]) == 0
+    seen: list[list[str]] = []
+    from aiayn.training import checkpoint as ckpt
+
+    real = ckpt.save_atomic
+
+    def watching(obj, path):
+        if "checkpoints" in str(path):
+            seen.append(sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")))
+        real(obj, path)
+
+    monkeypatch.setattr(ckpt, "save_atomic", watching)
+    again = ["train", "--out", str(run), "--no-progress", "train.max_steps=5"]
+    assert main([*again, "train.keep_last=2"]) == 0
+    # Before writing step 5, only the newest (step 4) was left: room made first.
+    assert seen[0] == ["step_00000004.pt"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == [
+        "step_00000004.pt",
+        "step_00000005.pt",
+    ]

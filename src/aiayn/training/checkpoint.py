@@ -26,6 +26,7 @@ from aiayn.inference.loading import (
     CheckpointError,
     latest_valid_checkpoint,
 )
+from aiayn.training.storage import tensor_bytes, writing
 
 
 def set_aside(path: Path) -> Path:
@@ -41,19 +42,22 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
 
     A crash at any moment leaves either the old file or the complete new one, never a part.
     The file gets the mode a plain ``open(path, "wb")`` would give it (0666 less the umask).
+    A full disk or a read-only directory is a one-line :class:`RunDirectoryError` (the
+    temporary file removed, the old file intact).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    with writing(path, "the checkpoint", tensor_bytes(obj)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = _create_temporary(path)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(obj, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
     _fsync_dir(path.parent)
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from aiayn.training.storage import writing
+
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -48,8 +50,10 @@ class MetricsLog:
         if replace:
             kind, step = clean.get("kind"), int(clean.get("step", 0))
             self._keep_only(lambda r: r.get("kind") != kind or int(r.get("step", 0)) != step)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(clean, sort_keys=False) + "\n")
+        line = json.dumps(clean, sort_keys=False) + "\n"
+        with writing(self.path, "the metrics log", len(line)):
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(line)
         if self._writer is not None:
             kind, step = clean.get("kind", "train"), int(clean.get("step", 0))
             for key, value in clean.items():

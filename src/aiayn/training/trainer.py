@@ -471,17 +471,27 @@ class Trainer:
         path = None
         if self.info.is_main:
             path = loading.step_checkpoint_path(self.run_dir, self.step)
-            ckpt.save_atomic(state, path)
             keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
-            mine = [
-                p for p in loading.list_step_checkpoints(self.run_dir) if p not in self.passed_over
-            ]
-            for old in mine[:-keep]:
-                old.unlink(missing_ok=True)
+            # Room first for the new file, beyond the newest keep - 1 (a lowered keep_last
+            # frees space before the save); never the newest one, which a failed save needs.
+            self._prune(max(keep - 1, 1), exclude=path)
+            ckpt.save_atomic(state, path)
+            self._prune(keep)
         barrier(self.info)
         self._saved_step = self.step
         self._last_save_time = time.monotonic()
         return path
+
+    def _prune(self, keep: int, exclude: Path | None = None) -> None:
+        """Delete this run's step checkpoints beyond the newest ``keep`` (those passed over at
+        resume are not the run's: never counted, never deleted)."""
+        mine = [
+            p
+            for p in loading.list_step_checkpoints(self.run_dir)
+            if p not in self.passed_over and p != exclude
+        ]
+        for old in mine[:-keep]:
+            old.unlink(missing_ok=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The full resumable state (collective under DDP: every rank must call it)."""
