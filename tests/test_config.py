@@ -84,7 +84,7 @@ def test_values_out_of_range_are_refused_when_read(override, message):
 def test_zero_means_off_where_documented():
     zeros = ["train.max_steps=0", "train.valid_interval=0", "train.clip_norm=0"]
     zeros += ["train.patience=0", "train.average_last=0", "train.lr_scale=0", "decode.alpha=0"]
-    zeros += ["train.log_interval=0", "train.max_bad_steps=0", "decode.max_len_b=-2"]
+    zeros += ["train.log_interval=0", "train.max_bad_steps=0", "decode.max_len_b=0"]
     config = load_config(overrides=[*zeros, "train.max_minutes=5"])
     assert config.train.valid_interval == 0 and config.decode.alpha == 0
 

@@ -234,8 +234,17 @@ class DecodeConfig:
     batch_tokens: int = 4096
 
     def validate(self) -> None:
-        rules = {"beam_size": _POSITIVE, "max_len_a": _NON_NEGATIVE, "batch_tokens": _POSITIVE}
+        rules = {
+            "beam_size": _POSITIVE,
+            "max_len_a": _NON_NEGATIVE,
+            "max_len_b": _NON_NEGATIVE,
+            "batch_tokens": _POSITIVE,
+        }
         _require(self, "decode", rules)
+        if self.max_len_a == 0 and self.max_len_b == 0:
+            raise ConfigError(
+                "decode.max_len_a and decode.max_len_b are both 0: every output would be empty"
+            )
 
 
 @dataclass(frozen=True)

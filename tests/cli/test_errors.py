@@ -115,3 +115,64 @@ def test_a_closed_output_pipe_ends_quietly():
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.startswith("preset")
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_small_frictions_of_a_first_hour(data_dir, tmp_path, capsys):
+    # --version, and which vocabulary params assumes
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("aiayn ")
+    assert main(["params", "small", "--vocab-size", "8000"]) == 0
+    assert "vocabulary of 8,000: --vocab-size)" in capsys.readouterr().out
+    # A prefix given with its language suffix: the hint says what the prefix is.
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name in ("train.en", "train.de"):
+        (folder / name).write_text("a b\n")
+    argv = ["prepare", "--train", str(folder / "train.en"), "--valid", str(folder / "train")]
+    _fails(
+        [*argv, "--src", "en", "--tgt", "de", "--out", str(tmp_path / "d")],
+        capsys,
+        f"--train {folder / 'train'} (for {folder / 'train'}.en and",
+    )
+    # Output limits that would give nothing are refused, not translated into empty lines.
+    config = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "r")]
+    _fails([*config, "decode.max_len_b=-5"], capsys, "decode.max_len_b must be 0 or more")
+    _fails([*config, "decode.max_len_a=0", "decode.max_len_b=0"], capsys, "both 0")
+
+
+def test_translate_refuses_output_limits_that_give_nothing(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run)]
+    assert main([*argv, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0
+    text = tmp_path / "in.txt"
+    text.write_text("alpha bravo\n")
+    for limits in (["--max-len-b", "-5"], ["--max-len-a", "0", "--max-len-b", "0"]):
+        _fails(["translate", str(run), "--input", str(text), *limits], capsys, "max_len")
+
+
+def test_advice_that_works_when_followed(data_dir, tmp_path, capsys):
+    """A valid sentence longer than the model's positions: the advice is not --max-len (which
+    filters training pairs only), and following it works. Resuming a run with data of another
+    vocabulary says so, instead of asking to drop a key the user never set."""
+    from aiayn.data.prepare import prepare_data
+    from tests.helpers import WORDS, write_reverse_text
+
+    write_reverse_text(tmp_path, "long", 300, seed=4)  # 2 to 6 words a line
+    short = tmp_path / "short"  # training pairs of at most 4 tokens; valid kept whole
+    prepare_data(tmp_path / "long", tmp_path / "long", None, "src", "tgt", len(WORDS) + 4,
+                 short, model_type="word", max_len=4)  # fmt: skip
+    argv = ["train", "--config", TINY, "--data", str(short), "--out", str(tmp_path / "a"),
+            "model.max_positions=6", "train.max_steps=1", "--no-progress"]  # fmt: skip
+    _fails(argv, capsys, "the valid split")  # advice: train.valid_interval=0, not --max-len
+    assert main([*argv, "train.valid_interval=0"]) == 0  # the advice, followed
+    base = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "b")]
+    assert main([*base, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0
+    other = tmp_path / "other"
+
+    write_reverse_text(tmp_path, "t", 200, seed=3)
+    prepare_data(tmp_path / "t", tmp_path / "t", None, "src", "tgt", 40, other, model_type="bpe")
+    _fails(
+        ["train", "--out", str(tmp_path / "b"), "--data", str(other), "train.max_steps=2"],
+        capsys, "resume it with the data it was trained on",
+    )  # fmt: skip

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="aiayn",
         description="The Transformer of 'Attention Is All You Need': raw parallel text to BLEU.",
     )
+    from aiayn import __version__
+
+    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in _COMMANDS:
         command.add_parser(subparsers)

@@ -31,4 +31,5 @@ def run(args: argparse.Namespace) -> int:
         count = count_parameters(build_model(config.model))
         paper = PAPER_PARAMS_M.get(name)
         print(f"{name:<16} {count:>14,} {paper if paper is not None else '-':>10}")
+    print(f"(parameters with a shared vocabulary of {args.vocab_size:,}: --vocab-size)")
     return 0

@@ -319,5 +319,14 @@ def _text_summary(manifest: dict[str, Any], out: str) -> str:
 
 
 def _dropped(info: dict[str, Any]) -> str:
-    dropped = ", ".join(f"{n:,} {why}" for why, n in info["dropped"].items() if n)
-    return f"  (dropped: {dropped})" if dropped else ""
+    """What a split lost or had mended: dropped lines by reason, lines whose invalid UTF-8
+    was replaced (``--encoding-errors replace``)."""
+    notes = [f"dropped: {', '.join(f'{n:,} {why}' for why, n in info['dropped'].items() if n)}"]
+    if not any(info["dropped"].values()):
+        notes = []
+    replaced = info.get("utf8_replaced_lines", 0)
+    if isinstance(replaced, dict):  # parallel data: per language
+        replaced = sum(replaced.values())
+    if replaced:
+        notes.append(f"{replaced:,} lines with invalid UTF-8 replaced")
+    return f"  ({'; '.join(notes)})" if notes else ""

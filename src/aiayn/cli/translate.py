@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from collections.abc import Sequence
@@ -111,13 +112,23 @@ def _write(out: TextIO, lines: Sequence[str]) -> None:
 
 
 def _interactive(translator: Translator, nbest: int) -> None:
+    """Line by line from a terminal, with line editing and history (the arrow keys) where
+    Python has readline."""
+    try:
+        import readline  # noqa: F401  (input() edits lines once it is imported)
+    except ImportError:  # pragma: no cover - Windows without pyreadline
+        pass
+    if isinstance(sys.stdin, io.TextIOWrapper):  # invalid bytes arrive as lone surrogates
+        sys.stdin.reconfigure(errors="surrogateescape")
     print("Type a sentence and press Enter; Ctrl-D ends.", file=sys.stderr, flush=True)
     number = 0
-    for raw in sys.stdin.buffer:
-        number += 1
+    while True:
         try:
-            line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
-        except UnicodeDecodeError:
+            line = input()
+        except EOFError:
+            break
+        number += 1
+        if any("\udc80" <= ch <= "\udcff" for ch in line):
             # Say so and go on, with an empty output to keep lines in step.
             print(f"error: stdin line {number} is not valid UTF-8", file=sys.stderr, flush=True)
             line = ""

@@ -133,6 +133,14 @@ def prepare_data(
         prefixes["test"] = test_prefix
     inputs = {split: input_paths(prefix, src, tgt) for split, prefix in prefixes.items()}
 
+    for split, (src_path, _) in inputs.items():
+        prefix = str(prefixes[split])
+        if not src_path.exists() and prefix.endswith((f".{src}", f".{tgt}")):
+            stem = prefix.rsplit(".", 1)[0]
+            raise UserError(
+                f"{src_path}: file not found; the prefix names the files without their language "
+                f"suffix: --{split} {stem} (for {stem}.{src} and {stem}.{tgt})"
+            )
     # Every input is checked before any work: a bad test file should not cost a BPE training.
     line_counts: dict[str, int] = {}
     for split, (src_path, tgt_path) in inputs.items():

@@ -140,6 +140,10 @@ class Translator:
         accelerated: bool = True,
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
+        if self.decode.max_len_b < 0 or self.decode.max_len_a < 0:
+            raise ValueError("max_len_a and max_len_b must be 0 or more")
+        if self.decode.max_len_a == 0 and self.decode.max_len_b == 0:
+            raise ValueError("max_len_a and max_len_b are both 0: every translation would be empty")
         if self.decode.beam_size < 1:
             raise ValueError(f"beam size must be at least 1, got {self.decode.beam_size}")
         if not 1 <= nbest <= self.decode.beam_size:

@@ -80,6 +80,14 @@ def resolve_config(
     if manifest.get("labels") and not _sets_model_key(path, overrides, "n_classes"):
         overrides.append(f"model.n_classes={len(manifest['labels'])}")
     config = load_config(path, overrides)
+    if path is not None and (path.parent / RUN_INFO_NAME).is_file():
+        vocab = int(manifest["vocab_size"])
+        if config.model.vocab_size != vocab:  # the run's own config: resuming
+            raise ConfigError(
+                f"the run in {path.parent} was trained with a vocabulary of "
+                f"{config.model.vocab_size} pieces, but {data_dir} has {vocab}: resume it with "
+                "the data it was trained on (--data), or train a new run into another directory"
+            )
     check_fits_data(config, data_dir, manifest)
     return config
 
@@ -133,10 +141,16 @@ def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str,
             continue  # long lines are cut to model.max_positions (aiayn.data.text)
         longest = max(int(n) for n in splits[split]["longest"].values()) + 1  # + BOS/EOS
         if longest > config.model.max_positions:
+            # --max-len filters training pairs only: validation sentences are kept whole.
+            remedy = (
+                "prepare the data with a smaller --max-len"
+                if split == "train"
+                else "train without validation (train.valid_interval=0)"
+            )
             raise ConfigError(
                 f"the {split} split of {data_dir} has a sentence of {longest} positions "
                 f"(with BOS/EOS) but model.max_positions={config.model.max_positions}; raise "
-                "model.max_positions or prepare the data with a smaller --max-len"
+                f"model.max_positions or {remedy}"
             )
         if split == "train" and longest > config.data.max_tokens:
             raise ConfigError(
