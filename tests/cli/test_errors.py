@@ -135,6 +135,12 @@ def test_small_frictions_of_a_first_hour(data_dir, tmp_path, capsys):
         capsys,
         f"--train {folder / 'train'} (for {folder / 'train'}.en and",
     )
+    assert not (tmp_path / "d").exists()  # no empty DATA_DIR left by the failure
+    (folder / "bad.en").write_bytes(b"\xff\n")
+    (folder / "bad.de").write_text("x\n")
+    bad = ["prepare", "--train", str(folder / "bad"), "--valid", str(folder / "train")]
+    _fails([*bad, "--src", "en", "--tgt", "de", "--out", str(tmp_path / "e")], capsys, "UTF-8")
+    assert not (tmp_path / "e").exists()
     # Output limits that would give nothing are refused, not translated into empty lines.
     config = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "r")]
     _fails([*config, "decode.max_len_b=-5"], capsys, "decode.max_len_b must be 0 or more")

@@ -134,6 +134,18 @@ def _log(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    existed = out.exists()
+    try:
+        return _run(args)
+    except BaseException:
+        # A failed first prepare leaves no empty DATA_DIR behind (one that held files stays).
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.vocab_size is not None and args.vocab_size < 5:
         raise CLIError(f"--vocab-size must be at least 5, got {args.vocab_size}")
     options: dict[str, Any] = {
