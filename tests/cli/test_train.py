@@ -346,3 +346,16 @@ def test_a_lowered_keep_last_makes_room_before_the_save(data_dir, tmp_path, monk
         "step_00000004.pt",
         "step_00000005.pt",
     ]
+
+
+def test_config_takes_a_shipped_recipe_by_name_anywhere(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # outside the repository: no configs/ folder here
+    args = ["train", "--data", str(data_dir), "--out", "run", "--no-progress"]
+    assert main([*args, "--config", "tiny", "train.max_steps=1", "train.valid_interval=0"]) == 0
+    assert 'preset = "tiny"' in (tmp_path / "run" / "config.toml").read_text()
+    assert main([*args[:3], "--out", "other", "--config", "nonesuch"]) == 2
+    assert "config file nonesuch does not exist" in capsys.readouterr().err
+    help_text = subprocess.run(
+        [sys.executable, "-m", "aiayn", "train", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "multi30k" in help_text and "bible_lm" in help_text

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aiayn.cli.paths import check_output_dir
 from aiayn.errors import CLIError
+from aiayn.recipes import recipe_names, resolve_recipe
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,8 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--config",
-        type=Path,
-        help="run config (TOML); default when resuming: RUN_DIR/config.toml",
+        metavar="RECIPE_OR_TOML",
+        help="run config: a shipped recipe by name (" + ", ".join(recipe_names()) + "; CPU: "
+        "multi30k, bible_*, tiny; GPU: base, big) or a TOML file; required for a new run, "
+        "by default RUN_DIR/config.toml when resuming",
     )
     parser.add_argument(
         "--data", type=Path, help="prepared data directory; default when resuming: the run's"
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not has_checkpoints and not started and args.config is None:
         where = "does not exist" if not run_dir.exists() else "holds no checkpoint"
         raise CLIError(f"--resume: {run_dir} {where}; start a run there with --config and --data")
-    config_path = args.config
+    config_path = resolve_recipe(args.config) if args.config is not None else None
     data_dir = args.data
     if has_checkpoints or args.resume or args.start_over:
         if config_path is None and (run_dir / CONFIG_NAME).is_file():
