@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from aiayn.errors import UserError
@@ -31,3 +33,31 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
         except (RuntimeError, AssertionError) as err:
             raise UserError(f"device {requested!r} is not available here: {err}") from None
     return device
+
+
+def _product_seconds(threads: int, size: int = 384, repeats: int = 8) -> float:
+    """Seconds of ``repeats`` float32 products of two (size, size) matrices on ``threads``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size)
+        torch.mm(a, a)  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(a, a)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+
+
+def busy_cpu_slowdown(rounds: int = 5) -> float:
+    """How many times slower the process's CPU threads run a small matrix product than one
+    thread does (best of ``rounds``, interleaved): well below 1 on an idle machine, above 1
+    when another process holds the cores and the threads wait for each other. 0.0 with one
+    thread."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return 0.0
+    many = min(_product_seconds(threads) for _ in range(rounds))
+    one = min(_product_seconds(1) for _ in range(rounds))
+    return many / max(one, 1e-9)

@@ -359,3 +359,28 @@ def test_config_takes_a_shipped_recipe_by_name_anywhere(data_dir, tmp_path, monk
         [sys.executable, "-m", "aiayn", "train", "--help"], capture_output=True, text=True
     ).stdout
     assert "multi30k" in help_text and "bible_lm" in help_text
+
+
+def test_a_busy_cpu_is_measured_and_said(data_dir, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from aiayn import devices
+    from aiayn.training import launch
+
+    assert devices.busy_cpu_slowdown() == 0.0  # one thread (this test module's fixture)
+    monkeypatch.setattr(launch, "busy_cpu_slowdown", lambda: 6.5)
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--no-progress"]
+    over = ["train.max_steps=1", "train.valid_interval=0"]
+    assert main([*args, "--out", str(tmp_path / "a"), *over]) == 0
+    err = capsys.readouterr().err
+    assert "6.5x slower than 1 thread" in err and "--threads 1" in err
+    monkeypatch.setattr(launch, "busy_cpu_slowdown", lambda: 0.5)
+    assert main([*args, "--out", str(tmp_path / "b"), *over]) == 0
+    assert "busy with other work" not in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "c"), "--threads", "0", *over]) == 2
+    before = torch.get_num_threads()
+    try:
+        assert main([*args, "--out", str(tmp_path / "d"), "--threads", "2", *over]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

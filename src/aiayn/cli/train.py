@@ -44,6 +44,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "RUN_DIR has checkpoints)",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads for PyTorch (default: its own, one per core); 1 is faster when "
+        "other work holds the cores (the run warns when it measures that)",
+    )
+    parser.add_argument(
         "--start-over",
         action="store_true",
         help="when RUN_DIR holds checkpoints of which none can be read: train from scratch "
@@ -68,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir: Path = args.out
     check_output_dir(run_dir, "--out")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     has_checkpoints = bool(loading.list_step_checkpoints(run_dir))
     started = (run_dir / CONFIG_NAME).is_file()  # a run killed before its first checkpoint
     if args.resume and not has_checkpoints and not started and args.config is None:

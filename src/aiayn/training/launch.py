@@ -25,6 +25,7 @@ from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.corpus import Corpus, data_kind, load_manifest, tokenizer_path
 from aiayn.data.text import TextCorpus, TextExamples
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.devices import busy_cpu_slowdown
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.model.families import build_model, pretrained_encoder_state
@@ -209,6 +210,24 @@ def _valid_set(data_dir: Path, tokenizer: Any) -> ValidSet:
     return ValidSet(corpus, corpus.src_lengths, references, tokenizer.decode)
 
 
+# Threads this many times slower than one thread: another process holds the cores.
+BUSY_SLOWDOWN = 1.5
+
+
+def _warn_if_cpu_busy() -> None:
+    """Say so when other work on the machine makes PyTorch's threads slower than one thread
+    (beside one busy process, two threads were measured 14x slower than one)."""
+    threads = torch.get_num_threads()
+    slowdown = busy_cpu_slowdown()
+    if slowdown > BUSY_SLOWDOWN:
+        print(
+            f"warning: the CPU is busy with other work: {threads} threads ran a test product "
+            f"{slowdown:.1f}x slower than 1 thread; training will likely be faster with "
+            "--threads 1 (or fewer threads than cores are free)",
+            file=sys.stderr,
+        )
+
+
 def _examples(data_dir: Path, split: str, config: RunConfig) -> TextExamples:
     """The examples of an lm, mlm or classify run on one split of a text data directory."""
     return TextExamples(
@@ -299,6 +318,8 @@ def train_run(
             refusal = broadcast_object(refusal, info)
             if refusal is not None:
                 raise RunDirectoryBusy(refusal)
+            if info.world_size == 1 and info.device.type == "cpu":
+                _warn_if_cpu_busy()
             barrier(info)
             tok_path = tokenizer_path(data_dir)
             tokenizer = Tokenizer.load(tok_path)  # a missing or broken file: a UserError naming it
