@@ -332,13 +332,17 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
             device=device,
             pack_weights=pack_weights,
         )
+        translator.checkpoint = Path(path) / "averaged.pt"
         return translator, None
 
     monkeypatch.setattr(Translator, "from_checkpoint", classmethod(load))
 
 
 def test_translate_command(
-    fake_checkpoint: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fake_checkpoint: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     source = tmp_path / "src.txt"
     source.write_text("abc\n\ndeed\r\nfa\n", encoding="utf-8")
@@ -346,7 +350,9 @@ def test_translate_command(
     captured = capsys.readouterr()
     out = captured.out.split("\n")
     assert out[-1] == "" and len(out[:-1]) == 4 and out[1] == ""
-    assert "translated 4 lines" in captured.err
+    assert (
+        "translated 4 lines in" in captured.err and "lines/s) with run/averaged.pt" in captured.err
+    )
 
     assert main(["translate", "run", "-i", str(source), "--beam", "3", "--nbest", "2"]) == 0
     rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
@@ -356,6 +362,16 @@ def test_translate_command(
 
     assert main(["translate", "run", "-i", str(source), "--beam", "2", "--nbest", "3"]) == 2
     assert "nbest" in capsys.readouterr().err
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["translate", "run", "--input", str(source), "--batch-tokens", "3"]) == 0
+    shown = terminal.getvalue()
+    assert "1/4 lines" in shown and "3/4 lines" in shown and "s left" in shown  # per batch
 
 
 def test_the_beam_rule_reaches_the_search(

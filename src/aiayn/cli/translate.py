@@ -159,13 +159,32 @@ def run(args: argparse.Namespace) -> int:
         return 0
     lines = read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read(), "stdin")
     start = time.perf_counter()
+    done = 0
+    if sys.stderr.isatty():
+
+        def show(sentences: int) -> None:
+            nonlocal done
+            done += sentences
+            rate = done / max(time.perf_counter() - start, 1e-9)
+            left = (len(lines) - done) / max(rate, 1e-9)
+            print(
+                f"\r\033[K{done:,}/{len(lines):,} lines, {rate:,.1f} lines/s, {left:,.0f} s left",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        translator.on_batch = show
     for first in range(0, len(lines), CHUNK_LINES):
         chunk = lines[first : first + CHUNK_LINES]
         results = translator.translate_nbest(chunk, first_line=first + 1)
         _write(sys.stdout, format_translations(results, args.nbest))
     seconds = time.perf_counter() - start
+    rate = len(lines) / max(seconds, 1e-9)
     print(
-        f"translated {len(lines)} lines in {seconds:.1f} s on {device}",
+        ("\r\033[K" if done else "")
+        + f"translated {len(lines):,} lines in {seconds:.1f} s ({rate:,.1f} lines/s) with "
+        f"{translator.checkpoint} on {device}",
         file=sys.stderr,
         flush=True,
     )

@@ -34,7 +34,7 @@ from aiayn.accel import (
 )
 from aiayn.config import DecodeConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
-from aiayn.inference.loading import load_for_inference
+from aiayn.inference.loading import load_model
 from aiayn.inference.search import (
     Hypothesis,
     beam_search,
@@ -140,6 +140,9 @@ class Translator:
         accelerated: bool = True,
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
+        # Told how many sentences each decoded batch held (progress); the file it came from.
+        self.on_batch: Callable[[int], None] | None = None
+        self.checkpoint: Path | None = None
         if self.decode.max_len_b < 0 or self.decode.max_len_a < 0:
             raise ValueError("max_len_a and max_len_b must be 0 or more")
         if self.decode.max_len_a == 0 and self.decode.max_len_b == 0:
@@ -195,7 +198,9 @@ class Translator:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
         config."""
-        model, config, tokenizer = load_for_inference(path, device)
+        loaded = load_model(path, device, tasks=("translation",))
+        model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        assert isinstance(model, Transformer)
         if quantize is not None:
             if quantize != "int8":
                 raise ValueError(f"unknown quantization {quantize!r} (only int8)")
@@ -212,6 +217,7 @@ class Translator:
             pack_weights=pack_weights,
             precision=precision,
         )
+        translator.checkpoint = loaded.path
         return translator, config
 
     # -- text ------------------------------------------------------------------------------
@@ -266,6 +272,8 @@ class Translator:
             for i, hyps in zip(chunk, self._search_batch([sources[i] for i in chunk]), strict=True):
                 results[i] = hyps
             start += count
+            if self.on_batch is not None:
+                self.on_batch(len(chunk))
         return results
 
     @torch.inference_mode()
