@@ -25,9 +25,16 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
-from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
+from aiayn.model.cache import DecoderCache, LayerCache
 from aiayn.model.embedding import output_projection, token_embedding
-from aiayn.model.transformer import Decoder, Encoder, Transformer, decoder_step, embeddings
+from aiayn.model.transformer import (
+    Decoder,
+    Encoder,
+    Transformer,
+    check_cache_size,
+    decoder_step,
+    embeddings,
+)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -60,25 +67,13 @@ class DecoderOnlyLM(nn.Module):
     def init_cache(self, rows: int, max_len: int, beam_size: int = 1) -> DecoderCache:
         """A cache for ``max_len`` positions of ``rows // beam_size`` sequences with
         ``beam_size`` rows each (the layout of :meth:`Transformer.init_cache`)."""
-        if max_len > self.config.max_positions:
-            raise ValueError(
-                f"max_len={max_len} exceeds model.max_positions={self.config.max_positions}"
-            )
-        if beam_size < 1 or rows % beam_size:
+        check_cache_size(self.config, max_len, beam_size)
+        if rows % beam_size:
             raise ValueError(f"{rows} rows do not split into beams of {beam_size}")
-        like = self.out_proj.weight
         layers = []
         for layer in self.decoder.layers:
-            self_k, self_v = empty_self_kv(
-                rows // beam_size,
-                self.config.n_heads,
-                max_len,
-                beam_size,
-                layer.self_attn.d_k,
-                layer.self_attn.d_v,
-                like=like,
-            )
-            layers.append(LayerCache(self_k, self_v, None, None))
+            kv = layer.empty_self_kv(rows // beam_size, max_len, beam_size, self.out_proj.weight)
+            layers.append(LayerCache(*kv, None, None))
         return DecoderCache(layers, None, length=0, max_len=max_len, beam_size=beam_size)
 
     def step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:

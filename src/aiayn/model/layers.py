@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention
-from aiayn.model.cache import LayerCache
+from aiayn.model.cache import LayerCache, empty_self_kv
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 
@@ -142,6 +142,15 @@ class DecoderLayer(nn.Module):
 
             x = self._sublayer(x, cross_attention, self.cross_attn_norm)
         return self._sublayer(x, self.ffn, self.ffn_norm)
+
+    def empty_self_kv(
+        self, sentences: int, max_len: int, beam_size: int, like: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """This layer's preallocated self-attention key and value buffers for an incremental
+        decode (:func:`aiayn.model.cache.empty_self_kv`), in the dtype and on the device of
+        ``like``."""
+        attn = self.self_attn
+        return empty_self_kv(sentences, attn.n_heads, max_len, beam_size, attn.d_k, attn.d_v, like)
 
     def _sublayer(
         self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.LayerNorm

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
-from aiayn.model.cache import DecoderCache, LayerCache, empty_self_kv
+from aiayn.model.cache import DecoderCache, LayerCache
 from aiayn.model.embedding import (
     Embeddings,
     PositionalEncoding,
@@ -115,26 +115,13 @@ class Transformer(nn.Module):
         """A cache for up to ``max_len`` decoder positions of ``beam_size`` rows per sentence
         of ``memory`` (B, S, d_model): rows ``i * beam_size .. (i + 1) * beam_size - 1``
         decode sentence i. Projects the memory once per layer and sentence (not per beam)."""
-        if max_len > self.config.max_positions:
-            raise ValueError(
-                f"max_len={max_len} exceeds model.max_positions={self.config.max_positions}"
-            )
-        if beam_size < 1:
-            raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+        check_cache_size(self.config, max_len, beam_size)
         layers = []
         for layer in self.decoder.layers:
             assert layer.cross_attn is not None
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
             # The step's keys and values are stored as the projected memory's are.
-            self_k, self_v = empty_self_kv(
-                memory.size(0),
-                self.config.n_heads,
-                max_len,
-                beam_size,
-                layer.self_attn.d_k,
-                layer.self_attn.d_v,
-                like=cross_k,
-            )
+            self_k, self_v = layer.empty_self_kv(memory.size(0), max_len, beam_size, cross_k)
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
         return DecoderCache(
             layers, attention_mask(src_pad), length=0, max_len=max_len, beam_size=beam_size
@@ -154,6 +141,14 @@ class Transformer(nn.Module):
         """The decoder output (B, d_model) for the next position: ``decode_step`` before the
         pre-softmax projection."""
         return decoder_step(self.tgt_embed, self.decoder, tokens, cache)
+
+
+def check_cache_size(config: ModelConfig, max_len: int, beam_size: int) -> None:
+    """Refuse a decoder cache longer than the model's positions, or without a beam."""
+    if max_len > config.max_positions:
+        raise ValueError(f"max_len={max_len} exceeds model.max_positions={config.max_positions}")
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
 
 
 def embeddings(config: ModelConfig, token: nn.Embedding) -> Embeddings:
