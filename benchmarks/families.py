@@ -52,14 +52,20 @@ def _train(config: str, data: Path, out: Path, minutes: float, *extra: str) -> d
     start = time.monotonic()
     _run("train", "--config", config, "--data", str(data), "--out", str(out), "--no-progress",
          f"train.max_minutes={minutes:g}", *extra)  # fmt: skip
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
+    figures = _finished(out)
+    return {**figures, "minutes": minutes, "wall_minutes": (time.monotonic() - start) / 60}
+
+
+def _finished(run: Path) -> dict[str, Any]:
+    """The figures of a finished run from its metrics.jsonl (``minutes``: its training time,
+    rounded)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"][-5:]
     averaged = [r for r in records if r["kind"] == "averaged"]
     return {
-        "minutes": minutes,
-        "wall_minutes": (time.monotonic() - start) / 60,
+        "minutes": round(max((r["minutes"] for r in records), default=0)),
         "updates": max((r["step"] for r in records), default=0),
-        "tokens_per_s": sum(r["tgt_tokens_per_s"] for r in train[-5:]) / max(len(train[-5:]), 1),
+        "tokens_per_s": sum(r["tgt_tokens_per_s"] for r in train) / max(len(train), 1),
         "valid": [r for r in records if r["kind"] == "valid"][-1:],
         "averaged": averaged[-1] if averaged else None,
     }
@@ -126,26 +132,12 @@ def _scores(text: str) -> dict[str, float]:
     return {"accuracy": float(match.group(1)), "macro_f1": float(match.group(2))}
 
 
-def _finished(run: Path) -> dict[str, Any]:
-    """The figures of a finished run, as :func:`_train` reports them."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    averaged = [r for r in records if r["kind"] == "averaged"]
-    return {
-        "minutes": round(max(r["minutes"] for r in records)),
-        "updates": max(r["step"] for r in records),
-        "tokens_per_s": sum(r["tgt_tokens_per_s"] for r in train[-5:]) / max(len(train[-5:]), 1),
-        "averaged": averaged[-1] if averaged else None,
-        "reused": str(run),
-    }
-
-
 def classifier(work: Path, scale: float, reuse_pretraining: bool = False) -> dict[str, Any]:
     data = work / "data-bible-genre"
     _run("prepare", "--corpus", "bible", "--task", "classify", "--lang", "en", "--out", str(data))
     mlm = work / "bible-mlm"
     if reuse_pretraining and (mlm / "averaged.pt").is_file():
-        pretraining = _finished(mlm)
+        pretraining = {**_finished(mlm), "reused": str(mlm)}
     else:
         pretraining = _train("configs/bible_mlm.toml", data, mlm, 10 * scale)
     results: dict[str, Any] = {"pretraining": pretraining, "bag_of_words": _bag_of_words(data)}

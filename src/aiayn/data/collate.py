@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -48,15 +49,15 @@ class Batch:
         )
 
 
+SequencesT = TypeVar("SequencesT", bound="_Sequences")
+
+
 @dataclass
-class TokenBatch:
-    """A padded batch for a token-level task of one sequence: the language model (``inputs``
-    are a span without its last token, ``targets`` the span shifted by one) or the masked
-    language model (``inputs`` with the chosen tokens replaced, ``targets`` the original token
-    at the chosen positions). ``targets`` is PAD_ID where no loss is taken."""
+class _Sequences:
+    """What the batches of one-sequence tasks share: ``inputs`` (B, T), padded with PAD_ID,
+    and a second tensor of what is predicted; moved to a device together."""
 
     inputs: Tensor  # (B, T)
-    targets: Tensor  # (B, T)
 
     @property
     def pad(self) -> Tensor:
@@ -67,42 +68,37 @@ class TokenBatch:
     def n_src_tokens(self) -> int:
         return int((self.inputs != PAD_ID).sum())
 
+    def to(self: SequencesT, device: torch.device | str) -> SequencesT:
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)}
+        return type(self)(**moved)
+
+
+@dataclass
+class TokenBatch(_Sequences):
+    """A padded batch for a token-level task of one sequence: the language model (``inputs``
+    are a span without its last token, ``targets`` the span shifted by one) or the masked
+    language model (``inputs`` with the chosen tokens replaced, ``targets`` the original token
+    at the chosen positions). ``targets`` is PAD_ID where no loss is taken."""
+
+    targets: Tensor  # (B, T)
+
     @property
     def n_tgt_tokens(self) -> int:
         """Predictions the loss takes (the budget and normaliser of an update)."""
         return int((self.targets != PAD_ID).sum())
 
-    def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(
-            self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True)
-        )
-
 
 @dataclass
-class LabelBatch:
+class LabelBatch(_Sequences):
     """A padded batch of labelled texts: ``inputs`` (B, T) are BOS + text + EOS (the BOS
     is the position a first-token classifier reads), ``labels`` (B,) class indices."""
 
-    inputs: Tensor
     labels: Tensor
-
-    @property
-    def pad(self) -> Tensor:
-        return self.inputs == PAD_ID
-
-    @property
-    def n_src_tokens(self) -> int:
-        return int((self.inputs != PAD_ID).sum())
 
     @property
     def n_tgt_tokens(self) -> int:
         """Predictions the loss takes: one per text."""
         return int(self.labels.numel())
-
-    def to(self, device: torch.device | str) -> LabelBatch:
-        return LabelBatch(
-            self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True)
-        )
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> Tensor:
