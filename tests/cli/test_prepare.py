@@ -1,4 +1,5 @@
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def test_prepare_command_writes_data_and_a_summary(prefixes, tmp_path, capsys):
     code, out, err = _run(_prepare_args(train, valid, tmp_path / "data"), capsys)
     assert code == 0
     assert "train" in out and "300 pairs" in out and "valid" in out and "20 pairs" in out
-    assert "encoding train" in err  # progress goes to stderr
+    # Progress goes to stderr: off a terminal, one summary line per stage.
+    assert re.search(r"^aiayn prepare: encoding train: 300 lines in [0-9.]+ s", err, re.M), err
+    assert re.search(r"^aiayn prepare: training a joint bpe .*: done in [0-9.]+ s$", err, re.M)
     assert len(Corpus.open(tmp_path / "data", "train")) == 300
     assert load_manifest(tmp_path / "data")["vocab_size"] == 80
     code, out, err = _run(_prepare_args(train, valid, tmp_path / "data"), capsys)

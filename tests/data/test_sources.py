@@ -214,7 +214,7 @@ def test_sword_module_download_uses_crosswire(tmp_path, monkeypatch):
 def _serve(monkeypatch, files: dict[str, bytes]) -> list[str]:
     requested: list[str] = []
 
-    def fake_fetch(url: str, dest: Path) -> None:
+    def fake_fetch(url: str, dest: Path, report: object = None) -> None:
         requested.append(url)
         if url not in files:
             raise UserError(f"{url}: download failed (404)")

@@ -4,13 +4,13 @@ binarised DATA_DIR."""
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from aiayn.config import DataConfig
 from aiayn.errors import CLIError
+from aiayn.progress import Report, stderr_report
 
 _CORPORA = ("bible", "multi30k", "wmt14")
 _TASKS = ("translation", "lm", "classify")
@@ -129,8 +129,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(run=run)
 
 
-def _log(message: str) -> None:
-    print(f"aiayn prepare: {message}", file=sys.stderr, flush=True)
+def _log() -> Report:
+    return stderr_report("aiayn prepare: ")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,7 +194,7 @@ def _prepare_translation(args: argparse.Namespace, options: dict[str, Any]) -> d
             cache_dir=args.cache_dir,
             sword_path=args.sword_path,
             download=args.download,
-            log=_log,
+            log=_log(),
             **options,
         )
     missing = [f"--{n}" for n in ("train", "valid", "src", "tgt") if not getattr(args, n)]
@@ -208,7 +208,7 @@ def _prepare_translation(args: argparse.Namespace, options: dict[str, Any]) -> d
         args.tgt,
         vocab_size,
         args.out,
-        log=_log,
+        log=_log(),
         **options,
     )
 
@@ -274,7 +274,7 @@ def _prepare_text(
             sword_path=args.sword_path,
             download=args.download,
             cache_dir=args.cache_dir,
-            log=_log,
+            log=_log(),
             **options,
         )
     if args.lang or args.label:
@@ -283,7 +283,7 @@ def _prepare_text(
     if missing:
         raise CLIError(f"missing {', '.join(missing)} (or --corpus bible)")
     return prepare_text(
-        task, args.train, args.valid, args.test, args.out, vocab_size, log=_log, **options
+        task, args.train, args.valid, args.test, args.out, vocab_size, log=_log(), **options
     )
 
 

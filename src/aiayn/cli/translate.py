@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.errors import CLIError
+from aiayn.progress import stderr_report
 
 if TYPE_CHECKING:
     from aiayn.inference.translator import Translation, Translator
@@ -158,34 +158,15 @@ def run(args: argparse.Namespace) -> int:
         _interactive(translator, args.nbest)
         return 0
     lines = read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read(), "stdin")
-    start = time.perf_counter()
-    done = 0
-    if sys.stderr.isatty():
-
-        def show(sentences: int) -> None:
-            nonlocal done
-            done += sentences
-            rate = done / max(time.perf_counter() - start, 1e-9)
-            left = (len(lines) - done) / max(rate, 1e-9)
-            print(
-                f"\r\033[K{done:,}/{len(lines):,} lines, {rate:,.1f} lines/s, {left:,.0f} s left",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        translator.on_batch = show
+    meter = stderr_report().meter("translating", len(lines))
+    translator.on_batch = meter.advance
     for first in range(0, len(lines), CHUNK_LINES):
         chunk = lines[first : first + CHUNK_LINES]
         results = translator.translate_nbest(chunk, first_line=first + 1)
         _write(sys.stdout, format_translations(results, args.nbest))
-    seconds = time.perf_counter() - start
-    rate = len(lines) / max(seconds, 1e-9)
-    print(
-        ("\r\033[K" if done else "")
-        + f"translated {len(lines):,} lines in {seconds:.1f} s ({rate:,.1f} lines/s) with "
-        f"{translator.checkpoint} on {device}",
-        file=sys.stderr,
-        flush=True,
+    seconds = meter.seconds
+    meter.finish(
+        f"translated {len(lines):,} lines in {seconds:.1f} s "
+        f"({len(lines) / max(seconds, 1e-9):,.1f} lines/s) with {translator.checkpoint} on {device}"
     )
     return 0

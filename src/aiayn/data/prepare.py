@@ -52,8 +52,8 @@ from aiayn.data.tokenizer import (
     train_tokenizer,
 )
 from aiayn.errors import UserError
+from aiayn.progress import Log, Meter, Report, as_report
 
-Log = Callable[[str], None]
 EncodingErrors = Literal["strict", "replace"]
 
 _CHUNK_LINES = 20_000
@@ -108,7 +108,7 @@ def prepare_data(
     character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
     input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
     force: bool = False,
-    log: Log | None = None,
+    log: Log | Report | None = None,
 ) -> dict[str, Any]:
     """Prepare DATA_DIR from ``PREFIX.{src,tgt}`` text files; returns the manifest.
 
@@ -118,7 +118,7 @@ def prepare_data(
     With the same inputs (path, size, modification time) and options the existing directory
     is reused as it is, unless ``force``.
     """
-    say = log or (lambda _message: None)
+    say = as_report(log)
     if src == tgt:
         raise UserError(f"source and target language are both {src!r}")
     for lang in (src, tgt):
@@ -184,10 +184,12 @@ def prepare_data(
     with _staging_dir(out) as staging:
         stats: dict[str, _SplitStats] = {}
         for split, (src_path, tgt_path) in inputs.items():
-            say(f"reading {split}: {src_path}, {tgt_path} ({line_counts[split]:,} lines)")
+            say(f"reading {split}: {src_path}, {tgt_path}")
+            meter = say.meter(f"reading {split}", line_counts[split])
             stats[split] = _clean_split(
-                src_path, tgt_path, staging, split, src, tgt, encoding_errors
+                src_path, tgt_path, staging, split, src, tgt, encoding_errors, meter
             )
+            meter.finish()
         if stats["train"].pairs == 0:
             src_path, tgt_path = inputs["train"]
             raise UserError(
@@ -218,9 +220,10 @@ def prepare_data(
         dtype = ids_dtype(tokenizer.vocab_size)
 
         for split in inputs:
-            say(f"encoding {split}")
+            meter = say.meter(f"encoding {split}", stats[split].pairs)
             limits = (max_len, max_len_ratio) if split == "train" else None
-            _encode_split(tokenizer, staging, split, src, tgt, dtype, limits, stats[split])
+            _encode_split(tokenizer, staging, split, src, tgt, dtype, limits, stats[split], meter)
+            meter.finish()
             if split == "train" and stats[split].pairs == 0:
                 raise UserError(
                     f"every training pair was dropped by the length limits (max_len={max_len}, "
@@ -282,7 +285,7 @@ def _staged_tokenizer(
     reusable: Path | None,
     training: str,
     train: Callable[[Path], Tokenizer],
-    say: Log,
+    say: Report,
 ) -> Tokenizer:
     """``staging/spm.model``: a copy of ``reusable`` when there is one, else trained by
     ``train(model_prefix)`` (after saying ``training``); sentencepiece's ``.vocab`` is left out.
@@ -292,8 +295,8 @@ def _staged_tokenizer(
         say(f"reusing {reusable} (same training text and vocabulary options)")
         shutil.copyfile(reusable, model_file)
         return Tokenizer.load(model_file)
-    say(training)
-    tokenizer = train(staging / model_file.stem)
+    with say.stage(training):
+        tokenizer = train(staging / model_file.stem)
     with contextlib.suppress(FileNotFoundError):
         (staging / (model_file.stem + ".vocab")).unlink()
     return tokenizer
@@ -334,6 +337,7 @@ def _clean_split(
     src: str,
     tgt: str,
     errors: EncodingErrors,
+    meter: Meter,
 ) -> _SplitStats:
     stats = _SplitStats()
     with (
@@ -350,6 +354,8 @@ def _clean_split(
             src_text = src_text.translate(_LINE_BREAKS).strip()
             tgt_text = tgt_text.translate(_LINE_BREAKS).strip()
             stats.lines += 1
+            if line_no % 10_000 == 0:
+                meter.advance(10_000)
             if not src_text or not tgt_text:
                 stats.dropped["empty"] += 1
                 continue
@@ -359,6 +365,7 @@ def _clean_split(
         # The line counts were compared up front; a file that changed since is caught here.
         if src_in.readline() or tgt_in.readline():
             raise UserError(f"{src_path} and {tgt_path} changed while being read")
+    meter.advance(stats.lines % 10_000)
     return stats
 
 
@@ -384,6 +391,7 @@ def _encode_split(
     dtype: np.dtype,
     limits: tuple[int, float] | None,
     stats: _SplitStats,
+    meter: Meter,
 ) -> None:
     sides = {"src": src, "tgt": tgt}
     lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
@@ -432,6 +440,7 @@ def _encode_split(
                 stats.tokens[side] += int(kept_lens.sum())
                 stats.longest[side] = max(stats.longest[side], int(kept_lens.max(initial=0)))
             kept += len(rows)
+            meter.advance(len(src_lines))
     stats.pairs = kept
     for side, lang in sides.items():
         _write_offsets(staging, split, lang, lengths[side])
@@ -611,7 +620,7 @@ def prepare_corpus(
     cache_dir: str | Path | None = None,
     sword_path: str | Path | list[str | Path] | None = None,
     download: bool = False,
-    log: Log | None = None,
+    log: Log | Report | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Fetch (or extract) a named corpus and prepare it like :func:`prepare_data`.

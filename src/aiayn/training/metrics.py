@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from aiayn.progress import clock
 from aiayn.training.storage import writing
 
 METRICS_NAME = "metrics.jsonl"
@@ -115,11 +116,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def _clock(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
 class Progress:
     """A one-line progress display on stderr: a bar, loss, learning rate, tokens/s, ETA;
     and messages (validation results, checkpoints) between the progress lines.
@@ -183,7 +179,7 @@ class Progress:
         line = (
             f"[{'#' * filled}{'-' * (width - filled)}] {step}{of_total} ep {epoch} | "
             f"loss {loss:.3f} nll {nll:.3f} ppl {perplexity(nll):.1f} | lr {lr:.2e} | "
-            f"{tps:,.0f} tok/s | {_clock(run_seconds)} eta {_clock(eta)}"
+            f"{tps:,.0f} tok/s | {clock(run_seconds)} eta {clock(eta)}"
         )
         self.write(line, transient=True)
 

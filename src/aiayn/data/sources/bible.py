@@ -30,8 +30,9 @@ from aiayn.data.sources.bible_text import (
     length_mismatch,
     strip_subscription,
 )
-from aiayn.data.sources.download import Log, cached_download
+from aiayn.data.sources.download import cached_download
 from aiayn.errors import UserError
+from aiayn.progress import Log
 
 DEBIAN_SWORD_DIR = Path("/usr/share/sword")
 # Module names: Debian's (eBible.org builds) first, then CrossWire's.

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import UserError
-
-Log = Callable[[str], None]
+from aiayn.progress import Log, Meter, Report, as_report
 
 
 def default_cache_dir() -> Path:
@@ -31,15 +30,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "aiayn"
 
 
-def fetch(url: str, dest: Path) -> None:
-    """Download ``url`` to ``dest`` (through a temporary file, so a failed download leaves none)."""
+def fetch(url: str, dest: Path, report: Report | None = None) -> None:
+    """Download ``url`` to ``dest`` (through a temporary file, so a failed download leaves none),
+    with a meter in ``report``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
     try:
         request = urllib.request.Request(url, headers={"User-Agent": "aiayn-data/1"})
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(request, timeout=60) as response:
-            shutil.copyfileobj(response, out, length=1 << 20)
+            size = int(response.headers.get("Content-Length") or 0)
+            meter = (report or Report()).meter(dest.name, size, "MB", 10**6)
+            _copy(response, out, meter)
         os.replace(tmp_name, dest)
+        meter.finish()
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", None) or getattr(err, "strerror", None) or err
         raise UserError(f"{url}: download failed ({reason}); is the network reachable?") from None
@@ -52,10 +55,16 @@ def cached_download(url: str, cache_dir: Path, log: Log | None = None) -> Path:
     """The file behind ``url`` in ``cache_dir`` (named after the URL's last part)."""
     dest = Path(cache_dir) / url.rsplit("/", 1)[-1]
     if not dest.is_file():
-        if log:
-            log(f"downloading {url}")
-        fetch(url, dest)
+        report = as_report(log)
+        report(f"downloading {url}")
+        fetch(url, dest, report)
     return dest
+
+
+def _copy(source: Any, out: Any, meter: Meter) -> None:
+    while block := source.read(1 << 20):
+        out.write(block)
+        meter.advance(len(block))
 
 
 def atomic_write_from(dest: Path, write: Callable[[Any], None]) -> None:

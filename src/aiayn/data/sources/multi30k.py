@@ -5,8 +5,9 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from aiayn.data.sources.download import Log, atomic_write_from, cached_download, gunzip_into
+from aiayn.data.sources.download import atomic_write_from, cached_download, gunzip_into
 from aiayn.errors import UserError
+from aiayn.progress import Log
 
 MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/{name}.{lang}.gz"
 MULTI30K_LANGS = ("en", "de", "fr", "cs")

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.data.sources.download import (
-    Log,
     archive_member,
     atomic_write_from,
     cached_download,
     copy_lines,
 )
+from aiayn.progress import Log
 
 WMT14_TRAIN = (
     # (archive URL, member path without the language suffix)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.data.corpus import _read_lines
-from aiayn.data.prepare import Log
 from aiayn.data.sources.bible import BIBLE_LANGS, bible_corpus
 from aiayn.data.sources.bible_text import (
     BIBLE_BOOKS,
@@ -36,6 +35,7 @@ from aiayn.data.sources.download import atomic_write_from, default_cache_dir
 from aiayn.data.text.corpus import TEXT_TASKS
 from aiayn.data.text.prepare import prepare_text
 from aiayn.errors import UserError
+from aiayn.progress import Log
 
 BIBLE_LABELS = ("genre", "book")
 _SPLITS = ("train", "valid", "test")

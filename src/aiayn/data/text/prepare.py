@@ -34,7 +34,6 @@ from aiayn.data.corpus import (
 from aiayn.data.prepare import (
     _LINE_BREAKS,
     EncodingErrors,
-    Log,
     _chunks,
     _commit,
     _content_digest,
@@ -60,6 +59,7 @@ from aiayn.data.tokenizer import (
     train_tokenizer,
 )
 from aiayn.errors import UserError
+from aiayn.progress import Log, Meter, Report, as_report
 
 SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID, "mask": MASK_ID}
 
@@ -92,7 +92,7 @@ def prepare_text(
     character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
     input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
     force: bool = False,
-    log: Log | None = None,
+    log: Log | Report | None = None,
 ) -> dict[str, Any]:
     """Prepare DATA_DIR for a text task from one file per split; returns the manifest.
 
@@ -109,7 +109,7 @@ def prepare_text(
     and the vocabulary options are then ignored. With the same inputs (path, size, modification
     time) and options the existing directory is reused as it is, unless ``force``.
     """
-    say = log or (lambda _message: None)
+    say = as_report(log)
     if task not in TEXT_TASKS:
         raise UserError(f"unknown text task {task!r}; choose one of {', '.join(TEXT_TASKS)}")
     if encoding_errors not in ("strict", "replace"):
@@ -160,8 +160,9 @@ def prepare_text(
         )
         dtype = ids_dtype(vocab.vocab_size)
         for split, split_stats in stats.items():
-            say(f"encoding {split}")
-            _encode_split(vocab, staging, split, dtype, split_stats)
+            meter = say.meter(f"encoding {split}", split_stats.lines)
+            _encode_split(vocab, staging, split, dtype, split_stats, meter)
+            meter.finish()
             if names is not None:
                 np.save(labels_path(staging, split), np.frombuffer(split_stats.labels, np.int64))
 
@@ -224,7 +225,7 @@ def _staged_text_tokenizer(
     encoding_errors: EncodingErrors,
     previous: tuple[Path, dict[str, Any] | None],
     source: Path,
-    say: Log,
+    say: Report,
 ) -> tuple[Tokenizer, str]:
     """``staging/spm.model`` and its key: a copy of ``given``; else the one of the previous
     DATA_DIR and manifest when it was trained on the same text with the same options; else one
@@ -294,7 +295,7 @@ def _read_splits(
     staging: Path,
     names: list[str] | None,
     errors: EncodingErrors,
-    say: Log,
+    say: Report,
 ) -> tuple[dict[str, _SplitStats], list[str] | None]:
     """Every split's kept text into ``staging/{split}.txt``, train first; returns the statistics
     and the class names (``names``, else those of the training data, sorted)."""
@@ -305,7 +306,11 @@ def _read_splits(
         classes = _Classes(given, fixed=names is not None)
     for split, path in files.items():
         say(f"reading {split}: {path}")
-        stats[split] = _read_split(path, text_path(staging, split, TEXT_SUFFIX), classes, errors)
+        meter = say.meter(f"reading {split}", 0)
+        stats[split] = _read_split(
+            path, text_path(staging, split, TEXT_SUFFIX), classes, errors, meter
+        )
+        meter.finish()
         if split == "train" and stats[split].lines == 0:
             raise UserError(f"{path}: no training lines left after skipping empty lines")
         if classes is not None and not classes.fixed:
@@ -314,7 +319,7 @@ def _read_splits(
 
 
 def _read_split(
-    path: Path, out_path: Path, classes: _Classes | None, errors: EncodingErrors
+    path: Path, out_path: Path, classes: _Classes | None, errors: EncodingErrors, meter: Meter
 ) -> _SplitStats:
     """Read one split: plain lines, or ``LABEL<TAB>TEXT`` lines when there are ``classes``."""
     stats = _SplitStats()
@@ -322,6 +327,8 @@ def _read_split(
         for line_no, raw in enumerate(lines, start=1):
             line, replaced = _decode(raw, path, line_no, errors)
             stats.input_lines += 1
+            if line_no % 10_000 == 0:
+                meter.advance(10_000)
             stats.replaced += replaced
             text = line.translate(_LINE_BREAKS).strip()
             if not text:
@@ -332,6 +339,7 @@ def _read_split(
                 stats.labels.append(classes.of(label, path, line_no))
             out.write(text + "\n")
             stats.lines += 1
+    meter.advance(stats.input_lines % 10_000)
     return stats
 
 
@@ -366,7 +374,12 @@ def _sort_classes(classes: _Classes, train: _SplitStats) -> list[str]:
 
 
 def _encode_split(
-    tokenizer: Tokenizer, staging: Path, split: str, dtype: np.dtype, stats: _SplitStats
+    tokenizer: Tokenizer,
+    staging: Path,
+    split: str,
+    dtype: np.dtype,
+    stats: _SplitStats,
+    meter: Meter,
 ) -> None:
     lengths = []
     with ids_paths(staging, split, TEXT_SUFFIX)[0].open("wb") as ids_out:
@@ -375,6 +388,7 @@ def _encode_split(
             lengths.append(chunk_lengths)
             stats.tokens += int(chunk_lengths.sum())
             stats.longest = max(stats.longest, int(chunk_lengths.max(initial=0)))
+            meter.advance(len(lines))
     _write_offsets(staging, split, TEXT_SUFFIX, lengths)
 
 
