@@ -72,8 +72,8 @@ def plot_confusion(matrix: np.ndarray, names: Sequence[str], path: str | Path, t
     image = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
     ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
     ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
     ax.set_title(title)
     for i in range(matrix.shape[0]):
         for j in range(matrix.shape[1]):

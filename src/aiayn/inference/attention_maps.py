@@ -71,29 +71,50 @@ def attention_weights(
     return encoder, decoder, cross
 
 
-def plot_layer(weights: Tensor, rows: list[str], cols: list[str], title: str, path: Path) -> None:
-    """One PNG: a heat map per head, (H, len(rows), len(cols)) weights in [0, 1]."""
+_PRODUCED = "output token (row: the step producing it)"
+
+
+def plot_layer(
+    weights: Tensor,
+    rows: list[str],
+    cols: list[str],
+    title: str,
+    path: Path,
+    axis_names: tuple[str, str] = ("output token", "source token"),
+) -> None:
+    """One PNG: a heat map per head, (H, len(rows), len(cols)) weights in [0, 1], in a grid of
+    at most four columns that share their axes (token names on the outer panels only);
+    ``axis_names`` titles the rows and the columns."""
     n_heads = weights.size(0)
-    n_cols = min(n_heads, 4)
+    n_cols = n_heads if n_heads <= 2 else 2 if n_heads <= 4 else 4
     n_rows = (n_heads + n_cols - 1) // n_cols
-    cell = 0.22
-    width = max(3.0, len(cols) * cell + 1.2)
-    height = max(3.0, len(rows) * cell + 1.2)
-    fig = Figure(figsize=(n_cols * width, n_rows * height + 0.6))
+    cell = 0.2  # inches per token: room for an 8-point label
+    label_room = 0.09 * max(len(t) for t in [*rows, *cols]) + 0.4
+    panel_w, panel_h = max(2.0, len(cols) * cell), max(2.0, len(rows) * cell)
+    fig = Figure(
+        figsize=(n_cols * panel_w + label_room + 1.2, n_rows * (panel_h + 0.3) + label_room + 0.6),
+        layout="constrained",
+    )
     FigureCanvasAgg(fig)
-    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    axes = fig.subplots(n_rows, n_cols, squeeze=False, sharex=True, sharey=True)
+    image = None
     for head in range(n_rows * n_cols):
         ax = axes[head // n_cols][head % n_cols]
         if head >= n_heads:
             ax.axis("off")
             continue
         image = ax.imshow(weights[head].numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
-        ax.set_title(f"head {head + 1}", fontsize=9)
-        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
-        ax.set_yticks(range(len(rows)), rows, fontsize=7)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6)
+        ax.set_title(f"head {head + 1}", fontsize=10)
+        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=8)
+        ax.set_yticks(range(len(rows)), rows, fontsize=8)
+        # Names on the outer panels only: the last filled row of each column, the first column.
+        ax.tick_params(labelbottom=head + n_cols >= n_heads, labelleft=head % n_cols == 0)
+    assert image is not None
+    fig.supylabel(axis_names[0])
+    fig.supxlabel(axis_names[1])
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="attention weight")
     fig.suptitle(title)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
 
 
 def token_labeler(tokenizer: Any) -> Callable[[int], str]:
@@ -119,8 +140,15 @@ def write_cross_attention_picture(
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [label(i) for i in output] + ["</s>"]
     cols = [label(i) for i in src] + ["</s>"]
-    title = f"encoder-decoder attention (row: token produced), layer {len(cross)}"
-    plot_layer(cross[-1], rows, cols, title, path)
+    title = f"encoder-decoder attention, layer {len(cross)}"
+    plot_layer(
+        cross[-1],
+        rows,
+        cols,
+        title,
+        path,
+        ("output token (the step that produces it)", "source token"),
+    )
     return path
 
 
@@ -142,13 +170,16 @@ def write_attention_pictures(
     target_out = [label(i) for i in output] + ["</s>"]
     paths = []
     kinds = [
-        ("encoder", "encoder self-attention", encoder, source, source),
-        ("decoder", "decoder self-attention (row: token produced)", decoder, target_out, target_in),
-        ("cross", "encoder-decoder attention (row: token produced)", cross, target_out, source),
-    ]
-    for name, title, layers, rows, cols in kinds:
+        ("encoder", "encoder self-attention", encoder, source, source,
+         ("query token", "key token")),
+        ("decoder", "decoder self-attention", decoder, target_out, target_in,
+         (_PRODUCED, "decoder input token")),
+        ("cross", "encoder-decoder attention", cross, target_out, source,
+         (_PRODUCED, "source token")),
+    ]  # fmt: skip
+    for name, title, layers, rows, cols, axis_names in kinds:
         for i, weights in enumerate(layers, start=1):
             path = out_dir / f"{name}_layer{i}.png"
-            plot_layer(weights, rows, cols, f"{title}, layer {i}", path)
+            plot_layer(weights, rows, cols, f"{title}, layer {i}", path, axis_names)
             paths.append(path)
     return paths
