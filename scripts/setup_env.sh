@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) the virtual environment at .venv and install aiayn with its test extras.
+# Create (or reuse) the virtual environment at .venv and install aiayn with its test and interop
+# extras (the interop tests compare with Hugging Face transformers and CTranslate2).
 # On a machine without an NVIDIA GPU, torch comes from the CPU-only wheel index, never as a
 # multi-GB CUDA build. Safe to run repeatedly: it only installs what is missing.
 set -euo pipefail
@@ -24,7 +25,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 stamp="$VENV/.aiayn-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    "$VENV/bin/pip" install -e ".[test]"
+    "$VENV/bin/pip" install -e ".[test,interop]"
     touch "$stamp"
 fi
 # The embedded corpus (aiayn prepare --corpus bible, aiayn demo) is read from Debian's SWORD
