@@ -83,6 +83,19 @@ class ModelConfig:
     # Post-norm LayerNorm(x + Dropout(Sublayer(x))) is the paper's (§3.1); pre-norm is an option.
     pre_norm: bool = False
     layer_norm_eps: float = 1e-6
+    # Options that express models trained elsewhere (docs/interop.md), each with the paper's
+    # behaviour as default: the FFN's activation; the sinusoid table's layout (the paper's
+    # interleaved sin/cos, or Marian's and tensor2tensor's sin half then cos half); a bias on the
+    # pre-softmax projection; a target vocabulary of its own size (separate embeddings); the
+    # projection tied to the target embedding (None: when share_embeddings); and whether BOS
+    # takes part in the output distribution when decoding (Marian has no BOS: its decoder
+    # starts from its padding token, whose embedding an imported model's BOS row holds).
+    activation: Literal["relu", "gelu", "swish"] = "relu"
+    positional_layout: Literal["interleaved", "halves"] = "interleaved"
+    final_logits_bias: bool = False
+    tgt_vocab_size: int | None = None
+    tie_output: bool | None = None
+    bos_output: bool = True
     # What the model is for (docs/families.md): the paper's encoder-decoder ("translation"), a
     # decoder-only language model ("lm"), or the encoder alone with a masked-language-model
     # head ("mlm") or a classification head ("classify").
@@ -91,6 +104,14 @@ class ModelConfig:
     # pooled: the first position's (BOS, BERT's [CLS]) or the mean over the text.
     n_classes: int = 2
     pooling: Literal["first", "mean"] = "first"
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.tgt_vocab_size if self.tgt_vocab_size is not None else self.vocab_size
+
+    @property
+    def tied_output(self) -> bool:
+        return self.tie_output if self.tie_output is not None else self.share_embeddings
 
     @property
     def head_dim_k(self) -> int:
@@ -103,10 +124,20 @@ class ModelConfig:
     def validate(self) -> None:
         positive = (
             *("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "n_classes"),
+            "tgt_vocab_size",
         )
         probabilities = ("dropout", "attention_dropout", "relu_dropout")
         rules = {name: _POSITIVE for name in (*positive, "max_positions", "layer_norm_eps")}
         _require(self, "model", rules | {name: _PROBABILITY for name in probabilities})
+        if self.share_embeddings and self.target_vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"model.tgt_vocab_size={self.tgt_vocab_size} differs from model.vocab_size="
+                f"{self.vocab_size}: set model.share_embeddings = false (separate embeddings)"
+            )
+        if self.task != "translation":
+            for name, default in (("tgt_vocab_size", None), ("final_logits_bias", False)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"model.{name} is an option of the translation task")
         if self.d_k is None or self.d_v is None:
             if self.d_model % self.n_heads != 0:
                 raise ConfigError(

@@ -94,6 +94,20 @@ PRESETS: dict[str, Preset] = {
         "model": {"task": "mlm", **_BASE_FAMILY},
         "train": {"label_smoothing": 0.0, "average_last": 5},
     },
+    # The shape of OPUS-MT's Marian models (the base model with Swish, the sinusoids in halves,
+    # an output bias, LayerNorm eps 1e-5; BOS outside the output as Marian has none): what
+    # `aiayn import-marian` writes (docs/interop.md), and a start for a model meant to match one.
+    "marian": {
+        "model": {
+            "activation": "swish",
+            "positional_layout": "halves",
+            "final_logits_bias": True,
+            "layer_norm_eps": 1e-5,
+            "max_positions": 512,
+            "bos_output": False,
+        },
+        "train": {"max_steps": 100000, "average_last": 5},
+    },
     # "tiny": for unit tests and smoke runs only.
     "tiny": {
         "model": {

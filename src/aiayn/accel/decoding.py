@@ -55,6 +55,7 @@ class BufferedDecoding(Transformer):
             or torch.is_grad_enabled()
             or torch.is_autocast_enabled(cache.layers[0].self_k.device.type)
             or type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
+            or out_proj.bias is not None  # model.final_logits_bias
             or out_proj._forward_hooks
             or out_proj._forward_pre_hooks
         ):

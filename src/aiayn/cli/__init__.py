@@ -23,6 +23,7 @@ from aiayn.cli import (
     classify,
     demo,
     generate,
+    import_marian,
     params,
     plot,
     prepare,
@@ -34,7 +35,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, bleu, attention),
-    *(generate, classify, serve),
+    *(generate, classify, serve, import_marian),
 ]
 
 

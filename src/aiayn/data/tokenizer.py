@@ -9,6 +9,8 @@ A :class:`Tokenizer` round-trips through bytes, so a checkpoint can embed it.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -64,10 +66,11 @@ class Tokenizer:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Tokenizer:
-        """Rebuild from a serialized model proto (as returned by :meth:`to_bytes`)."""
-        processor = spm.SentencePieceProcessor()
-        processor.LoadFromSerializedProto(data)
-        return cls(processor)
+        """Rebuild from :meth:`to_bytes`: a serialized sentencepiece model proto, or a
+        :class:`PieceVocabTokenizer`'s JSON."""
+        if data.startswith(_PIECE_VOCAB_MAGIC):
+            return PieceVocabTokenizer.from_json(data[len(_PIECE_VOCAB_MAGIC) :])
+        return cls(_processor(data))
 
     def to_bytes(self) -> bytes:
         return bytes(self._sp.serialized_model_proto())
@@ -96,6 +99,115 @@ class Tokenizer:
     def has_mask(self) -> bool:
         """Whether ``<mask>`` is the symbol at ``MASK_ID`` (a tokenizer of the text tasks)."""
         return self.vocab_size > MASK_ID and self.piece(MASK_ID) == MASK_PIECE
+
+
+def _processor(data: bytes) -> spm.SentencePieceProcessor:
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(data)
+    return processor
+
+
+_PIECE_VOCAB_MAGIC = b"aiayn-piece-vocab\n"
+# Where the four special symbols of a piece vocabulary go (the fixed ids of aiayn.data.collate).
+SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
+
+
+class PieceVocabTokenizer(Tokenizer):
+    """Sentencepiece models that cut text into pieces, and vocabularies that number the pieces:
+    the tokenizers of Marian / OPUS-MT models (``source.spm``, ``target.spm``, ``vocab.json``).
+
+    ``source_vocab[i]`` is the piece of id ``i`` on the source side, ``target_vocab`` on the
+    target side (the same list for a shared vocabulary); ids 0-3 hold ``<pad> <unk> <s> </s>``
+    (:data:`SPECIAL_PIECES`). A piece that a vocabulary lacks is UNK. A source sentence that
+    starts with a language code such as ``>>fra<<`` keeps it as one token, as Marian's
+    multilingual models expect. Serialised as JSON (the sentencepiece models in base64), so a
+    checkpoint embeds it without code.
+    """
+
+    def __init__(
+        self,
+        source_spm: bytes,
+        target_spm: bytes,
+        source_vocab: Sequence[str],
+        target_vocab: Sequence[str],
+    ) -> None:
+        for name, vocab in (("source", source_vocab), ("target", target_vocab)):
+            head = {i: vocab[i] for i in SPECIAL_PIECES if i < len(vocab)}
+            if head != SPECIAL_PIECES:
+                raise ValueError(f"{name} vocabulary starts with {head}, expected {SPECIAL_PIECES}")
+        self._spm_bytes = (source_spm, target_spm)
+        self._source_sp = _processor(source_spm)
+        self._target_sp = _processor(target_spm)
+        self.source_vocab = list(source_vocab)
+        self.target_vocab = list(target_vocab)
+        self._source_ids = {piece: i for i, piece in enumerate(self.source_vocab)}
+        self._target_ids = {piece: i for i, piece in enumerate(self.target_vocab)}
+
+    @classmethod
+    def from_json(cls, data: bytes) -> PieceVocabTokenizer:
+        fields = json.loads(data.decode("utf-8"))
+        return cls(
+            base64.b64decode(fields["source_spm"]),
+            base64.b64decode(fields["target_spm"]),
+            fields["source_vocab"],
+            fields["target_vocab"],
+        )
+
+    def to_bytes(self) -> bytes:
+        fields = {
+            "source_spm": base64.b64encode(self._spm_bytes[0]).decode("ascii"),
+            "target_spm": base64.b64encode(self._spm_bytes[1]).decode("ascii"),
+            "source_vocab": self.source_vocab,
+            "target_vocab": self.target_vocab,
+        }
+        return _PIECE_VOCAB_MAGIC + json.dumps(fields, ensure_ascii=False).encode("utf-8")
+
+    @property
+    def shared(self) -> bool:
+        return self.source_vocab == self.target_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """The source vocabulary's size (the target's: :attr:`target_vocab_size`)."""
+        return len(self.source_vocab)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return len(self.target_vocab)
+
+    def source_pieces(self, text: str) -> list[str]:
+        code = []
+        end = text.find("<<") if text.startswith(">>") else -1
+        if end != -1:  # a leading language code such as >>fra<< is one token
+            code, text = [text[: end + 2]], text[end + 2 :]
+        return code + list(self._source_sp.encode(text, out_type=str))
+
+    def encode(self, text: str) -> list[int]:
+        """Source-side token ids of one sentence, without EOS."""
+        return [self._source_ids.get(p, UNK_ID) for p in self.source_pieces(text)]
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side token ids of one sentence (references for fine-tuning), without EOS."""
+        pieces = self._target_sp.encode(text, out_type=str)
+        return [self._target_ids.get(p, UNK_ID) for p in pieces]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Detokenised target text; PAD, BOS and EOS are skipped, UNK becomes ``<unk>``."""
+        pieces = [self.target_vocab[int(i)] for i in ids if int(i) not in _SPECIAL_IDS]
+        return str(self._target_sp.decode_pieces(pieces))
+
+    def piece(self, token_id: int) -> str:
+        return self.target_vocab[int(token_id)]
+
+    def source_piece(self, token_id: int) -> str:
+        return self.source_vocab[int(token_id)]
+
+    @property
+    def has_mask(self) -> bool:
+        return False
 
 
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")

@@ -95,16 +95,21 @@ def gnmt_length_penalty(length: float | Tensor, alpha: float) -> float | Tensor:
 
 
 def never_pad_or_bos(
-    step_fn: Callable[[Tensor, CacheT], Tensor],
+    step_fn: Callable[[Tensor, CacheT], Tensor], bos_output: bool = True
 ) -> Callable[[Tensor, CacheT], Tensor]:
     """``step_fn`` whose log-probabilities of PAD and BOS are -inf: they are never output.
 
     What ``aiayn translate`` and validation BLEU decode with, so that both search the same
-    outputs. The row is changed in place (the step's buffer, see ``log_probs_step``)."""
+    outputs. The row is changed in place (the step's buffer, see ``log_probs_step``). With
+    ``bos_output=False`` (``model.bos_output``) the distribution is first renormalised
+    without BOS, as if its logit were -inf: a model imported from Marian, whose BOS row
+    stands for the decoder-start token and is no output there."""
     banned: dict[torch.device, Tensor] = {}
 
     def step(tokens: Tensor, cache: CacheT) -> Tensor:
         log_probs = step_fn(tokens, cache)  # (rows, V)
+        if not bos_output:  # log p_v - log(1 - p_BOS)
+            log_probs -= torch.log1p(-log_probs[:, BOS_ID : BOS_ID + 1].exp())
         ids = banned.get(log_probs.device)
         if ids is None:
             ids = banned[log_probs.device] = torch.tensor([PAD_ID, BOS_ID], device=log_probs.device)

@@ -305,7 +305,7 @@ def search_batch(
     # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and stored
     # once for them, and beam search's reorders stay within the group.
     cache = model.init_cache(memory, src_pad, int(limits.max()) + 1, beam_size=k)
-    step = never_pad_or_bos(model.log_probs_step)
+    step = never_pad_or_bos(model.log_probs_step, model.config.bos_output)
     common: dict[str, Any] = {
         "max_len": limits,
         "alpha": decode.alpha,

@@ -8,17 +8,20 @@ import torch
 from torch import Tensor, nn
 
 
-def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
+def sinusoid_table(n_positions: int, d_model: int, layout: str = "interleaved") -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
 
-    Interleaved: even dimensions hold sines, odd dimensions cosines, as §3.5 writes it
-    (tensor2tensor and fairseq concatenate the two halves instead). Computed in float64.
+    Interleaved: even dimensions hold sines, odd dimensions cosines, as §3.5 writes it. With
+    ``layout="halves"`` the same sines fill the first half and the cosines the second
+    (tensor2tensor, fairseq and Marian). Computed in float64.
     """
     if d_model % 2 != 0:
         raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
     position = torch.arange(n_positions, dtype=torch.float64)[:, None]  # (P, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
     angle = position / torch.pow(10000.0, two_i / d_model)  # (P, d/2)
+    if layout == "halves":
+        return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1).float()
     table = torch.empty(n_positions, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle)
@@ -28,7 +31,9 @@ def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
 class PositionalEncoding(nn.Module):
     """Positions 0..P-1 as fixed sinusoids (default) or learned vectors (Table 3 row E)."""
 
-    def __init__(self, max_positions: int, d_model: int, learned: bool) -> None:
+    def __init__(
+        self, max_positions: int, d_model: int, learned: bool, layout: str = "interleaved"
+    ) -> None:
         super().__init__()
         self.max_positions = max_positions
         self.learned: nn.Parameter | None
@@ -39,7 +44,8 @@ class PositionalEncoding(nn.Module):
             self.register_buffer("table", None, persistent=False)
         else:
             self.learned = None
-            self.register_buffer("table", sinusoid_table(max_positions, d_model), persistent=False)
+            table = sinusoid_table(max_positions, d_model, layout)
+            self.register_buffer("table", table, persistent=False)
 
     def forward(self, length: int, offset: int = 0) -> Tensor:
         """Encodings of positions offset .. offset+length-1: (length, d_model)."""
@@ -81,11 +87,14 @@ def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     return token
 
 
-def output_projection(token: nn.Embedding, tied: bool) -> nn.Linear:
-    """The pre-softmax linear transformation (§3.4), without bias: with ``tied`` its weight is
-    the very same Parameter as ``token``'s, else its own, initialised like an embedding."""
+def output_projection(token: nn.Embedding, tied: bool, bias: bool = False) -> nn.Linear:
+    """The pre-softmax linear transformation (§3.4), without bias (the paper's) or with a zero
+    one: with ``tied`` its weight is the very same Parameter as ``token``'s, else its own,
+    initialised like an embedding."""
     vocab_size, d_model = token.weight.shape
-    out_proj = nn.Linear(d_model, vocab_size, bias=False)
+    out_proj = nn.Linear(d_model, vocab_size, bias=bias)
+    if out_proj.bias is not None:
+        nn.init.zeros_(out_proj.bias)
     if tied:
         out_proj.weight = token.weight
     else:

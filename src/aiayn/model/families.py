@@ -50,7 +50,7 @@ class DecoderOnlyLM(nn.Module):
         token = token_embedding(config.vocab_size, config.d_model)
         self.embed = embeddings(config, token)
         self.decoder = Decoder(config, cross_attention=False)
-        self.out_proj = output_projection(token, tied=config.share_embeddings)
+        self.out_proj = output_projection(token, tied=config.tied_output)
 
     def forward(self, inputs: Tensor, pad: Tensor | None = None, project: bool = True) -> Tensor:
         """Logits (B, T, V); with ``project=False`` the hidden states (B, T, d_model) before
@@ -115,7 +115,7 @@ class EncoderOnly(nn.Module):
         self.out_proj: nn.Linear | None = None
         self.classifier: ClassificationHead | None = None
         if config.task == "mlm":
-            self.out_proj = output_projection(token, tied=config.share_embeddings)
+            self.out_proj = output_projection(token, tied=config.tied_output)
         else:
             self.classifier = ClassificationHead(config)
 

@@ -62,7 +62,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = _attention(config, self_attention=True)
-        self.ffn = PositionwiseFeedForward(config.d_model, config.d_ff, config.relu_dropout)
+        self.ffn = feed_forward(config)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.residual = Residual(config.dropout)
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = _attention(config, self_attention=True)
         self.cross_attn = _attention(config, self_attention=False) if cross_attention else None
-        self.ffn = PositionwiseFeedForward(config.d_model, config.d_ff, config.relu_dropout)
+        self.ffn = feed_forward(config)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.cross_attn_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if cross_attention else None
@@ -156,3 +156,9 @@ class DecoderLayer(nn.Module):
         self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.LayerNorm
     ) -> Tensor:
         return sublayer_connection(x, sublayer, norm, self.residual, self.pre_norm)
+
+
+def feed_forward(config: ModelConfig) -> PositionwiseFeedForward:
+    return PositionwiseFeedForward(
+        config.d_model, config.d_ff, config.relu_dropout, config.activation
+    )

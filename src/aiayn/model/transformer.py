@@ -76,13 +76,17 @@ class Transformer(nn.Module):
         self.config = config
         src_token = token_embedding(config.vocab_size, config.d_model)
         shared = config.share_embeddings
-        tgt_token = src_token if shared else token_embedding(config.vocab_size, config.d_model)
+        tgt_token = (
+            src_token if shared else token_embedding(config.target_vocab_size, config.d_model)
+        )
         self.src_embed = embeddings(config, src_token)
         self.tgt_embed = embeddings(config, tgt_token)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         # With shared embeddings, one matrix for both embeddings and the projection (§3.4).
-        self.out_proj = output_projection(tgt_token, tied=shared)
+        self.out_proj = output_projection(
+            tgt_token, tied=config.tied_output, bias=config.final_logits_bias
+        )
 
     # -- teacher forcing -------------------------------------------------------------------
 
@@ -154,7 +158,9 @@ def check_cache_size(config: ModelConfig, max_len: int, beam_size: int) -> None:
 def embeddings(config: ModelConfig, token: nn.Embedding) -> Embeddings:
     """``token`` scaled by √d_model plus sinusoidal or learned positions, with dropout."""
     learned = config.positional == "learned"
-    positions = PositionalEncoding(config.max_positions, config.d_model, learned)
+    positions = PositionalEncoding(
+        config.max_positions, config.d_model, learned, config.positional_layout
+    )
     return Embeddings(token, positions, config.dropout)
 
 

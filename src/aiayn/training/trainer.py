@@ -155,6 +155,7 @@ class Trainer:
             self.acceleration is not None
             and self.acceleration.fused_loss
             and config.model.task != "classify"
+            and not config.model.final_logits_bias  # the fused product has no bias
         )
         self._loss_dtype = torch.bfloat16 if precision == "bf16" else None
         # Progress, saved in every checkpoint.

@@ -1,0 +1,1 @@
+"""Interoperability: models from Hugging Face Marian in, CTranslate2 models out."""

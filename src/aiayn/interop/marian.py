@@ -1,0 +1,251 @@
+"""Import of Hugging Face ``MarianMTModel`` directories (OPUS-MT and other Marian models).
+
+A Marian model is the paper's post-norm encoder-decoder with a few differences, each an
+explicit option of :class:`~aiayn.config.ModelConfig` (docs/interop.md): the sinusoid table in
+halves (``positional_layout``), Swish or GELU in the FFN (``activation``), a bias on the output
+projection (``final_logits_bias``), LayerNorm ε 1e-5, and separate source and target
+vocabularies in some models (``tgt_vocab_size``, ``share_embeddings = false``).
+
+Ids: aiayn's special ids are fixed (PAD 0, UNK 1, BOS 2, EOS 3); Marian's vocabularies hold
+``</s>`` at 0, ``<unk>`` at 1 and ``<pad>`` last, and the decoder starts from ``<pad>``. The
+import renumbers each vocabulary: the four special ids first, then Marian's other pieces in
+their order. aiayn's BOS row is a copy of Marian's decoder-start row (its padding token), and
+``bos_output = false`` keeps BOS out of the output distribution when decoding, so that the
+imported model computes the same logits and log-probabilities as the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aiayn.config import ModelConfig, RunConfig, config_from_dict
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from aiayn.data.tokenizer import SPECIAL_PIECES, PieceVocabTokenizer
+from aiayn.errors import UserError
+from aiayn.model.transformer import Transformer
+from aiayn.training.checkpoint import bytes_to_tensor, model_checkpoint, model_state, save_atomic
+
+# Hugging Face's activation names → model.activation.
+_ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
+
+
+@dataclass
+class MarianVocab:
+    """One side's vocabulary: ``pieces`` in aiayn's order and ``rows[i]``, the Marian id whose
+    embedding row aiayn's id ``i`` takes."""
+
+    pieces: list[str]
+    rows: list[int]
+
+
+def renumber(marian: dict[str, int], pad: int, unk: int, eos: int, start: int) -> MarianVocab:
+    """aiayn's order of a Marian vocabulary (piece → Marian id): PAD, UNK, BOS (Marian's
+    decoder-start token ``start``), EOS, then every other piece in Marian's order."""
+    by_id = sorted(marian.items(), key=lambda item: item[1])
+    if [i for _, i in by_id] != list(range(len(by_id))):
+        raise UserError("vocabulary ids are not 0 .. N-1 without gaps")
+    specials = {PAD_ID: pad, UNK_ID: unk, BOS_ID: start, EOS_ID: eos}
+    pieces = [SPECIAL_PIECES[i] for i in sorted(specials)]
+    rows = [specials[i] for i in sorted(specials)]
+    for piece, i in by_id:
+        if i not in (pad, unk, eos):
+            pieces.append(piece)
+            rows.append(i)
+    return MarianVocab(pieces, rows)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(
+            f"{path}: not found; is this a Hugging Face Marian model directory?"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: not readable JSON ({err})") from None
+
+
+def _read_weights(directory: Path) -> dict[str, Tensor]:
+    """``model.safetensors`` or ``pytorch_model.bin`` (read without executing code)."""
+    safetensors_file = directory / "model.safetensors"
+    if safetensors_file.is_file():
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise UserError(
+                f"{safetensors_file}: reading it needs safetensors: pip install 'aiayn[interop]'"
+            ) from None
+        return dict(load_file(str(safetensors_file)))
+    bin_file = directory / "pytorch_model.bin"
+    if bin_file.is_file():
+        try:
+            return dict(torch.load(bin_file, map_location="cpu", weights_only=True))
+        except Exception as err:  # any unpickling failure: one line
+            raise UserError(f"{bin_file}: not a readable weights file ({err})") from None
+    raise UserError(f"{directory}: has neither model.safetensors nor pytorch_model.bin")
+
+
+class _Weights:
+    """The Marian state dict with or without the ``model.`` prefix; names what is missing."""
+
+    def __init__(self, state: dict[str, Tensor], directory: Path) -> None:
+        self.state = state
+        self.directory = directory
+
+    def has(self, name: str) -> bool:
+        return name in self.state or f"model.{name}" in self.state
+
+    def __getitem__(self, name: str) -> Tensor:
+        for key in (f"model.{name}", name):
+            if key in self.state:
+                return self.state[key].float()
+        raise UserError(f"{self.directory}: the weights lack {name}")
+
+
+def _config(hf: dict[str, Any], src: MarianVocab, tgt: MarianVocab, shared: bool) -> ModelConfig:
+    if hf.get("model_type") not in (None, "marian"):
+        raise UserError(f"model_type is {hf.get('model_type')!r}; only Marian models are imported")
+    pairs = [
+        ("encoder_layers", "decoder_layers"),
+        ("encoder_attention_heads", "decoder_attention_heads"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+    ]
+    for enc, dec in pairs:
+        if hf.get(enc) != hf.get(dec):
+            raise UserError(f"{enc}={hf.get(enc)} but {dec}={hf.get(dec)}: aiayn's stacks match")
+    if not hf.get("scale_embedding", False):
+        raise UserError("scale_embedding is false: aiayn scales embeddings by sqrt(d_model)")
+    if hf.get("normalize_before", False) or hf.get("normalize_embedding", False):
+        raise UserError("normalize_before / normalize_embedding: not a Marian layout aiayn has")
+    activation = _ACTIVATIONS.get(str(hf.get("activation_function", "swish")))
+    if activation is None:
+        raise UserError(f"activation_function {hf.get('activation_function')!r} is not supported")
+    tied = bool(hf.get("tie_word_embeddings", True))
+    return ModelConfig(
+        vocab_size=len(src.pieces),
+        tgt_vocab_size=None if shared else len(tgt.pieces),
+        d_model=int(hf["d_model"]),
+        d_ff=int(hf["encoder_ffn_dim"]),
+        n_heads=int(hf["encoder_attention_heads"]),
+        n_layers=int(hf["encoder_layers"]),
+        dropout=float(hf.get("dropout", 0.1)),
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        relu_dropout=float(hf.get("activation_dropout", 0.0)),
+        attention_bias=True,
+        positional="sinusoidal",
+        positional_layout="halves",
+        max_positions=int(hf.get("max_position_embeddings", 512)),
+        share_embeddings=shared,
+        tie_output=None if shared and tied else tied,
+        pre_norm=False,
+        layer_norm_eps=1e-5,
+        activation=activation,  # type: ignore[arg-type]
+        final_logits_bias=True,
+        bos_output=False,
+    )
+
+
+def _layer_state(w: _Weights, prefix: str, ours: str, cross: bool) -> dict[str, Tensor]:
+    """One layer's weights in aiayn's names (self-attention Q, K, V fused into one matrix)."""
+    out: dict[str, Tensor] = {}
+    for part in ("weight", "bias"):
+        qkv = [w[f"{prefix}.self_attn.{p}_proj.{part}"] for p in ("q", "k", "v")]
+        out[f"{ours}.self_attn.qkv_proj.{part}"] = torch.cat(qkv)
+        out[f"{ours}.self_attn.out_proj.{part}"] = w[f"{prefix}.self_attn.out_proj.{part}"]
+        out[f"{ours}.self_attn_norm.{part}"] = w[f"{prefix}.self_attn_layer_norm.{part}"]
+        out[f"{ours}.ffn.w1.{part}"] = w[f"{prefix}.fc1.{part}"]
+        out[f"{ours}.ffn.w2.{part}"] = w[f"{prefix}.fc2.{part}"]
+        out[f"{ours}.ffn_norm.{part}"] = w[f"{prefix}.final_layer_norm.{part}"]
+        if cross:
+            out[f"{ours}.cross_attn.q_proj.{part}"] = w[f"{prefix}.encoder_attn.q_proj.{part}"]
+            kv = [w[f"{prefix}.encoder_attn.{p}_proj.{part}"] for p in ("k", "v")]
+            out[f"{ours}.cross_attn.kv_proj.{part}"] = torch.cat(kv)
+            out[f"{ours}.cross_attn.out_proj.{part}"] = w[f"{prefix}.encoder_attn.out_proj.{part}"]
+            out[f"{ours}.cross_attn_norm.{part}"] = w[f"{prefix}.encoder_attn_layer_norm.{part}"]
+    return out
+
+
+def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceVocabTokenizer]:
+    """The aiayn model (eval mode), run config and tokenizer of a Marian model directory:
+    ``config.json``, ``model.safetensors`` or ``pytorch_model.bin``, ``source.spm``,
+    ``target.spm``, ``vocab.json`` (and ``target_vocab.json`` for separate vocabularies)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: not a directory (a Hugging Face Marian model directory)")
+    hf = _read_json(directory / "config.json")
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    src_ids = _read_json(directory / "vocab.json")
+    tgt_ids = src_ids if shared else _read_json(directory / "target_vocab.json")
+    # Each side's special pieces by name (the config's ids are the target side's).
+    pad = int(tgt_ids.get("<pad>", hf["pad_token_id"]))
+    eos = int(tgt_ids.get("</s>", hf.get("eos_token_id", 0)))
+    start = int(hf.get("decoder_start_token_id", pad))
+    tgt = renumber(tgt_ids, pad, int(tgt_ids.get("<unk>", 1)), eos, start)
+    src_pad = int(src_ids.get("<pad>", pad))
+    src = renumber(
+        src_ids, src_pad, int(src_ids.get("<unk>", 1)), int(src_ids.get("</s>", eos)), src_pad
+    )
+    config = _config(hf, src, tgt, shared)
+    w = _Weights(_read_weights(directory), directory)
+
+    state: dict[str, Tensor] = {}
+    src_rows, tgt_rows = torch.tensor(src.rows), torch.tensor(tgt.rows)
+    if shared:
+        state["src_embed.token.weight"] = w["shared.weight"][src_rows]
+    else:
+        state["src_embed.token.weight"] = w["encoder.embed_tokens.weight"][src_rows]
+        state["tgt_embed.token.weight"] = w["decoder.embed_tokens.weight"][tgt_rows]
+    if not config.tied_output:
+        state["out_proj.weight"] = w["lm_head.weight"][tgt_rows]
+    bias = w["final_logits_bias"].reshape(-1) if w.has("final_logits_bias") else None
+    state["out_proj.bias"] = bias[tgt_rows] if bias is not None else torch.zeros(len(tgt.pieces))
+    for i in range(config.n_layers):
+        state |= _layer_state(w, f"encoder.layers.{i}", f"encoder.layers.{i}", cross=False)
+        state |= _layer_state(w, f"decoder.layers.{i}", f"decoder.layers.{i}", cross=True)
+
+    model = Transformer(config)
+    tied = {"tgt_embed.token.weight": "src_embed.token.weight"} if shared else {}
+    if config.tied_output:
+        tied["out_proj.weight"] = "tgt_embed.token.weight"
+    for name, source in tied.items():
+        state.setdefault(name, state.get(source, torch.empty(0)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{directory}: weights do not fit (missing {missing}, extra {unexpected})")
+    model.eval()
+
+    tokenizer = PieceVocabTokenizer(
+        _read_bytes(directory / "source.spm"),
+        _read_bytes(directory / "target.spm"),
+        src.pieces,
+        tgt.pieces,
+    )
+    run = config_from_dict({"preset": "marian", "decode": {"beam_size": hf.get("num_beams") or 4}})
+    return model, dataclasses.replace(run, model=config), tokenizer
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found (the sentencepiece model of a Marian model)") from None
+
+
+def write_checkpoint(
+    model: Transformer, config: RunConfig, tokenizer: PieceVocabTokenizer, out: str | Path
+) -> Path:
+    """An aiayn model checkpoint (as ``averaged.pt``) of an imported model."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = model_checkpoint(
+        config, model_state(model), bytes_to_tensor(tokenizer.to_bytes()), step=0, epoch=0
+    )
+    save_atomic(checkpoint, out)
+    return out
