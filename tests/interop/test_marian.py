@@ -18,6 +18,7 @@ from aiayn.cli import main  # noqa: E402
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from aiayn.data.tokenizer import PieceVocabTokenizer, Tokenizer  # noqa: E402
 from aiayn.errors import UserError  # noqa: E402
+from aiayn.inference.attention_maps import token_labeler  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.interop.marian import import_marian  # noqa: E402
 
@@ -185,6 +186,10 @@ def test_imported_model_equals_marian(tmp_path, activation, separate, logits_bia
         ours = _marian_ids(tokenizer, [*tokenizer.encode(sentence), EOS_ID], hf_tok, False)
         theirs = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
         assert ours == theirs, sentence
+
+    # Attention pictures name source tokens from the source vocabulary.
+    first = tokenizer.encode(SENTENCES[0])[0]
+    assert token_labeler(tokenizer, source=True)(first) == tokenizer.source_vocab[first]
 
     # Teacher-forced logits on a padded batch, target side from the target tokenizer.
     targets = hf_tok(text_target=DE[:5], padding=True, return_tensors="pt").input_ids

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     [hyps] = translator.search_ids([src])
     output = hyps[0].tokens
     label = token_labeler(translator.tokenizer)
-    paths = write_attention_pictures(translator.model, src, output, label, args.out)
+    source_label = token_labeler(translator.tokenizer, source=True)
+    paths = write_attention_pictures(translator.model, src, output, label, args.out, source_label)
     print(translator.tokenizer.decode(output))
     for path in paths:
         print(path)

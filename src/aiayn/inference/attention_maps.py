@@ -117,9 +117,12 @@ def plot_layer(
     fig.savefig(path, dpi=110)
 
 
-def token_labeler(tokenizer: Any) -> Callable[[int], str]:
-    """Names tokens on the axes: the subword piece when the tokenizer has ``piece(id)``."""
+def token_labeler(tokenizer: Any, source: bool = False) -> Callable[[int], str]:
+    """Names tokens on the axes: the subword piece when the tokenizer has ``piece(id)`` (with
+    ``source``, ``source_piece(id)`` where a tokenizer has separate vocabularies)."""
     piece = getattr(tokenizer, "piece", None)
+    if source:
+        piece = getattr(tokenizer, "source_piece", piece)
 
     def label(token_id: int) -> str:
         return str(piece(token_id)) if piece is not None else tokenizer.decode([token_id])
@@ -133,13 +136,15 @@ def write_cross_attention_picture(
     output: Sequence[int],
     label: Callable[[int], str],
     path: str | Path,
+    source_label: Callable[[int], str] | None = None,
 ) -> Path:
-    """One PNG: the encoder-decoder attention of the last decoder layer, a heat map per head."""
+    """One PNG: the encoder-decoder attention of the last decoder layer, a heat map per head;
+    ``source_label`` names source tokens (default: ``label``)."""
     _, _, cross = attention_weights(model, src, output)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [label(i) for i in output] + ["</s>"]
-    cols = [label(i) for i in src] + ["</s>"]
+    cols = [(source_label or label)(i) for i in src] + ["</s>"]
     title = f"encoder-decoder attention, layer {len(cross)}"
     plot_layer(
         cross[-1],
@@ -158,6 +163,7 @@ def write_attention_pictures(
     output: Sequence[int],
     label: Callable[[int], str],
     out_dir: str | Path,
+    source_label: Callable[[int], str] | None = None,
 ) -> list[Path]:
     """PNG heat maps for every layer of the three attention kinds, in ``out_dir``:
     ``encoder_layer{i}.png``, ``decoder_layer{i}.png``, ``cross_layer{i}.png`` (i from 1).
@@ -165,7 +171,7 @@ def write_attention_pictures(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder, decoder, cross = attention_weights(model, src, output)
-    source = [label(i) for i in src] + ["</s>"]
+    source = [(source_label or label)(i) for i in src] + ["</s>"]
     target_in = ["<s>"] + [label(i) for i in output]
     target_out = [label(i) for i in output] + ["</s>"]
     paths = []

@@ -63,6 +63,7 @@ class Engine:
         self.threads = threads
         self.parameters = count_parameters(translator.model)
         self._label: Callable[[int], str] = token_labeler(translator.tokenizer)
+        self._source_label = token_labeler(translator.tokenizer, source=True)
 
     @classmethod
     def from_checkpoint(
@@ -151,7 +152,7 @@ class Engine:
         label = self._label
         return CrossAttention(
             translation=hyps[0].text if hyps else "",
-            source_tokens=[label(i) for i in source] + ["</s>"],
+            source_tokens=[self._source_label(i) for i in source] + ["</s>"],
             target_tokens=[label(i) for i in output] + ["</s>"],
             weights=cross,
         )
