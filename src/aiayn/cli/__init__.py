@@ -22,6 +22,7 @@ from aiayn.cli import (
     bleu,
     classify,
     demo,
+    export_ct2,
     generate,
     params,
     plot,
@@ -34,7 +35,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, bleu, attention),
-    *(generate, classify, serve),
+    *(generate, classify, serve, export_ct2),
 ]
 
 

@@ -1,0 +1,1 @@
+"""Models to and from other inference engines: export to CTranslate2 (docs/interop.md)."""
