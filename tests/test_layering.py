@@ -1,7 +1,8 @@
 """The package's layers point one way (the import-linter contracts in pyproject.toml): the
 model imports only the config; data never imports the model; inference never imports
 training; serving never imports training; search never imports the model; and cli >
-demo | serving > training > inference > accel > model | data | evaluation > config."""
+demo | serving | interop > training > inference > accel > model | data | evaluation >
+config | devices | progress."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from aiayn.cli import (
     bleu,
     classify,
     demo,
+    export_ct2,
     generate,
     import_marian,
     params,
@@ -35,7 +36,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, bleu, attention),
-    *(generate, classify, serve, import_marian),
+    *(generate, classify, serve, import_marian, export_ct2),
 ]
 
 

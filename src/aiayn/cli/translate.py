@@ -12,7 +12,7 @@ from aiayn.errors import CLIError
 from aiayn.progress import stderr_report
 
 if TYPE_CHECKING:
-    from aiayn.inference.translator import Translation, Translator
+    from aiayn.inference.translator import TextTranslator, Translation
 
 # Lines translated (and written) at a time: bounds memory, keeps output flowing.
 CHUNK_LINES = 10000
@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "detokenised translation a line to stdout (with --nbest K: K lines per input line, "
         "'rank<TAB>score<TAB>text'). With a terminal on stdin it translates line by line. "
         "Empty lines give empty lines; lines longer than the model's positions are cut to fit "
-        "with a warning on stderr. Defaults come from the run's [decode] settings.",
+        "with a warning on stderr. Defaults come from the run's [decode] settings. "
+        "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md).",
     )
     parser.add_argument(
         "checkpoint",
@@ -55,9 +56,26 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument(
+        "--engine",
+        choices=["torch", "ctranslate2"],
+        default="torch",
+        help="what decodes: 'torch' (the model in PyTorch, the default) or 'ctranslate2' "
+        "(the checkpoint exported to CTranslate2 once, cached beside it as NAME.ct2-float32 "
+        "or NAME.ct2-int8, and decoded with aiayn's tokenisation, batching, output limit and "
+        "length penalty; beam search by the fairseq rule, which is CTranslate2's; needs "
+        "pip install 'aiayn[interop]')",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads of the decoding (default: PyTorch's or CTranslate2's own default)",
+    )
+    parser.add_argument(
         "--quantize",
         choices=["int8"],
-        help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a little)",
+        help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a "
+        "little); with --engine ctranslate2, CTranslate2's int8 weights",
     )
     parser.add_argument(
         "--pack-weights",
@@ -72,7 +90,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="fp32",
         help="weights and products in this dtype (default fp32): bf16 on a CPU with bfloat16 "
         "instructions (AVX512-BF16 or AMX) or a GPU, fp16 on a GPU; faster batches, slower "
-        "one-sentence steps on the CPU; log-probabilities and beam scores stay float32",
+        "one-sentence steps on the CPU; log-probabilities and beam scores stay float32; "
+        "with --engine ctranslate2, CTranslate2's compute type (float32, bfloat16, float16)",
     )
     parser.set_defaults(run=run)
 
@@ -111,7 +130,7 @@ def _write(out: TextIO, lines: Sequence[str]) -> None:
     out.flush()
 
 
-def _interactive(translator: Translator, nbest: int) -> None:
+def _interactive(translator: TextTranslator, nbest: int) -> None:
     """Line by line from a terminal, with line editing and history (the arrow keys) where
     Python has readline."""
     try:
@@ -135,23 +154,79 @@ def _interactive(translator: Translator, nbest: int) -> None:
         _write(sys.stdout, format_translations(translator.translate_nbest([line], number), nbest))
 
 
-def run(args: argparse.Namespace) -> int:
-    # Imported here: `aiayn --help` stays fast (aiayn.cli).
+def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
+    """The PyTorch engine's translator and the device it runs on."""
     from aiayn.devices import pick_device
-    from aiayn.inference.textio import read_lines, split_lines
     from aiayn.inference.translator import Translator
 
     device = pick_device(args.device or "auto")
-    try:
-        translator, _ = Translator.from_checkpoint(
-            args.checkpoint,
-            device=device,
-            decode_overrides=_decode_overrides(args),
-            nbest=args.nbest,
-            quantize=args.quantize,
-            pack_weights=args.pack_weights,
-            precision=args.precision,
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    translator, _ = Translator.from_checkpoint(
+        args.checkpoint,
+        device=device,
+        decode_overrides=_decode_overrides(args),
+        nbest=args.nbest,
+        quantize=args.quantize,
+        pack_weights=args.pack_weights,
+        precision=args.precision,
+    )
+    return translator, str(device)
+
+
+def _ct2_device(requested: str | None) -> str:
+    """cpu, cuda or cuda:N for CTranslate2 ("auto": CUDA where CTranslate2 sees a GPU)."""
+    from aiayn.interop.ct2 import import_ctranslate2
+
+    ct2 = import_ctranslate2()
+    if requested in (None, "auto"):
+        return "cuda" if ct2.get_cuda_device_count() > 0 else "cpu"
+    kind, _, index = requested.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+        raise CLIError(f"unknown device {requested!r} for CTranslate2 (cpu, cuda, cuda:N)")
+    return requested
+
+
+def _ct2_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
+    """The CTranslate2 engine's translator (through the export cached beside the checkpoint)
+    and the device it runs on."""
+    if args.pack_weights:
+        raise CLIError("--pack-weights is an option of --engine torch")
+    if args.beam_rule == "paper" and args.beam != 1:  # refused before anything is exported
+        raise CLIError(
+            "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "
+            "no CTranslate2 equivalent): use --beam-rule fairseq, or --engine torch"
         )
+    from aiayn.interop.ct2_translator import Ct2Translator
+
+    device = _ct2_device(args.device)
+    log = stderr_report()
+    translator, _ = Ct2Translator.from_checkpoint(
+        args.checkpoint,
+        device=device,
+        decode_overrides=_decode_overrides(args),
+        nbest=args.nbest,
+        quantize=args.quantize,
+        precision=args.precision,
+        threads=args.threads or 0,
+        log=log,
+    )
+    return translator, f"{device} (CTranslate2, {translator.compute_type})"
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: `aiayn --help` stays fast (aiayn.cli).
+    from aiayn.inference.textio import read_lines, split_lines
+
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be at least 1, got {args.threads}")
+    try:
+        if args.engine == "ctranslate2":
+            translator, where = _ct2_translator(args)
+        else:
+            translator, where = _torch_translator(args)
     except ValueError as err:
         raise CLIError(str(err)) from None
     if args.input is None and sys.stdin.isatty():
@@ -167,6 +242,6 @@ def run(args: argparse.Namespace) -> int:
     seconds = meter.seconds
     meter.finish(
         f"translated {len(lines):,} lines in {seconds:.1f} s "
-        f"({len(lines) / max(seconds, 1e-9):,.1f} lines/s) with {translator.checkpoint} on {device}"
+        f"({len(lines) / max(seconds, 1e-9):,.1f} lines/s) with {translator.checkpoint} on {where}"
     )
     return 0

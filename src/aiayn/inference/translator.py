@@ -107,37 +107,28 @@ def _weights_precision(model: nn.Module) -> Precision | None:
     return names[0] if names else None  # type: ignore[return-value]
 
 
-class Translator:
-    """Translates sentences with a trained :class:`Transformer`.
+class TextTranslator:
+    """The text side of translation, whatever engine searches: tokenising with the input
+    policy of this module, length-sorted batches of at most ``decode.batch_tokens`` padded
+    source tokens, and detokenised hypotheses in input order. A subclass searches a batch of
+    token-id sources (:meth:`_search_batch`): :class:`Translator` with the PyTorch model,
+    :class:`aiayn.interop.ct2_translator.Ct2Translator` with CTranslate2.
 
     ``decode`` gives the beam size (1 means greedy search), the length penalty ``alpha``, the
     output limit ``max_len_a * source_tokens + max_len_b`` and the batch budget
     ``batch_tokens`` (padded source tokens per batch, EOS included). ``nbest`` hypotheses are
-    kept per sentence (at most the beam size). ``warn`` receives warnings (default: stderr).
-
-    ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
-    ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or CUDA) or
-    ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
-    log-softmax and the beam scores stay in float32.
-
-    On the CPU the model is accelerated for decoding (:func:`aiayn.accel.accelerate`: the
-    same translations, faster; ``accelerated=False`` decodes with the plain model), and
-    ``pack_weights`` also packs its float32 weights for MKL: faster decoder steps over 4 to 128
-    rows (one to 32 sentences with beam 4), for more memory (docs/translation.md).
+    kept per sentence (at most the beam size). ``max_positions`` is the model's number of
+    positions. ``warn`` receives warnings (default: stderr).
     """
 
     def __init__(
         self,
-        model: Transformer,
         tokenizer: TextTokenizer,
-        decode: DecodeConfig | None = None,
+        decode: DecodeConfig | None,
         *,
+        max_positions: int,
         nbest: int = 1,
-        device: torch.device | str | None = None,
         warn: Callable[[str], None] | None = None,
-        pack_weights: bool = False,
-        precision: Precision = "fp32",
-        accelerated: bool = True,
     ) -> None:
         self.decode = decode if decode is not None else DecodeConfig()
         # Told how many sentences each decoded batch held (progress); the file it came from.
@@ -155,70 +146,10 @@ class Translator:
             )
         if self.decode.batch_tokens < 1:
             raise ValueError(f"batch_tokens must be positive, got {self.decode.batch_tokens}")
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.nbest = nbest
-        self.max_positions = model.config.max_positions
-        if device is None:
-            device = next(model.parameters()).device
-        self.device = torch.device(device)
+        self.max_positions = max_positions
         self.warn = warn if warn is not None else _print_warning
-        dtype = inference_dtype(precision, self.device, self.warn)
-        if dtype is not torch.float32:
-            if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
-                raise ValueError(
-                    f"int8 quantization is a precision of its own: not with {precision}"
-                )
-            self.model.to(dtype)
-        self.acceleration: Acceleration | None = None
-        weights = _weights_precision(self.model)
-        if accelerated and weights in ("fp32", "bf16"):  # what the CPU levers serve
-            self.acceleration = accelerate(
-                self.model, "decode", precision=weights, pack_weights=pack_weights
-            )
-        if pack_weights and (self.acceleration is None or not self.acceleration.packed):
-            self.warn(
-                "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
-                "and a PyTorch built with MKL); decoding without it"
-            )
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        path: str | Path,
-        *,
-        device: torch.device | str = "cpu",
-        decode_overrides: Mapping[str, Any] | None = None,
-        nbest: int = 1,
-        quantize: str | None = None,
-        warn: Callable[[str], None] | None = None,
-        pack_weights: bool = False,
-        precision: Precision = "fp32",
-    ) -> tuple[Translator, RunConfig]:
-        """A translator for a checkpoint file or run directory, with the run's decode settings
-        updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
-        config."""
-        loaded = load_model(path, device, tasks=("translation",))
-        model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        assert isinstance(model, Transformer)
-        if quantize is not None:
-            if quantize != "int8":
-                raise ValueError(f"unknown quantization {quantize!r} (only int8)")
-            if torch.device(device).type != "cpu":
-                raise ValueError("int8 dynamic quantization runs on the CPU only")
-            model = quantize_int8(model)
-        translator = cls(
-            model,
-            tokenizer,
-            replace(config.decode, **dict(decode_overrides or {})),
-            nbest=nbest,
-            device=device,
-            warn=warn,
-            pack_weights=pack_weights,
-            precision=precision,
-        )
-        translator.checkpoint = loaded.path
-        return translator, config
 
     # -- text ------------------------------------------------------------------------------
 
@@ -275,6 +206,103 @@ class Translator:
             if self.on_batch is not None:
                 self.on_batch(len(chunk))
         return results
+
+    def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
+        """Hypotheses for one batch of non-empty sources, in its order (the engine's part)."""
+        raise NotImplementedError
+
+
+class Translator(TextTranslator):
+    """Translates sentences with a trained :class:`Transformer` (the PyTorch engine); the
+    settings and the text side are :class:`TextTranslator`'s.
+
+    ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
+    ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or CUDA) or
+    ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
+    log-softmax and the beam scores stay in float32.
+
+    On the CPU the model is accelerated for decoding (:func:`aiayn.accel.accelerate`: the
+    same translations, faster; ``accelerated=False`` decodes with the plain model), and
+    ``pack_weights`` also packs its float32 weights for MKL: faster decoder steps over 4 to 128
+    rows (one to 32 sentences with beam 4), for more memory (docs/translation.md).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: TextTokenizer,
+        decode: DecodeConfig | None = None,
+        *,
+        nbest: int = 1,
+        device: torch.device | str | None = None,
+        warn: Callable[[str], None] | None = None,
+        pack_weights: bool = False,
+        precision: Precision = "fp32",
+        accelerated: bool = True,
+    ) -> None:
+        super().__init__(
+            tokenizer, decode, max_positions=model.config.max_positions, nbest=nbest, warn=warn
+        )
+        self.model = model.eval()
+        if device is None:
+            device = next(model.parameters()).device
+        self.device = torch.device(device)
+        dtype = inference_dtype(precision, self.device, self.warn)
+        if dtype is not torch.float32:
+            if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
+                raise ValueError(
+                    f"int8 quantization is a precision of its own: not with {precision}"
+                )
+            self.model.to(dtype)
+        self.acceleration: Acceleration | None = None
+        weights = _weights_precision(self.model)
+        if accelerated and weights in ("fp32", "bf16"):  # what the CPU levers serve
+            self.acceleration = accelerate(
+                self.model, "decode", precision=weights, pack_weights=pack_weights
+            )
+        if pack_weights and (self.acceleration is None or not self.acceleration.packed):
+            self.warn(
+                "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
+                "and a PyTorch built with MKL); decoding without it"
+            )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        decode_overrides: Mapping[str, Any] | None = None,
+        nbest: int = 1,
+        quantize: str | None = None,
+        warn: Callable[[str], None] | None = None,
+        pack_weights: bool = False,
+        precision: Precision = "fp32",
+    ) -> tuple[Translator, RunConfig]:
+        """A translator for a checkpoint file or run directory, with the run's decode settings
+        updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
+        config."""
+        loaded = load_model(path, device, tasks=("translation",))
+        model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        assert isinstance(model, Transformer)
+        if quantize is not None:
+            if quantize != "int8":
+                raise ValueError(f"unknown quantization {quantize!r} (only int8)")
+            if torch.device(device).type != "cpu":
+                raise ValueError("int8 dynamic quantization runs on the CPU only")
+            model = quantize_int8(model)
+        translator = cls(
+            model,
+            tokenizer,
+            replace(config.decode, **dict(decode_overrides or {})),
+            nbest=nbest,
+            device=device,
+            warn=warn,
+            pack_weights=pack_weights,
+            precision=precision,
+        )
+        translator.checkpoint = loaded.path
+        return translator, config
 
     @torch.inference_mode()
     def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:

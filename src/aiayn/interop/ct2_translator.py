@@ -1,0 +1,309 @@
+"""CTranslate2 as an engine of ``aiayn translate``: the export of a checkpoint (cached beside
+it, :func:`aiayn.interop.ct2.cached_export`) decoded by ``ctranslate2.Translator`` with
+aiayn's tokenisation, input policy, batching, output limit and length penalty.
+
+How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
+
+- beam size, n-best (``num_hypotheses``), device and threads map directly; each of aiayn's
+  batches (length-sorted, at most ``batch_tokens`` padded source tokens) is one
+  ``translate_batch`` call per output limit within it, so that every sentence gets its own
+  limit ``floor(max_len_a · source tokens + max_len_b)``;
+- CTranslate2's beam search finishes a hypothesis when EOS is among the best ``beam_size``
+  candidates and stops a sentence once ``beam_size`` have finished (unless its length
+  penalty is 0): aiayn's ``fairseq`` rule, which this engine therefore requires (``paper``
+  has no CTranslate2 equivalent);
+- CTranslate2 ranks by ``log P / length ** length_penalty``, aiayn by GNMT's
+  ``log P / ((5 + |Y|) / 6) ** alpha`` (|Y| counting EOS): CTranslate2 returns all
+  ``beam_size`` hypotheses with their scores, the penalty is undone and GNMT's applied here.
+  Where more than ``beam_size`` finish at once, CTranslate2 keeps the best ``beam_size`` by
+  its own penalty, which :func:`ranking_penalty` sets to rank as GNMT's does;
+- aiayn allows only EOS after ``limit`` output tokens. CTranslate2 decodes that step too
+  (``max_decoding_length = limit + 1``), where it ends each of its best ``beam_size``
+  candidates, EOS or not: one that is not is cut back to ``limit`` tokens and scored with
+  EOS here (``score_batch``). Greedy search agrees exactly; beam search keeps the
+  hypotheses of those candidates, where aiayn keeps one per live beam;
+- aiayn never outputs PAD or BOS: their log-probabilities are set to -inf after the
+  log-softmax, which leaves the other tokens' as they are. CTranslate2 can suppress a token
+  only before its softmax (``suppress_sequences``), which renormalises the others, so it
+  decodes without that, and a sentence where a hypothesis holds PAD or BOS (a model that is
+  barely trained) is decoded again with both suppressed and its hypotheses scored again,
+  teacher-forced, with the full distribution's log-probabilities, aiayn's. (A model with
+  ``model.bos_output = false`` decodes from a distribution renormalised without BOS, which
+  is what CTranslate2's suppression of BOS computes: BOS is suppressed from the start.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import DecodeConfig, ModelConfig, RunConfig
+from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
+from aiayn.inference.loading import AVERAGED_NAME, resolve_checkpoint
+from aiayn.inference.search import Hypothesis, gnmt_length_penalty
+from aiayn.inference.translator import TextTranslator
+from aiayn.interop.ct2 import cached_export, import_ctranslate2, read_export, vocabularies
+
+# A length penalty that changes no score (length ** 1e-30 == 1.0 in float32) but is not 0,
+# which would make CTranslate2 stop a sentence at its first finished best beam.
+RAW_SCORES = 1e-30
+
+# aiayn's precisions and int8 quantization as CTranslate2 compute types.
+_COMPUTE_TYPES = {
+    (None, "fp32"): "default",  # the exported weights' type
+    (None, "bf16"): "bfloat16",
+    (None, "fp16"): "float16",
+    ("int8", "fp32"): "int8_float32",
+    ("int8", "bf16"): "int8_bfloat16",
+    ("int8", "fp16"): "int8_float16",
+}
+
+
+def compute_type(quantize: str | None, precision: str) -> str:
+    """The CTranslate2 compute type for ``translate --quantize Q --precision P``."""
+    if quantize not in (None, "int8"):
+        raise ValueError(f"unknown quantization {quantize!r} (only int8)")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"unknown precision {precision!r} (fp32, bf16, fp16)")
+    return _COMPUTE_TYPES[(quantize, precision)]
+
+
+def ranking_penalty(alpha: float, sources: Sequence[Sequence[str]]) -> float:
+    """CTranslate2's ``length_penalty`` for a batch: where more than ``beam_size`` hypotheses
+    finish, CTranslate2 keeps the best ``beam_size`` by ``log P / length ** penalty``, so that
+    penalty should rank as GNMT's ``((5 + n) / 6) ** alpha`` does. The power law with GNMT's
+    slope (in log-log) at the expected output length ``n`` (the sources' mean length plus EOS)
+    is ``alpha · n / (5 + n)``. :data:`RAW_SCORES` for ``alpha`` 0."""
+    if alpha == 0 or not sources:
+        return RAW_SCORES
+    n = sum(len(s) for s in sources) / len(sources) + 1.0
+    return alpha * n / (5.0 + n)
+
+
+def resolve_without_loading(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint file of a file or run directory, as :func:`resolve_checkpoint` finds it,
+    but without reading a file given or a run's ``averaged.pt`` (the export cache is checked
+    before anything is loaded)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / AVERAGED_NAME).is_file():
+            return path / AVERAGED_NAME
+        return resolve_checkpoint(path)
+    return path
+
+
+class Ct2Translator(TextTranslator):
+    """Translates with a CTranslate2 export of an aiayn model (``model_dir``, written by
+    :func:`aiayn.interop.ct2.export_ct2`); the text side, the settings and the results are
+    those of :class:`~aiayn.inference.translator.Translator` (see the module docstring for
+    how the search maps). ``decode.beam_rule`` must be ``"fairseq"`` for beam search.
+
+    ``compute_type`` is CTranslate2's (``"default"``: the exported weights' type), ``threads``
+    its threads per translation (``intra_threads``; 0: CTranslate2's default), ``device``
+    ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        tokenizer: Tokenizer,
+        decode: DecodeConfig | None,
+        model_config: ModelConfig,
+        *,
+        nbest: int = 1,
+        device: str = "cpu",
+        compute_type: str = "default",
+        threads: int = 0,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(
+            tokenizer, decode, max_positions=model_config.max_positions, nbest=nbest, warn=warn
+        )
+        if self.decode.beam_size > 1 and self.decode.beam_rule != "fairseq":
+            raise ValueError(
+                "CTranslate2's beam search stops as the fairseq rule does (beam_rule "
+                f"{self.decode.beam_rule!r} has no CTranslate2 equivalent): use "
+                "--beam-rule fairseq, or --engine torch"
+            )
+        if threads < 0:
+            raise ValueError(f"threads must be 0 (the default) or more, got {threads}")
+        ct2 = import_ctranslate2()
+        kind, _, index = device.partition(":")
+        self.model_dir = Path(model_dir)
+        self.device = device
+        try:
+            self.engine = ct2.Translator(
+                str(self.model_dir),
+                device=kind,
+                device_index=int(index or 0),
+                compute_type=compute_type,
+                inter_threads=1,
+                intra_threads=threads,
+            )
+        except (RuntimeError, ValueError) as err:
+            raise UserError(f"CTranslate2 cannot load {self.model_dir}: {err}") from None
+        self.compute_type = str(self.engine.compute_type)
+        source, target = vocabularies(tokenizer)
+        self._source_pieces = source
+        self._target_pieces = target
+        # A piece listed twice is the first one's id, as in CTranslate2's vocabulary.
+        self._target_ids: dict[str, int] = {}
+        for i, piece in enumerate(target):
+            self._target_ids.setdefault(piece, i)
+        self._never = [[target[PAD_ID]], [target[BOS_ID]]]
+        # A model without BOS among its outputs (model.bos_output = false) decodes from a
+        # distribution renormalised without it, which is what CTranslate2's suppression
+        # computes. (Hypotheses scored again by score_batch get the full distribution's
+        # log-probabilities: such a model's cut or decoded-again ones differ there.)
+        self._always = [] if getattr(model_config, "bos_output", True) else [[target[BOS_ID]]]
+        # Kept alive while the translator is: an export made for this run only.
+        self.scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        decode_overrides: Mapping[str, Any] | None = None,
+        nbest: int = 1,
+        quantize: str | None = None,
+        precision: str = "fp32",
+        threads: int = 0,
+        warn: Callable[[str], None] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> tuple[Ct2Translator, RunConfig]:
+        """A translator for a checkpoint file or run directory, through its export cached
+        beside the checkpoint (made now if missing or stale; ``log`` hears of it): float32
+        weights, or int8 with ``quantize="int8"``. The run's decode settings are updated by
+        ``decode_overrides``; the beam rule is ``"fairseq"`` unless they name another (which
+        is refused). Also returns the run's config."""
+        compute = compute_type(quantize, precision)
+        checkpoint = resolve_without_loading(path)
+        scratch: list[tempfile.TemporaryDirectory[str]] = []
+
+        def scratch_dir() -> Path:
+            scratch.append(tempfile.TemporaryDirectory(prefix="aiayn-ct2-"))
+            return Path(scratch[-1].name)
+
+        model_dir = cached_export(checkpoint, quantize, log=log, scratch=scratch_dir)
+        export = read_export(model_dir)
+        config = export.config
+        if config.model.task != "translation":
+            raise UserError(f"{checkpoint}: not a translation model")
+        overrides = {"beam_rule": "fairseq", **dict(decode_overrides or {})}
+        translator = cls(
+            model_dir,
+            export.tokenizer,
+            replace(config.decode, **overrides),
+            config.model,
+            nbest=nbest,
+            device=device,
+            compute_type=compute,
+            threads=threads,
+            warn=warn,
+        )
+        translator.checkpoint = checkpoint
+        translator.scratch = scratch[0] if scratch else None
+        return translator, config
+
+    # -- search -------------------------------------------------------------------------------
+
+    def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
+        """One ``translate_batch`` call per output limit among ``sources``."""
+        decode = self.decode
+        room = self.max_positions - 1
+        limits = [
+            min(room, max(0, math.floor(len(s) * decode.max_len_a + decode.max_len_b)))
+            for s in sources
+        ]
+        groups: dict[int, list[int]] = {}
+        for i, limit in enumerate(limits):
+            groups.setdefault(limit, []).append(i)
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        for limit, rows in groups.items():
+            pieces = [[self._source_pieces[t] for t in sources[i]] for i in rows]
+            for i, hyps in zip(rows, self._search_group(pieces, limit), strict=True):
+                results[i] = hyps
+        return results
+
+    def _search_group(self, pieces: list[list[str]], limit: int) -> list[list[Hypothesis]]:
+        """Hypotheses for sources (as pieces) that share the output limit ``limit``."""
+        found = self._translate(pieces, limit, self._always)
+        again = [i for i, hyps in enumerate(found) if any(self._banned(h[0]) for h in hyps)]
+        if again:  # decoded again without PAD and BOS, and then all scored again
+            redone = self._translate([pieces[i] for i in again], limit, self._never)
+            for i, hyps in zip(again, redone, strict=True):
+                found[i] = [(tokens, log_prob, True) for tokens, log_prob, _ in hyps]
+        # Scored again, teacher-forced: those cut at the limit (their EOS, which aiayn
+        # forces, has no score yet) and those of a search without PAD and BOS.
+        pairs = [(i, j) for i, hyps in enumerate(found) for j, h in enumerate(hyps) if h[2]]
+        if pairs:
+            targets = [[self._target_pieces[t] for t in found[i][j][0]] for i, j in pairs]
+            scored = self._log_probs([pieces[i] for i, _ in pairs], targets)
+            for (i, j), lps in zip(pairs, scored, strict=True):
+                found[i][j] = (found[i][j][0], sum(lps), False)
+        results = []
+        for hyps in found:
+            ranked = [self._scored(tokens, log_prob) for tokens, log_prob, _ in hyps]
+            ranked.sort(key=lambda h: -h.score)  # stable: CTranslate2's order among equals
+            results.append(ranked[: self.nbest])
+        return results
+
+    def _translate(
+        self, pieces: list[list[str]], limit: int, suppress: list[list[str]]
+    ) -> list[list[tuple[list[int], float, bool]]]:
+        """The finished hypotheses of each source as (token ids without EOS, log-probability,
+        whether it was cut at the limit), without repeats; the tokens ``suppress`` are never
+        output.
+
+        CTranslate2 decodes one step beyond ``limit`` output tokens, where aiayn allows only
+        EOS: there it ends every one of the best ``beam_size`` candidates, EOS or not; one
+        that is not EOS is cut back to its ``limit`` tokens, a hypothesis aiayn ends with the
+        forced EOS (its log-probability, without that EOS, is then unknown)."""
+        k = self.decode.beam_size
+        penalty = ranking_penalty(self.decode.alpha, pieces)
+        results = self.engine.translate_batch(
+            pieces,
+            beam_size=k,
+            num_hypotheses=k,
+            length_penalty=penalty,
+            max_decoding_length=limit + 1,
+            min_decoding_length=0,
+            max_input_length=0,
+            return_scores=True,
+            return_end_token=True,
+            suppress_sequences=suppress or None,
+        )
+        found = []
+        for result in results:
+            hyps: dict[tuple[int, ...], tuple[list[int], float, bool]] = {}
+            for tokens, score in zip(result.hypotheses, result.scores, strict=True):
+                ids = [self._target_ids[t] for t in tokens]
+                log_prob = float(score) * len(ids) ** penalty  # the score before the penalty
+                ended = bool(ids) and ids[-1] == EOS_ID
+                hyp = (ids[:-1], log_prob, False) if ended else (ids[:limit], math.nan, True)
+                hyps.setdefault(tuple(hyp[0]), hyp)
+            found.append(list(hyps.values()))
+        return found
+
+    @staticmethod
+    def _banned(tokens: list[int]) -> bool:
+        return PAD_ID in tokens or BOS_ID in tokens
+
+    def _log_probs(self, pieces: list[list[str]], targets: list[list[str]]) -> list[list[float]]:
+        """The log-probabilities of each target's tokens and its EOS given its source,
+        teacher-forced (``score_batch``): the full distribution's, as aiayn's."""
+        scored = self.engine.score_batch(pieces, targets, max_input_length=0)
+        return [[float(lp) for lp in result.log_probs] for result in scored]
+
+    def _scored(self, tokens: list[int], log_prob: float) -> Hypothesis:
+        score = log_prob / gnmt_length_penalty(len(tokens) + 1.0, self.decode.alpha)
+        return Hypothesis(tokens, score, log_prob)
