@@ -233,8 +233,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if r["mode"] == ref_mode and r["system"] == REFERENCE_SYSTEM
                     and r["threads"] == first["threads"] and r["round"] == 0
                 )  # fmt: skip
-                key = "identical_to_" + re.sub(r"\W+", "_", ref_mode)
-                row[key] = identical_share(reference["ids"], first["ids"])
+                key = re.sub(r"\W+", "_", ref_mode)
+                row["identical_to_" + key] = identical_share(reference["ids"], first["ids"])
+                row["differing_lines_" + key] = [
+                    n + 1
+                    for n, (a, b) in enumerate(zip(reference["ids"], first["ids"], strict=True))
+                    if a != b
+                ]
             rows.append(row)
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -253,6 +258,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "waited_for_quiet_s": round(waited, 1),
         "export_seconds": exports,
         "rows": rows,
+        "runs": [
+            {k: r[k] for k in ("round", "mode", "system", "threads", "seconds", "sentences")}
+            for r in runs
+        ],
     }
 
 
