@@ -147,6 +147,19 @@ def test_ctranslate2_decodes_as_aiayn(
                 same_hypotheses(mine, other)
                 compared += beam > 1
     assert compared >= 5  # most sentences: the beams do end with EOS
+    # Teacher-forced, token by token: the same log-probabilities to float32 rounding.
+    sources = [tokenizer.encode(line) for line in lines]
+    targets = [hyps[0].tokens for hyps in ours]
+    engine = ctranslate2.Translator(str(tmp_path / "ct2"), intra_threads=1)
+    pieces = [[tokenizer.piece(i) for i in ids] for ids in sources]
+    scored = engine.score_batch(pieces, [[tokenizer.piece(i) for i in t] for t in targets])
+    batch = collate_pairs(sources, targets)
+    with torch.inference_mode():
+        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+    expected = torch.log_softmax(logits, -1).gather(-1, batch.tgt_out[..., None])[..., 0]
+    for row, result in enumerate(scored):
+        theirs = torch.tensor(result.log_probs)
+        assert torch.allclose(theirs, expected[row, : len(theirs)], atol=2e-5, rtol=0)
 
 
 def test_output_limits_and_empty_inputs(tokenizer: Tokenizer, tmp_path: Path) -> None:
