@@ -215,3 +215,33 @@ def versions() -> dict[str, str]:
 
 def workload_dict(w: Workload) -> dict[str, Any]:
     return asdict(w)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds spent busy by the whole machine since boot (from /proc/stat)."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as stat:
+            fields = [float(x) for x in stat.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> float:
+    """Wait (up to ``limit_s``) until other processes use less than ``threshold`` of one CPU
+    over a second; returns the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        before = busy_cpu_seconds()
+        time.sleep(1.0)
+        if busy_cpu_seconds() - before < threshold:
+            break
+    return time.perf_counter() - start

@@ -30,7 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make the ``benchmarks`` package importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import cpu_model, emit, median, parse_results, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cpu_model,
+    emit,
+    load_average,
+    median,
+    parse_results,
+    versions,
+    wait_for_quiet,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 WARMUP_LINES = 32
@@ -102,36 +110,6 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds spent busy by the whole machine since boot (from /proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="utf-8") as stat:
-            fields = [float(x) for x in stat.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> float:
-    """Wait (up to ``limit_s``) until the machine is busy less than ``threshold`` of one CPU
-    over a second; returns the seconds waited."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < limit_s:
-        before = busy_cpu_seconds()
-        time.sleep(1.0)
-        if busy_cpu_seconds() - before < threshold:
-            break
-    return time.perf_counter() - start
 
 
 def env(threads: int) -> dict[str, str]:

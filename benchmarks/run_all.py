@@ -35,11 +35,14 @@ from benchmarks import decode_bench, train_bench  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     THREADS,
     WORKLOADS,
+    busy_cpu_seconds,
+    load_average,
     machine,
     median,
     parse_results,
     training_flops_per_target_token,
     versions,
+    wait_for_quiet,
 )
 from benchmarks.report import render  # noqa: E402
 
@@ -86,32 +89,9 @@ def child_env(system: str | None = None) -> dict[str, str]:
     return env
 
 
-def busy_cpu_seconds() -> float:
-    """CPU seconds spent busy by the whole machine since boot (from /proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="utf-8") as stat:
-            fields = [float(x) for x in stat.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> float:
-    """Wait (up to ``limit_s``) until other processes use less than ``threshold`` of one CPU
-    over a second; returns the seconds waited."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < limit_s:
-        before = busy_cpu_seconds()
-        time.sleep(1.0)
-        if busy_cpu_seconds() - before < threshold:
-            break
-    return time.perf_counter() - start
 
 
 def run_child(
@@ -184,13 +164,6 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "build_s": median([r["build_s"] for r in runs]),
         "background_cpus": max(r["background_cpus"] for r in runs),
     }
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def update_doc(markdown: str) -> None:

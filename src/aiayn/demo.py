@@ -36,10 +36,9 @@ from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
 from aiayn.inference import loading
 from aiayn.inference.attention_maps import token_labeler, write_cross_attention_picture
 from aiayn.inference.translator import Translator
+from aiayn.progress import Log
 from aiayn.training.launch import resolve_config, train_run
 from aiayn.training.plot import plot_run
-
-Log = Callable[[str], None]
 
 SRC, TGT = "en", "es"
 STEPS = 5

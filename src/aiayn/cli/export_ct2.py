@@ -5,18 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# CTranslate2's weight types (aiayn.interop.ct2.QUANTIZATIONS), here so that --help needs no
-# import of the library.
-QUANTIZATIONS = (
-    "float32",
-    "int8",
-    "int8_float32",
-    "int8_float16",
-    "int8_bfloat16",
-    "int16",
-    "float16",
-    "bfloat16",
-)
+from aiayn.interop import QUANTIZATIONS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

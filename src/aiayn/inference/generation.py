@@ -118,7 +118,7 @@ class TextGenerator:
         cache = self.model.init_cache(beams, len(context) + new, beam_size=beams)
         prefix = torch.tensor([context[:-1]], device=self.device).expand(beams, -1)
         self.model.prefill(prefix, cache)
-        step = never_pad_or_bos(self.model.log_probs_step)
+        step = never_pad_or_bos(self.model.log_probs_step, self.model.config.bos_output)
         if on_text is not None and options.strategy != "beam":
             step = _Streamer(step, self.tokenizer, context[1:], on_text)
         found = self._search(step, cache, context[-1], new, options)

@@ -50,20 +50,10 @@ from aiayn.data.collate import BOS_ID, EOS_ID, UNK_ID
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError, UserError
 from aiayn.inference.loading import LoadedModel, load_model
+from aiayn.interop import QUANTIZATIONS
 from aiayn.model.embedding import PositionalEncoding
 from aiayn.model.transformer import Transformer
 
-# CTranslate2's weight types (``spec.optimize(quantization=...)``); None keeps float32.
-QUANTIZATIONS = (
-    "float32",
-    "int8",
-    "int8_float32",
-    "int8_float16",
-    "int8_bfloat16",
-    "int16",
-    "float16",
-    "bfloat16",
-)
 EXPORT_FORMAT = "aiayn-ct2-export"
 EXPORT_VERSION = 1
 METADATA_NAME = "aiayn.json"

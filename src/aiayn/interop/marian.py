@@ -214,8 +214,8 @@ def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceV
     tied = {"tgt_embed.token.weight": "src_embed.token.weight"} if shared else {}
     if config.tied_output:
         tied["out_proj.weight"] = "tgt_embed.token.weight"
-    for name, source in tied.items():
-        state.setdefault(name, state.get(source, torch.empty(0)))
+    for name, source in tied.items():  # one Parameter under each of its names
+        state[name] = state[source]
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"{directory}: weights do not fit (missing {missing}, extra {unexpected})")
