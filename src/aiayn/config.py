@@ -212,8 +212,10 @@ class TrainConfig:
     average_last: int = 5
     patience: int = 0
     max_bad_steps: int = 10
-    # A checkpoint whose embedding and encoder start a classify run (fine-tuning after mlm
-    # pre-training), or none. The run's data must use that checkpoint's tokenizer.
+    # A checkpoint the run starts from, or none: a model of the run's task goes on training
+    # (fine-tuning; the [model] section is then the checkpoint's, docs/interop.md), a classifier
+    # takes the embedding and encoder of an mlm model (docs/families.md). The run's data must
+    # use that checkpoint's tokenizer (aiayn prepare --tokenizer).
     init_from: str | None = None
 
     def validate(self) -> None:

@@ -98,7 +98,7 @@ def test_text_task_usage_errors(files, tmp_path, capsys):
         (
             ["prepare", "--train", train, "--valid", valid, "--src", "a", "--tgt", "b",
              "--tokenizer", "m", "--out", str(out)],
-            "--tokenizer: only with --task lm or --task classify",
+            "--tokenizer m: checkpoint m does not exist",
         ),
     ]  # fmt: skip
     for argv, needle in cases:

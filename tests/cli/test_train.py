@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from aiayn.cli import main
 from aiayn.inference import loading
@@ -67,6 +68,42 @@ def test_config_that_does_not_fit_the_data_is_refused(data_dir, tmp_path, capsys
     assert main([*args, "train.bogus=1"]) == 2
     assert "valid keys in [train]" in capsys.readouterr().err
     assert not (run / "checkpoints").exists()
+
+
+def test_a_translation_model_goes_on_training_on_new_text(data_dir, tmp_path, capsys):
+    first = tmp_path / "first"
+    quick = ["--no-progress", "train.valid_interval=0", "train.average_last=0"]
+    args = ["train", "--config", TINY, "--out", str(first), *quick, "train.max_steps=30"]
+    assert main([*args, "--data", str(data_dir)]) == 0
+    # New text of the same task, encoded with the first run's tokenizer.
+    text = tmp_path / "text"
+    text.mkdir()
+    for name in ("train.src", "train.tgt"):
+        lines = (data_dir / name).read_text(encoding="utf-8").splitlines()
+        (text / name).write_text("\n".join(lines[:200]) + "\n", encoding="utf-8")
+    prepare = ["prepare", "--train", str(text / "train"), "--valid", str(text / "train")]
+    prepare += ["--src", "src", "--tgt", "tgt", "--out", str(tmp_path / "new")]
+    assert main([*prepare, "--tokenizer", str(first)]) == 0
+    assert (tmp_path / "new" / "spm.model").read_bytes() == (data_dir / "spm.model").read_bytes()
+    # The second run is the first model's (a recipe of another shape: model.d_model=64),
+    # and starts from its weights exactly.
+    last = loading.load_checkpoint(first / "checkpoints" / "step_00000030.pt")
+    second = tmp_path / "second"
+    go_on = ["train", "--config", TINY, "--data", str(tmp_path / "new"), "--out", str(second)]
+    go_on += [*quick, "train.max_steps=1", "train.lr_scale=0", "model.dropout=0.0"]
+    init = f"train.init_from={first / 'checkpoints' / 'step_00000030.pt'}"
+    assert main([*go_on, init, "preset=base"]) == 0
+    started = loading.load_checkpoint(second / "checkpoints" / "step_00000001.pt")
+    assert started["config"]["model"] == {**last["config"]["model"], "dropout": 0.0}
+    for name, tensor in last["model"].items():
+        assert torch.equal(started["model"][name], tensor), name
+    # Data with a vocabulary of its own: refused before training, naming the remedy.
+    own = tmp_path / "own"
+    assert main([*prepare[:-1], str(own), "--vocab-size", "30"]) == 0
+    capsys.readouterr()
+    go_on[4], go_on[6] = str(own), str(tmp_path / "third")
+    assert main([*go_on, init]) == 2
+    assert "prepare the data with --tokenizer" in capsys.readouterr().err
 
 
 def test_resume_falls_back_past_a_truncated_checkpoint(data_dir, tmp_path, capsys):

@@ -55,9 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     inputs.add_argument(
         "--tokenizer",
         metavar="SPM_MODEL_OR_CHECKPOINT",
-        help="lm, classify: use this vocabulary instead of training one: a sentencepiece model "
-        "with <mask> at id 4, the DATA_DIR of an lm or classify run, or a checkpoint or run "
-        "directory of such a model (its tokenizer is taken from the checkpoint)",
+        help="use this tokenizer instead of training one, to go on training a model on new text "
+        "(train.init_from): a checkpoint or run directory (its tokenizer, e.g. the Marian "
+        "vocabularies of a model from aiayn import-marian), a DATA_DIR, or a sentencepiece "
+        "model (lm, classify: with <mask> at id 4)",
     )
     named = parser.add_argument_group("named corpus (instead of --train/--valid/--test)")
     named.add_argument(
@@ -163,22 +164,25 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--corpus {args.corpus} reads its own files; drop {', '.join(given)}")
     elif args.sword_path or args.download:
         raise CLIError("--sword-path and --download go with --corpus bible")
-    if args.task == "translation":
-        manifest = _prepare_translation(args, options)
-    else:
-        with tempfile.TemporaryDirectory(prefix="aiayn-tokenizer-") as staging:
-            manifest = _prepare_text(args, options, Path(staging))
+    with tempfile.TemporaryDirectory(prefix="aiayn-tokenizer-") as staging:
+        prepare = _prepare_translation if args.task == "translation" else _prepare_text
+        manifest = prepare(args, options, Path(staging))
     print(summary(manifest, args.out))
     return 0
 
 
-def _prepare_translation(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+def _prepare_translation(
+    args: argparse.Namespace, options: dict[str, Any], staging: Path
+) -> dict[str, Any]:
     # Imported here: `aiayn --help` stays fast (aiayn.cli).
     from aiayn.data.prepare import prepare_corpus, prepare_data
 
-    text_only = [f"--{n}" for n in ("tokenizer", "lang", "label") if getattr(args, n)]
+    text_only = [f"--{n}" for n in ("lang", "label") if getattr(args, n)]
     if text_only:
         raise CLIError(f"{', '.join(text_only)}: only with --task lm or --task classify")
+    if args.tokenizer:
+        _no_vocabulary_options(args)
+        options["tokenizer"], options["tokenizer_source"] = _tokenizer_file(args.tokenizer, staging)
     options["max_len"] = DataConfig.max_len if args.max_len is None else args.max_len
     options["max_len_ratio"] = (
         DataConfig.max_len_ratio if args.max_len_ratio is None else args.max_len_ratio
@@ -213,18 +217,30 @@ def _prepare_translation(args: argparse.Namespace, options: dict[str, Any]) -> d
     )
 
 
-def _sentencepiece_model(given: str, staging: Path) -> Path:
-    """The sentencepiece model file that ``--tokenizer`` names: the file itself, a data
-    directory's spm.model, or the tokenizer of a checkpoint (or run directory) written to
-    ``staging``."""
+def _no_vocabulary_options(args: argparse.Namespace) -> None:
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("vocab_size", "input_sentence_size", "character_coverage")
+        if getattr(args, name) is not None
+    ]
+    if args.model_type != "bpe":
+        given.append("--model-type")
+    if given:
+        raise CLIError(f"--tokenizer brings its own vocabulary; drop {', '.join(given)}")
+
+
+def _tokenizer_file(given: str, staging: Path) -> tuple[Path, str]:
+    """The tokenizer file that ``--tokenizer`` names (the file itself, a data directory's
+    spm.model, or the tokenizer of a checkpoint or run directory written to ``staging``) and
+    the file it came from, for the manifest."""
     from aiayn.data.corpus import tokenizer_path
     from aiayn.inference.loading import CheckpointError, resolve_and_load, tensor_to_bytes
 
     path = Path(given)
     if path.is_dir() and tokenizer_path(path).is_file():
-        return tokenizer_path(path)
+        return tokenizer_path(path), str(tokenizer_path(path).resolve())
     if path.is_file() and not path.name.endswith((".pt", ".pth")):
-        return path
+        return path, str(path.resolve())
     try:
         found, state = resolve_and_load(path)
     except CheckpointError as err:
@@ -233,7 +249,7 @@ def _sentencepiece_model(given: str, staging: Path) -> Path:
         raise CLIError(f"--tokenizer {given}: {found} carries no tokenizer")
     out = staging / "spm.model"
     out.write_bytes(tensor_to_bytes(state["tokenizer"]))
-    return out
+    return out, str(Path(found).resolve())
 
 
 def _prepare_text(
@@ -255,9 +271,8 @@ def _prepare_text(
     if args.label and task != "classify":
         raise CLIError("--label goes with --task classify")
     if args.tokenizer:
-        if args.vocab_size is not None:
-            raise CLIError("--tokenizer brings its own vocabulary; drop --vocab-size")
-        options["tokenizer"] = _sentencepiece_model(args.tokenizer, staging)
+        _no_vocabulary_options(args)
+        options["tokenizer"], options["tokenizer_source"] = _tokenizer_file(args.tokenizer, staging)
     vocab_size = args.vocab_size or _DEFAULT_VOCAB_SIZE
     if args.corpus:
         if args.corpus != "bible":
@@ -294,10 +309,14 @@ def summary(manifest: dict[str, Any], out: str) -> str:
     if data_kind(manifest) == "text":
         return _text_summary(manifest, out)
     src, tgt = manifest["src"], manifest["tgt"]
-    lines = [
-        f"{out}: {src}-{tgt}, joint vocabulary {manifest['vocab_size']:,} "
-        f"({manifest['tokenizer_options']['model_type']})"
-    ]
+    options = manifest["tokenizer_options"]
+    origin = f"from {options['from']}" if "from" in options else options["model_type"]
+    sizes = f"joint vocabulary {manifest['vocab_size']:,}"
+    if "tgt_vocab_size" in manifest:
+        sizes = (
+            f"vocabularies {manifest['vocab_size']:,} {src}, {manifest['tgt_vocab_size']:,} {tgt}"
+        )
+    lines = [f"{out}: {src}-{tgt}, {sizes} ({origin})"]
     for split, info in manifest["splits"].items():
         lines.append(
             f"  {split:<5} {info['pairs']:>10,} pairs  {info['tokens'][src]:>12,} {src} tokens  "

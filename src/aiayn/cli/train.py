@@ -30,8 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--config",
         metavar="RECIPE_OR_TOML",
         help="run config: a shipped recipe by name (" + ", ".join(recipe_names()) + "; CPU: "
-        "multi30k, bible_*, tiny; GPU: base, big) or a TOML file; required for a new run, "
-        "by default RUN_DIR/config.toml when resuming",
+        "multi30k, finetune, bible_*, tiny; GPU: base, big) or a TOML file; required for a new "
+        "run, by default RUN_DIR/config.toml when resuming",
     )
     parser.add_argument(
         "--data", type=Path, help="prepared data directory; default when resuming: the run's"

@@ -107,6 +107,8 @@ def prepare_data(
     encoding_errors: EncodingErrors = "strict",
     character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
     input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
+    tokenizer: str | Path | None = None,
+    tokenizer_source: str | None = None,
     force: bool = False,
     log: Log | Report | None = None,
 ) -> dict[str, Any]:
@@ -117,6 +119,13 @@ def prepare_data(
     dropped and counted; valid and test are kept whole so that BLEU uses the full references.
     With the same inputs (path, size, modification time) and options the existing directory
     is reused as it is, unless ``force``.
+
+    ``tokenizer``: an existing tokenizer file (the ``spm.model`` of a data directory, or the
+    tokenizer of a checkpoint written out, e.g. of a model imported from Marian with its own
+    source and target vocabularies) to encode with instead of training one, so that a model
+    trained on that tokenizer can go on training on this text; ``vocab_size`` and the
+    vocabulary options are then ignored. ``tokenizer_source`` names where it came from in the
+    manifest (default: the file).
     """
     say = as_report(log)
     if src == tgt:
@@ -152,6 +161,7 @@ def prepare_data(
             )
         line_counts[split] = n_src
 
+    given = None if tokenizer is None else Path(tokenizer)
     options = {
         "src": src,
         "tgt": tgt,
@@ -163,6 +173,11 @@ def prepare_data(
         "max_len_ratio": max_len_ratio,
         "encoding_errors": encoding_errors,
     }
+    if given is not None:
+        Tokenizer.load(given)  # a missing or unusable file: a UserError naming it, before work
+        for key in ("vocab_size", "model_type", "character_coverage", "input_sentence_size"):
+            del options[key]
+        options["tokenizer"] = _content_digest([given])
     stamps = {split: [_file_stamp(p) for p in paths] for split, paths in inputs.items()}
     fingerprint = _digest({"format_version": MANIFEST_FORMAT_VERSION, **options, "in": stamps})
     vocab_keys = (
@@ -196,33 +211,42 @@ def prepare_data(
                 f"{src_path}, {tgt_path}: no training pairs left after dropping empty lines"
             )
 
-        # The vocabulary depends on the cleaned training text and the options, not on where the
-        # files are or when they were written: a copy or a rewrite of the same text reuses it.
-        train_text = [_staged_text(staging, "train", lang) for lang in (src, tgt)]
-        tokenizer_key = _digest(
-            {"train_text": _content_digest(train_text), **{k: options[k] for k in vocab_keys}}
-        )
-        tokenizer = _staged_tokenizer(
-            staging,
-            _reusable_tokenizer(out, old, tokenizer_key) if not force else None,
-            f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}",
-            lambda prefix: train_tokenizer(
-                train_text,
-                vocab_size,
-                prefix,
-                model_type,
-                character_coverage=character_coverage,
-                input_sentence_size=input_sentence_size,
-                source=" and ".join(str(p) for p in inputs["train"]),
-            ),
-            say,
-        )
-        dtype = ids_dtype(tokenizer.vocab_size)
+        origin = None
+        if given is not None:
+            origin = tokenizer_source or str(given.resolve())
+            say(f"using the tokenizer of {origin}")
+            shutil.copyfile(given, staging / TOKENIZER_NAME)
+            vocab = Tokenizer.load(staging / TOKENIZER_NAME)
+            tokenizer_key = str(options["tokenizer"])
+        else:
+            # The vocabulary depends on the cleaned training text and the options, not on where
+            # the files are or when they were written: a copy or a rewrite of the same text
+            # reuses it.
+            train_text = [_staged_text(staging, "train", lang) for lang in (src, tgt)]
+            tokenizer_key = _digest(
+                {"train_text": _content_digest(train_text), **{k: options[k] for k in vocab_keys}}
+            )
+            vocab = _staged_tokenizer(
+                staging,
+                _reusable_tokenizer(out, old, tokenizer_key) if not force else None,
+                f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}",
+                lambda prefix: train_tokenizer(
+                    train_text,
+                    vocab_size,
+                    prefix,
+                    model_type,
+                    character_coverage=character_coverage,
+                    input_sentence_size=input_sentence_size,
+                    source=" and ".join(str(p) for p in inputs["train"]),
+                ),
+                say,
+            )
+        dtype = ids_dtype(max(vocab.vocab_size, vocab.target_vocab_size))
 
         for split in inputs:
             meter = say.meter(f"encoding {split}", stats[split].pairs)
             limits = (max_len, max_len_ratio) if split == "train" else None
-            _encode_split(tokenizer, staging, split, src, tgt, dtype, limits, stats[split], meter)
+            _encode_split(vocab, staging, split, src, tgt, dtype, limits, stats[split], meter)
             meter.finish()
             if split == "train" and stats[split].pairs == 0:
                 raise UserError(
@@ -231,7 +255,7 @@ def prepare_data(
                 )
 
         manifest = _manifest(
-            options, inputs, stats, tokenizer, dtype, fingerprint, tokenizer_key, staging
+            options, inputs, stats, vocab, origin, dtype, fingerprint, tokenizer_key, staging
         )
         _commit(staging, out, manifest, old)
     return manifest
@@ -414,7 +438,7 @@ def _encode_split(
         ):
             ids = {
                 "src": tokenizer.encode_batch(src_lines),
-                "tgt": tokenizer.encode_batch(tgt_lines),
+                "tgt": tokenizer.encode_target_batch(tgt_lines),
             }
             lens = {
                 k: np.fromiter(map(len, v), dtype=np.int64, count=len(v)) for k, v in ids.items()
@@ -473,6 +497,7 @@ def _manifest(
     inputs: dict[str, tuple[Path, Path]],
     stats: dict[str, _SplitStats],
     tokenizer: Tokenizer,
+    origin: str | None,
     dtype: np.dtype,
     fingerprint: str,
     tokenizer_key: str,
@@ -503,11 +528,18 @@ def _manifest(
         "src": src,
         "tgt": tgt,
         "vocab_size": tokenizer.vocab_size,
+        # Only for a tokenizer with a target vocabulary of its own (imported from Marian).
+        **({} if tokenizer.shared else {"tgt_vocab_size": tokenizer.target_vocab_size}),
         "tokenizer": TOKENIZER_NAME,
         "tokenizer_options": {
-            "model_type": options["model_type"],
-            "character_coverage": options["character_coverage"],
-            "input_sentence_size": options["input_sentence_size"],
+            **(
+                {"from": origin}
+                if origin is not None
+                else {
+                    k: options[k]
+                    for k in ("model_type", "character_coverage", "input_sentence_size")
+                }
+            ),
             "special_ids": {"pad": 0, "unk": 1, "bos": 2, "eos": 3},
         },
         "dtype": dtype.name,

@@ -88,6 +88,19 @@ class Tokenizer:
         threads = num_threads or min(8, os.cpu_count() or 1)
         return self._sp.encode(list(texts), out_type=int, num_threads=threads)
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Target-side token ids of many sentences (one joint vocabulary: as the source's)."""
+        return self.encode_batch(texts)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def shared(self) -> bool:
+        """Whether source and target number their pieces alike."""
+        return True
+
     def decode(self, ids: Sequence[int]) -> str:
         """Detokenised text; PAD, BOS and EOS are skipped, UNK becomes sentencepiece's ' ⁇ '."""
         return str(self._sp.decode([int(i) for i in ids if int(i) not in _SPECIAL_IDS]))
@@ -193,6 +206,9 @@ class PieceVocabTokenizer(Tokenizer):
         """Target-side token ids of one sentence (references for fine-tuning), without EOS."""
         pieces = self._target_sp.encode(text, out_type=str)
         return [self._target_ids.get(p, UNK_ID) for p in pieces]
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode_target(text) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Detokenised target text; PAD, BOS and EOS are skipped, UNK becomes ``<unk>``."""

@@ -5,6 +5,8 @@
 - ``multi30k``: Multi30k English→German on 2 CPU cores in 45 minutes.
 - ``bible_lm``, ``bible_mlm``, ``bible_classify``: the other families on the embedded corpus
   (CPU, minutes).
+- ``finetune``: a translation model (e.g. one imported from Marian) going on training on
+  new text (``train.init_from``).
 - ``tiny``: smoke runs.
 """
 

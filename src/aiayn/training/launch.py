@@ -10,6 +10,7 @@ one, and runs the :class:`~aiayn.training.trainer.Trainer`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -20,7 +21,14 @@ import numpy as np
 import torch
 
 from aiayn.accel import accelerate
-from aiayn.config import RunConfig, config_from_dict, load_config, parse_overrides
+from aiayn.config import (
+    ModelConfig,
+    RunConfig,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+    replace,
+)
 from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.corpus import Corpus, data_kind, load_manifest, tokenizer_path
 from aiayn.data.text import TextCorpus, TextExamples
@@ -55,32 +63,39 @@ RUN_INFO_NAME = "run.json"
 # -- the config ----------------------------------------------------------------------------
 
 
-def _sets_model_key(config_path: Path | None, overrides: list[str], key: str) -> bool:
-    if key in parse_overrides(overrides).get("model", {}):
-        return True
+def _explicit_model_keys(config_path: Path | None, overrides: list[str]) -> set[str]:
+    """The ``[model]`` keys that the config file or the overrides set themselves."""
+    keys = set(parse_overrides(overrides).get("model", {}))
     if config_path is None:
-        return False
+        return keys
     try:
         with Path(config_path).open("rb") as handle:
             raw = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError):
-        return False  # load_config reports it
-    return isinstance(raw.get("model"), dict) and key in raw["model"]
+        return keys  # load_config reports it
+    if isinstance(raw.get("model"), dict):
+        keys |= set(raw["model"])
+    return keys
 
 
 def resolve_config(
     config_path: str | Path | None, data_dir: str | Path, overrides: list[str] | None = None
 ) -> RunConfig:
     """The run config; ``model.vocab_size`` (and a classifier's ``model.n_classes``) from the
-    data's manifest unless set explicitly."""
+    data's manifest unless set explicitly. With ``train.init_from`` naming a model of the
+    run's own task, the ``[model]`` section is that model's, but for what the config sets
+    itself (the dropout rates, say)."""
     overrides = list(overrides or [])
     manifest = load_manifest(data_dir)
     path = Path(config_path) if config_path is not None else None
-    if not _sets_model_key(path, overrides, "vocab_size"):
+    explicit = _explicit_model_keys(path, overrides)
+    if "vocab_size" not in explicit:
         overrides.append(f"model.vocab_size={int(manifest['vocab_size'])}")
-    if manifest.get("labels") and not _sets_model_key(path, overrides, "n_classes"):
+    if manifest.get("labels") and "n_classes" not in explicit:
         overrides.append(f"model.n_classes={len(manifest['labels'])}")
     config = load_config(path, overrides)
+    if config.train.init_from is not None and config.model.task != "classify":
+        config = _model_of_init(config, explicit)
     if path is not None and (path.parent / RUN_INFO_NAME).is_file():
         vocab = int(manifest["vocab_size"])
         if config.model.vocab_size != vocab:  # the run's own config: resuming
@@ -91,6 +106,35 @@ def resolve_config(
             )
     check_fits_data(config, data_dir, manifest)
     return config
+
+
+# What a model that goes on training from train.init_from may change: nothing else.
+_FREE_MODEL_KEYS = frozenset(("dropout", "attention_dropout", "relu_dropout"))
+
+
+def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
+    """``config`` with the ``[model]`` of ``train.init_from`` under the keys set explicitly."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    if names <= explicit:  # a run's own config.toml: complete already
+        return config
+    path = config.train.init_from
+    assert path is not None
+    try:
+        found, state = loading.resolve_and_load(path)
+        stored_config = config_from_dict(state["config"], stored=True)
+    except loading.CheckpointError as err:
+        raise ConfigError(f"train.init_from={path}: {err}") from None
+    stored = stored_config.model
+    if stored.task != config.model.task:
+        raise ConfigError(
+            f"train.init_from={found}: a {stored.task} model; a {config.model.task} run goes on "
+            f"from a {config.model.task} model (a classifier: from an mlm one)"
+        )
+    mine = {name: getattr(config.model, name) for name in explicit & names}
+    model = replace(stored, **mine)
+    model.validate()
+    # The preset names the model (what `aiayn train` and `aiayn params` show).
+    return replace(config, model=model, preset=stored_config.preset)
 
 
 def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str, Any]) -> None:
@@ -116,16 +160,28 @@ def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str,
                 f"model.n_classes={config.model.n_classes} but {data_dir} has {len(labels)} "
                 "classes; drop model.n_classes from the config (it is then taken from the data)"
             )
-    if config.train.init_from is not None and task != "classify":
-        raise ConfigError(
-            f"train.init_from starts a classifier from a pre-trained encoder; model.task={task}"
-        )
     vocab = int(manifest["vocab_size"])
+    target_vocab = int(manifest.get("tgt_vocab_size", vocab))
+    sizes = (config.model.vocab_size, config.model.target_vocab_size)
+    going_on = config.train.init_from is not None and task != "classify"
+    if going_on and sizes != (vocab, target_vocab):
+        raise ConfigError(
+            f"train.init_from={config.train.init_from} has a vocabulary of {sizes[0]} pieces "
+            + (f"({sizes[1]} on the target side) " if sizes[1] != sizes[0] else "")
+            + f"but the tokenizer of {data_dir} has {vocab}"
+            + (f" ({target_vocab} on the target side)" if target_vocab != vocab else "")
+            + f": prepare the data with --tokenizer {config.train.init_from}"
+        )
     if config.model.vocab_size != vocab:
         raise ConfigError(
             f"model.vocab_size={config.model.vocab_size} but the tokenizer of {data_dir} has "
             f"{vocab} pieces; drop model.vocab_size from the config (it is then taken from the "
             f"data) or prepare the data with --vocab-size {config.model.vocab_size}"
+        )
+    if config.model.target_vocab_size != target_vocab:
+        raise ConfigError(
+            f"{data_dir} has a target vocabulary of {target_vocab} pieces, the model "
+            f"{config.model.target_vocab_size}: set model.tgt_vocab_size = {target_vocab}"
         )
     splits = manifest.get("splits", {})
     if "train" not in splits:
@@ -242,11 +298,27 @@ def _examples(data_dir: Path, split: str, config: RunConfig) -> TextExamples:
 
 
 def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, torch.Tensor]:
-    """The embedding and encoder weights of ``train.init_from``, checked against the run."""
+    """The weights of ``train.init_from`` that the run starts from, checked against it: the
+    whole model when it is of the run's task, the embedding and encoder of an mlm model for a
+    classifier."""
     path = config.train.init_from
     assert path is not None
     found, state = loading.resolve_and_load(path)
     stored = config_from_dict(state["config"], stored=True)
+    if config.model.task != "classify":
+        _check_tokenizer(found, state, tokenizer_bytes)
+        differ = [
+            f"model.{f.name} {getattr(stored.model, f.name)!r} vs {getattr(config.model, f.name)!r}"
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in _FREE_MODEL_KEYS
+            and getattr(stored.model, f.name) != getattr(config.model, f.name)
+        ]
+        if differ:
+            raise ConfigError(
+                f"train.init_from={found}: a model goes on training in its own shape; the run "
+                "sets " + "; ".join(differ)
+            )
+        return dict(state["model"])
     if stored.model.task not in ("mlm", "classify"):
         raise ConfigError(
             f"train.init_from={path}: a {stored.model.task} model; a classifier starts from "
@@ -265,14 +337,18 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
         raise ConfigError(
             f"train.init_from={found}: its encoder differs from model config: " + "; ".join(differ)
         )
+    _check_tokenizer(found, state, tokenizer_bytes)
+    return pretrained_encoder_state(state["model"])
+
+
+def _check_tokenizer(found: Path, state: dict[str, Any], tokenizer_bytes: bytes) -> None:
     saved = state.get("tokenizer")
     # torch.equal is False for tensors of different lengths too.
     if saved is None or not torch.equal(saved, ckpt.bytes_to_tensor(tokenizer_bytes)):
         raise ConfigError(
             f"train.init_from={found} was trained with another tokenizer than the data's: "
-            "prepare the data with --tokenizer set to the pre-training data's spm.model"
+            f"prepare the data with --tokenizer {found}"
         )
-    return pretrained_encoder_state(state["model"])
 
 
 def load_pretrained_encoder(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -404,9 +480,13 @@ def train_run(
                 found_weights = broadcast_object(found_weights, info)
                 if isinstance(found_weights, str) or found_weights is None:
                     raise ConfigError(found_weights or "train.init_from: nothing to load")
-                load_pretrained_encoder(trainer.model, found_weights)
+                if config.model.task == "classify":
+                    load_pretrained_encoder(trainer.model, found_weights)
+                else:
+                    trainer.model.load_state_dict(found_weights)
                 if info.is_main:
-                    print(f"encoder initialised from {config.train.init_from}", file=sys.stderr)
+                    part = "encoder" if config.model.task == "classify" else "model"
+                    print(f"{part} initialised from {config.train.init_from}", file=sys.stderr)
             if info.is_main:  # only once the config is known to fit the data and the checkpoint
                 (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
                 run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}

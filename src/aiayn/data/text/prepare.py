@@ -87,6 +87,7 @@ def prepare_text(
     *,
     labels: Sequence[str] | None = None,
     tokenizer: str | Path | None = None,
+    tokenizer_source: str | None = None,
     model_type: str = "bpe",
     encoding_errors: EncodingErrors = "strict",
     character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
@@ -106,7 +107,8 @@ def prepare_text(
 
     ``tokenizer``: an existing ``spm.model`` (of a pre-trained model or of another text DATA_DIR)
     to use instead of training one; it must carry ``<mask>`` at ``MASK_ID``, and ``vocab_size``
-    and the vocabulary options are then ignored. With the same inputs (path, size, modification
+    and the vocabulary options are then ignored; ``tokenizer_source`` names where it came from in
+    the manifest (default: the file). With the same inputs (path, size, modification
     time) and options the existing directory is reused as it is, unless ``force``.
     """
     say = as_report(log)
@@ -177,7 +179,7 @@ def prepare_text(
             "tokenizer": TOKENIZER_NAME,
             "tokenizer_options": {
                 **(
-                    {"from": str(given.resolve())}
+                    {"from": tokenizer_source or str(given.resolve())}
                     if given is not None
                     else {k: v for k, v in vocab_options.items() if k != "vocab_size"}
                 ),
