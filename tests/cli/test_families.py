@@ -70,6 +70,19 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys):
         assert main([*command, "--input", str(data / "valid.txt")]) == 2
         err = capsys.readouterr().err
         assert "aiayn generate" in err and len(err.strip().splitlines()) == 1, err
+    # A language model goes on training on new text with its own vocabulary and shape.
+    more = tmp_path / "more"
+    new = ["prepare", "--task", "lm", "--train", str(data / "valid.txt")]
+    new += ["--valid", str(data / "valid.txt"), "--tokenizer", str(run), "--out", str(more)]
+    assert main(new) == 0
+    go_on = ["train", "--config", TINY, "--data", str(more), "--out", str(tmp_path / "lm2")]
+    go_on += ["model.task=lm", f"train.init_from={run / 'averaged.pt'}", *QUICK]
+    assert main([*go_on, "train.max_steps=1", "train.lr_scale=0"]) == 0
+    again = loading.load_checkpoint(tmp_path / "lm2" / "averaged.pt")
+    assert again["config"]["model"] == state["config"]["model"]
+    for name, tensor in state["model"].items():
+        assert torch.equal(again["model"][name], tensor), name
+    capsys.readouterr()
     for bad, message in (
         (["--beam", "0"], "beam size must be at least 1"),
         (["--greedy", "--samples", "2"], "--samples goes with sampling"),
