@@ -96,6 +96,17 @@ class ModelConfig:
     tgt_vocab_size: int | None = None
     tie_output: bool | None = None
     bos_output: bool = True
+    # The attention pattern of the encoder's and the decoder's self-attention (docs/
+    # long-sequences.md): the paper's "full", or a pattern for long sequences: "local" (a
+    # window of attention_window positions on each side; causal: before), "longformer" (the
+    # window and the first attention_global positions as global tokens), "bigbird" (blocks of
+    # attention_block positions: neighbour, global and attention_random_blocks random blocks).
+    encoder_attention: Literal["full", "local", "longformer", "bigbird"] = "full"
+    decoder_attention: Literal["full", "local", "longformer", "bigbird"] = "full"
+    attention_window: int = 128
+    attention_global: int = 1
+    attention_block: int = 64
+    attention_random_blocks: int = 3
     # What the model is for (docs/families.md): the paper's encoder-decoder ("translation"), a
     # decoder-only language model ("lm"), or the encoder alone with a masked-language-model
     # head ("mlm") or a classification head ("classify").
@@ -124,10 +135,11 @@ class ModelConfig:
     def validate(self) -> None:
         positive = (
             *("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "n_classes"),
-            "tgt_vocab_size",
+            *("tgt_vocab_size", "attention_window", "attention_block"),
         )
         probabilities = ("dropout", "attention_dropout", "relu_dropout")
         rules = {name: _POSITIVE for name in (*positive, "max_positions", "layer_norm_eps")}
+        rules |= {name: _NON_NEGATIVE for name in ("attention_global", "attention_random_blocks")}
         _require(self, "model", rules | {name: _PROBABILITY for name in probabilities})
         if self.share_embeddings and self.target_vocab_size != self.vocab_size:
             raise ConfigError(

@@ -38,6 +38,9 @@ def _recorder(store: list[Tensor]) -> Callable[..., None]:
             k, v = module.project_kv(memory)
         # In float32: an accelerated bfloat16 model gives float32 keys and values.
         q, k, v = q.float(), k.float(), v.float()
+        if module.pattern is not None:  # the keys its pattern leaves each query
+            seen = module.pattern.allowed(q.size(2), causal, q.device)[None, None]
+            mask, causal = seen if mask is None else mask & seen, False
         _, weights = naive_attention(q, k, v, mask, causal)  # (B, H, T, S)
         store.append(weights[0].float().cpu())
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.model.patterns import AttentionPattern
+
 
 def attention_mask(src_pad: Tensor | None) -> Tensor | None:
     """The one place where padding becomes an SDPA mask.
@@ -66,6 +68,7 @@ class MultiHeadAttention(nn.Module):
         self_attention: bool,
         dropout: float = 0.0,
         bias: bool = True,
+        pattern: AttentionPattern | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -82,6 +85,8 @@ class MultiHeadAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, n_heads * d_k, bias=bias)
             self.kv_proj = nn.Linear(d_model, n_heads * (d_k + d_v), bias=bias)
         self.out_proj = nn.Linear(n_heads * d_v, d_model, bias=bias)
+        # An efficient pattern for long sequences instead of full attention (None: full).
+        self.pattern = pattern
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -141,7 +146,10 @@ class MultiHeadAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False
     ) -> Tensor:
         """Scaled dot-product attention over heads, then Wᴼ: returns (B, T, d_model)."""
-        out = self.scaled_dot_product(q, k, v, mask, causal)  # (B, H, T, Dv)
+        return self.merge_heads(self.scaled_dot_product(q, k, v, mask, causal))
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """Concat(head_1..head_h) Wᴼ of the heads (B, H, T, Dv): (B, T, d_model)."""
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.d_v)  # (B, T, H*Dv)
         return self.out_proj(out)
@@ -153,7 +161,9 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         causal: bool = False,
     ) -> Tensor:
-        """Self-attention over x, or cross-attention from x to ``memory`` when given."""
+        """Self-attention over x, or cross-attention from x to ``memory`` when given; through
+        the layer's pattern when it has one (``mask`` then must come from
+        :func:`attention_mask`)."""
         if self.self_attention:
             q, k, v = self.project_qkv(x)
         else:
@@ -161,4 +171,8 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("cross-attention needs the encoder memory")
             q = self.project_q(x)
             k, v = self.project_kv(memory)
+        if self.pattern is not None:
+            key_pad = None if mask is None else ~mask[:, 0, 0, :]
+            dropout = self.dropout if self.training else 0.0
+            return self.merge_heads(self.pattern(q, k, v, key_pad, causal, dropout))
         return self.attend(q, k, v, mask, causal)

@@ -13,6 +13,7 @@ from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import LayerCache, empty_self_kv
 from aiayn.model.feedforward import PositionwiseFeedForward
+from aiayn.model.patterns import make_pattern
 
 
 class Residual(nn.Module):
@@ -44,15 +45,26 @@ def sublayer_connection(
     return norm(residual(x, sublayer(x)))
 
 
-def _attention(config: ModelConfig, self_attention: bool) -> MultiHeadAttention:
+def _attention(config: ModelConfig, pattern: str | None) -> MultiHeadAttention:
+    """Self-attention with ``pattern`` (model.encoder_attention or decoder_attention), or
+    cross-attention (None)."""
     return MultiHeadAttention(
         config.d_model,
         config.n_heads,
         config.head_dim_k,
         config.head_dim_v,
-        self_attention=self_attention,
+        self_attention=pattern is not None,
         dropout=config.attention_dropout,
         bias=config.attention_bias,
+        pattern=None
+        if pattern is None
+        else make_pattern(
+            pattern,
+            window=config.attention_window,
+            n_global=config.attention_global,
+            block=config.attention_block,
+            n_random=config.attention_random_blocks,
+        ),
     )
 
 
@@ -61,7 +73,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = _attention(config, self_attention=True)
+        self.self_attn = _attention(config, config.encoder_attention)
         self.ffn = feed_forward(config)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
@@ -86,8 +98,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, cross_attention: bool = True) -> None:
         super().__init__()
-        self.self_attn = _attention(config, self_attention=True)
-        self.cross_attn = _attention(config, self_attention=False) if cross_attention else None
+        self.self_attn = _attention(config, config.decoder_attention)
+        self.cross_attn = _attention(config, None) if cross_attention else None
         self.ffn = feed_forward(config)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.cross_attn_norm = (

@@ -15,6 +15,7 @@ from aiayn.model.embedding import (
     token_embedding,
 )
 from aiayn.model.layers import DecoderLayer, EncoderLayer
+from aiayn.model.patterns import AttentionPattern
 
 
 class Encoder(nn.Module):
@@ -56,6 +57,9 @@ class Decoder(nn.Module):
 
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
         self_mask = cache.self_attention_mask()  # the same for every layer
+        pattern = self.layers[0].self_attn.pattern
+        if pattern is not None:  # the keys the pattern leaves the new position
+            self_mask = pattern_step_mask(pattern, cache, self_mask)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x = layer.step(
                 x, layer_cache, cache.length, self_mask, cache.cross_mask, cache.beam_size
@@ -186,3 +190,16 @@ def count_parameters(model: nn.Module) -> int:
             seen.add(id(param))
             total += param.numel()
     return total
+
+
+def pattern_step_mask(
+    pattern: AttentionPattern, cache: DecoderCache, self_mask: Tensor | None
+) -> Tensor:
+    """``self_mask`` (additive, or None) restricted to the keys that ``pattern`` lets the
+    position ``cache.length`` see; the keys are position-major, ``beam_size`` slots each."""
+    like = cache.layers[0].self_k
+    allowed = pattern.step_keys(cache.length, like.device)  # (t + 1,)
+    extra = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+    extra = extra.masked_fill(~allowed, float("-inf")).repeat_interleave(cache.beam_size)
+    extra = extra.view(1, 1, 1, -1)
+    return extra if self_mask is None else self_mask + extra
