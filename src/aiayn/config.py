@@ -213,6 +213,10 @@ class TrainConfig:
     max_minutes: float = 0.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False
+    # Keep only each layer's input in the forward pass and recompute the layer in the
+    # backward pass: less memory for long sequences and big models, about a third more time
+    # (docs/long-sequences.md).
+    activation_checkpointing: bool = False
     log_interval: int = 100
     valid_interval: int = 1000
     valid_bleu: bool = True

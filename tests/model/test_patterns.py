@@ -183,3 +183,30 @@ def test_bfloat16_autocast_runs_the_patterns():
 def test_unknown_settings_are_refused():
     with pytest.raises(ConfigError, match="attention_window"):
         _config(attention_window=0).validate()
+
+
+@pytest.mark.parametrize("task", ["translation", "lm"])
+def test_activation_checkpointing_gives_the_same_gradients(task):
+    from aiayn.model.families import build_model
+    from aiayn.model.transformer import set_activation_checkpointing
+
+    config = _config(task=task, dropout=0.1, attention_dropout=0.1, encoder_attention="local")
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = build_model(config).train()
+        set_activation_checkpointing(model, on)
+        calls: list[int] = []
+        model.decoder.layers[0].register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+        torch.manual_seed(1)  # the same dropout masks
+        inputs = torch.randint(5, 50, (2, 21))
+        if task == "lm":
+            out = model(inputs)
+        else:
+            out = model(inputs, inputs == 0, inputs[:, :15])
+        out.float().pow(2).mean().backward()
+        assert len(calls) == (2 if on else 1)  # checkpointed: run again in the backward pass
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5), name

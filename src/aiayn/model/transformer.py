@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
@@ -31,9 +32,13 @@ class Encoder(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
         )
 
+        # Activation checkpointing (train.activation_checkpointing): in training, each layer
+        # keeps only its input and recomputes the rest in the backward pass.
+        self.checkpointing = False
+
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         for layer in self.layers:
-            x = layer(x, mask)
+            x = _run_layer(layer, self.checkpointing and self.training, x, mask)
         return self.final_norm(x) if self.final_norm is not None else x
 
 
@@ -50,9 +55,11 @@ class Decoder(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_norm else None
         )
 
+        self.checkpointing = False  # as the encoder's
+
     def forward(self, x: Tensor, memory: Tensor | None, cross_mask: Tensor | None) -> Tensor:
         for layer in self.layers:
-            x = layer(x, memory, cross_mask)
+            x = _run_layer(layer, self.checkpointing and self.training, x, memory, cross_mask)
         return self.final_norm(x) if self.final_norm is not None else x
 
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
@@ -190,6 +197,22 @@ def count_parameters(model: nn.Module) -> int:
             seen.add(id(param))
             total += param.numel()
     return total
+
+
+def _run_layer(layer: nn.Module, checkpointed: bool, *args: Tensor | None) -> Tensor:
+    """``layer(*args)``; ``checkpointed``: through ``torch.utils.checkpoint`` (non-reentrant,
+    the RNG state kept, so that the recomputation draws the same dropout masks)."""
+    if not checkpointed or not torch.is_grad_enabled():
+        return layer(*args)
+    return checkpoint(layer, *args, use_reentrant=False)
+
+
+def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
+    """Turn activation checkpointing on or off in every encoder and decoder stack of
+    ``model`` (train.activation_checkpointing)."""
+    for module in model.modules():
+        if isinstance(module, (Encoder, Decoder)):
+            module.checkpointing = on
 
 
 def pattern_step_mask(

@@ -32,6 +32,7 @@ from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import Batch, LabelBatch, TokenBatch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference import loading
+from aiayn.model.transformer import set_activation_checkpointing
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -122,6 +123,7 @@ class Trainer:
         if self.train_cfg.update_tokens <= 0:
             raise ConfigError("train.update_tokens must be positive")
         self.model = model.to(self.device)
+        set_activation_checkpointing(self.model, self.train_cfg.activation_checkpointing)
         # On the CPU, the faster modules and malloc settings of aiayn.accel (the plain model's
         # results, see its docstring); ``accelerated=False`` trains the plain model.
         self.acceleration: Acceleration | None = None
