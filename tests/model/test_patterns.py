@@ -210,3 +210,36 @@ def test_activation_checkpointing_gives_the_same_gradients(task):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():
         assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["local", "longformer"])
+def test_a_windowed_decoder_keeps_a_ring_and_beam_search_is_unchanged(name, monkeypatch):
+    from aiayn.inference.search import beam_search
+    from aiayn.model import families, transformer
+
+    torch.manual_seed(0)
+    model = Transformer(_config(decoder_attention=name, final_logits_bias=True)).eval()
+    with torch.no_grad():
+        model.out_proj.bias[3] = -20.0  # EOS unlikely: hypotheses run to the limit
+    src = torch.randint(5, 50, (3, 12))
+    src_pad = torch.zeros(3, 12, dtype=torch.bool)
+    src_pad[2, 7:] = True
+
+    def search() -> tuple[list[list[object]], int]:
+        with torch.no_grad():
+            memory = model.encode(src, src_pad)
+            cache = model.init_cache(memory, src_pad, max_len=31, beam_size=4)
+            slots = cache.layers[0].self_k.size(2)
+            found = beam_search(
+                model.log_probs_step, cache, 3, beam_size=4, max_len=30, nbest=4, rule="fairseq"
+            )
+        return [[(h.tokens, round(h.score, 4)) for h in hyps] for hyps in found], slots
+
+    ringed, slots = search()
+    assert slots == (4 if name == "local" else 6)  # w + 1 (+ g): not max_len
+    monkeypatch.setattr(transformer, "window_ring", lambda *_: None)
+    monkeypatch.setattr(families, "window_ring", lambda *_: None)
+    whole, slots = search()
+    assert slots == 31
+    assert ringed == whole
+    assert all(len(hyps[0][0]) == 30 for hyps in ringed)  # the ring wraps many times

@@ -12,6 +12,12 @@ copying every cached key and value, and self-attention looks at all ``beam_size 
 stored keys of the sentence with a mask that leaves each row its own lineage (see
 :meth:`DecoderCache.self_attention_mask`). The sentence's keys are read once for its beams
 together, as in cross-attention.
+
+A decoder whose self-attention sees a window (``local``, ``longformer``: the ``w`` previous
+positions and the first ``g``) keeps a ring of ``g + w + 1`` slots per beam instead of
+``max_len`` (``DecoderCache.ring``): position ``j`` goes to slot ``j`` below ``g`` and to slot
+``g + (j - g) mod (w + 1)`` above, overwriting the position that has just left the window, so
+the filled slots are exactly the keys the window sees. The lineage is kept per slot.
 """
 
 from __future__ import annotations
@@ -36,14 +42,15 @@ class LayerCache:
     cross_k: Tensor | None  # (sentences, H, S, Dk)
     cross_v: Tensor | None  # (sentences, H, S, Dv)
 
-    def write(self, position: int, k: Tensor, v: Tensor) -> None:
-        """Store the keys/values (sentences, H, beam, Dh) of step ``position``."""
-        self.self_k[:, :, position] = k
-        self.self_v[:, :, position] = v
+    def write(self, slot: int, k: Tensor, v: Tensor) -> None:
+        """Store the keys/values (sentences, H, beam, Dh) of a step at ``slot`` (its position,
+        or its place in a ring: :meth:`DecoderCache.slot`)."""
+        self.self_k[:, :, slot] = k
+        self.self_v[:, :, slot] = v
 
     def keys_values(self, length: int) -> tuple[Tensor, Tensor]:
-        """Positions ``0 .. length - 1`` of every slot: (sentences, H, length × beam, Dh)
-        views, position-major (key ``j * beam + b`` is slot b's position j)."""
+        """Slots ``0 .. length - 1`` of every beam: (sentences, H, length × beam, Dh)
+        views, slot-major (key ``j * beam + b`` is beam slot b's slot j)."""
         return (
             self.self_k[:, :, :length].flatten(2, 3),
             self.self_v[:, :, :length].flatten(2, 3),
@@ -103,9 +110,13 @@ class DecoderCache:
     length: int
     max_len: int
     beam_size: int = 1
-    # (rows, max_len): the slot holding each row's key and value at each position; None
-    # with one beam per sentence (a row's history is then its own slot).
+    # (rows, capacity): the beam slot holding each row's key and value at each position (of
+    # the ring: at each ring slot); None with one beam per sentence (a row's history is then
+    # its own slot).
     lineage: Tensor | None = None
+    # (g, w + 1): the positions a windowed self-attention keeps, in a ring (the module
+    # docstring); None: every position.
+    ring: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.beam_size > 1 and self.lineage is None:
@@ -113,7 +124,23 @@ class DecoderCache:
             # (self_attention_mask), before anything reads it.
             rows = self.layers[0].self_k.size(0) * self.beam_size
             device = self.layers[0].self_k.device
-            self.lineage = torch.zeros(rows, self.max_len, dtype=torch.long, device=device)
+            self.lineage = torch.zeros(rows, self.capacity, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        """Slots per beam: ``max_len``, or the ring's ``g + w + 1``."""
+        return self.max_len if self.ring is None else sum(self.ring)
+
+    def slot(self, position: int) -> int:
+        """Where position ``position`` is stored."""
+        if self.ring is None or position < self.ring[0]:
+            return position
+        first, size = self.ring
+        return first + (position - first) % size
+
+    def filled(self, length: int) -> int:
+        """Slots holding the first ``length`` positions (the window's, in a ring)."""
+        return min(length, self.capacity)
 
     @property
     def batch_size(self) -> int:
@@ -122,18 +149,19 @@ class DecoderCache:
 
     def self_attention_mask(self) -> Tensor | None:
         """For the step that writes position ``length``: an additive mask (sentences, 1,
-        beam, (length + 1) × beam), 0 where row b of a sentence may attend (the slots of its
-        lineage) and -inf elsewhere; None with one beam per sentence.
+        beam, filled × beam; filled = length + 1, or the ring's slots), 0 where row b of a
+        sentence may attend (the slots of its lineage) and -inf elsewhere; None with one beam
+        per sentence.
 
         Every row's own new key is in its own slot, so ``lineage[:, length]`` is first reset
         to the row's slot.
         """
         if self.lineage is None:
             return None
-        k, t = self.beam_size, self.length + 1
+        k, t = self.beam_size, self.filled(self.length + 1)
         rows = self.lineage.size(0)
         slots = torch.arange(k, device=self.lineage.device)
-        self.lineage[:, self.length] = slots.repeat(rows // k)
+        self.lineage[:, self.slot(self.length)] = slots.repeat(rows // k)
         own = self.lineage[:, :t, None] == slots  # (rows, t, K): position j's key is slot b
         mask = torch.zeros(own.shape, dtype=self.layers[0].self_k.dtype, device=own.device)
         mask.masked_fill_(~own, float("-inf"))
@@ -173,7 +201,7 @@ class DecoderCache:
             rows = torch.tensor(dst, device=sentences.device)
             moves = rows, sentences[rows]
         for layer in self.layers:
-            layer.select(moves, len(order), self.length)
+            layer.select(moves, len(order), self.filled(self.length))
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, sentences)
 

@@ -34,6 +34,7 @@ from aiayn.model.transformer import (
     check_cache_size,
     decoder_step,
     embeddings,
+    window_ring,
 )
 
 
@@ -70,11 +71,13 @@ class DecoderOnlyLM(nn.Module):
         check_cache_size(self.config, max_len, beam_size)
         if rows % beam_size:
             raise ValueError(f"{rows} rows do not split into beams of {beam_size}")
+        ring = window_ring(self.config, max_len)
+        slots = max_len if ring is None else sum(ring)
         layers = []
         for layer in self.decoder.layers:
-            kv = layer.empty_self_kv(rows // beam_size, max_len, beam_size, self.out_proj.weight)
+            kv = layer.empty_self_kv(rows // beam_size, slots, beam_size, self.out_proj.weight)
             layers.append(LayerCache(*kv, None, None))
-        return DecoderCache(layers, None, length=0, max_len=max_len, beam_size=beam_size)
+        return DecoderCache(layers, None, length=0, max_len=max_len, beam_size=beam_size, ring=ring)
 
     def step_hidden(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """The output (rows, d_model) at position ``cache.length`` for ``tokens`` (rows,)

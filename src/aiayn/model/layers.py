@@ -121,13 +121,15 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         cache: LayerCache,
-        position: int,
+        slot: int,
+        filled: int,
         self_mask: Tensor | None,
         cross_mask: Tensor | None,
         beam_size: int = 1,
     ) -> Tensor:
-        """One new position x (rows, 1, d_model): writes its K/V into the cache at
-        ``position`` and attends over positions 0..position. The ``beam_size`` rows of a
+        """One new position x (rows, 1, d_model): writes its K/V into the cache at ``slot``
+        (its position, or its place in a ring) and attends over the ``filled`` slots
+        (:class:`aiayn.model.cache.DecoderCache`). The ``beam_size`` rows of a
         sentence attend together, as ``beam_size`` query positions: to the keys of all of
         the sentence's beam slots (``self_mask`` keeps each row to its own lineage, see
         :class:`aiayn.model.cache.DecoderCache`) and to the sentence's memory."""
@@ -136,8 +138,8 @@ class DecoderLayer(nn.Module):
 
         def self_attention(h: Tensor) -> Tensor:
             q, k, v = self.self_attn.project_qkv(h.view(sentences, beam_size, d_model))
-            cache.write(position, k, v)  # (sentences, H, beam, Dh) each
-            keys, values = cache.keys_values(position + 1)  # (sentences, H, (t+1)*beam, Dh)
+            cache.write(slot, k, v)  # (sentences, H, beam, Dh) each
+            keys, values = cache.keys_values(filled)  # (sentences, H, filled * beam, Dh)
             out = self.self_attn.attend(q, keys, values, self_mask)
             return out.view(rows, 1, d_model)
 
@@ -156,13 +158,13 @@ class DecoderLayer(nn.Module):
         return self._sublayer(x, self.ffn, self.ffn_norm)
 
     def empty_self_kv(
-        self, sentences: int, max_len: int, beam_size: int, like: Tensor
+        self, sentences: int, slots: int, beam_size: int, like: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """This layer's preallocated self-attention key and value buffers for an incremental
-        decode (:func:`aiayn.model.cache.empty_self_kv`), in the dtype and on the device of
-        ``like``."""
+        """This layer's preallocated self-attention key and value buffers of ``slots``
+        positions for an incremental decode (:func:`aiayn.model.cache.empty_self_kv`), in the
+        dtype and on the device of ``like``."""
         attn = self.self_attn
-        return empty_self_kv(sentences, attn.n_heads, max_len, beam_size, attn.d_k, attn.d_v, like)
+        return empty_self_kv(sentences, attn.n_heads, slots, beam_size, attn.d_k, attn.d_v, like)
 
     def _sublayer(
         self, x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.LayerNorm

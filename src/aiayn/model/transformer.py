@@ -65,11 +65,12 @@ class Decoder(nn.Module):
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
         self_mask = cache.self_attention_mask()  # the same for every layer
         pattern = self.layers[0].self_attn.pattern
-        if pattern is not None:  # the keys the pattern leaves the new position
+        if pattern is not None and cache.ring is None:  # the keys the pattern leaves it
             self_mask = pattern_step_mask(pattern, cache, self_mask)
+        slot, filled = cache.slot(cache.length), cache.filled(cache.length + 1)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x = layer.step(
-                x, layer_cache, cache.length, self_mask, cache.cross_mask, cache.beam_size
+                x, layer_cache, slot, filled, self_mask, cache.cross_mask, cache.beam_size
             )
         return self.final_norm(x) if self.final_norm is not None else x
 
@@ -131,15 +132,22 @@ class Transformer(nn.Module):
         of ``memory`` (B, S, d_model): rows ``i * beam_size .. (i + 1) * beam_size - 1``
         decode sentence i. Projects the memory once per layer and sentence (not per beam)."""
         check_cache_size(self.config, max_len, beam_size)
+        ring = window_ring(self.config, max_len)
+        slots = max_len if ring is None else sum(ring)
         layers = []
         for layer in self.decoder.layers:
             assert layer.cross_attn is not None
             cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
             # The step's keys and values are stored as the projected memory's are.
-            self_k, self_v = layer.empty_self_kv(memory.size(0), max_len, beam_size, cross_k)
+            self_k, self_v = layer.empty_self_kv(memory.size(0), slots, beam_size, cross_k)
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
         return DecoderCache(
-            layers, attention_mask(src_pad), length=0, max_len=max_len, beam_size=beam_size
+            layers,
+            attention_mask(src_pad),
+            length=0,
+            max_len=max_len,
+            beam_size=beam_size,
+            ring=ring,
         )
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
@@ -156,6 +164,17 @@ class Transformer(nn.Module):
         """The decoder output (B, d_model) for the next position: ``decode_step`` before the
         pre-softmax projection."""
         return decoder_step(self.tgt_embed, self.decoder, tokens, cache)
+
+
+def window_ring(config: ModelConfig, max_len: int) -> tuple[int, int] | None:
+    """The ring (g, w + 1) of a decoder whose self-attention sees a window of ``w`` previous
+    positions and the first ``g`` (:mod:`aiayn.model.cache`), or None when it needs every
+    position (full, bigbird) or ``max_len`` positions take no more room."""
+    kind = config.decoder_attention
+    if kind not in ("local", "longformer"):
+        return None
+    ring = (config.attention_global if kind == "longformer" else 0, config.attention_window + 1)
+    return ring if sum(ring) < max_len else None
 
 
 def check_cache_size(config: ModelConfig, max_len: int, beam_size: int) -> None:
