@@ -111,6 +111,8 @@ class Ct2Translator(TextTranslator):
     ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
     """
 
+    engine_name = "ctranslate2"
+
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
@@ -151,6 +153,7 @@ class Ct2Translator(TextTranslator):
         except (RuntimeError, ValueError) as err:
             raise UserError(f"CTranslate2 cannot load {self.model_dir}: {err}") from None
         self.compute_type = str(self.engine.compute_type)
+        self.threads = threads
         source, target = vocabularies(tokenizer)
         self._source_pieces = source
         self._target_pieces = target
@@ -209,6 +212,16 @@ class Ct2Translator(TextTranslator):
         translator.checkpoint = checkpoint
         translator.scratch = scratch[0] if scratch else None
         return translator, config
+
+    def engine_details(self) -> dict[str, Any]:
+        """The engine, the device, CTranslate2's compute type and its threads per translation
+        (None: CTranslate2's default)."""
+        return {
+            "engine": self.engine_name,
+            "device": self.device,
+            "compute_type": self.compute_type,
+            "threads": self.threads or None,
+        }
 
     # -- search -------------------------------------------------------------------------------
 
