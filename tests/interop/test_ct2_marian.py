@@ -24,6 +24,7 @@ from aiayn.cli import main  # noqa: E402
 from aiayn.config import DecodeConfig  # noqa: E402
 from aiayn.data.collate import BOS_ID, PAD_ID, collate_pairs  # noqa: E402
 from aiayn.data.tokenizer import PieceVocabTokenizer  # noqa: E402
+from aiayn.errors import UserError  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.interop.ct2 import NO_OUTPUT_BIAS, export_ct2  # noqa: E402
 from aiayn.interop.ct2_translator import Ct2Translator  # noqa: E402
@@ -191,3 +192,6 @@ def test_bos_is_out_of_the_softmax(tmp_path: Path) -> None:
     assert expected[BOS_ID] == expected[PAD_ID] != NO_OUTPUT_BIAS  # Marian's pad, twice
     expected[BOS_ID] = NO_OUTPUT_BIAS
     assert (bias == expected).all()
+    # A piece listed twice (here Marian's own "<s>" beside aiayn's BOS) is refused.
+    with pytest.raises(UserError, match=r"target vocabulary lists '<s>' twice \(ids 2 and 9\)"):
+        transformer_spec(model, source, [*target[:9], "<s>", *target[10:]])

@@ -169,14 +169,29 @@ def _check_exportable(model: Transformer) -> None:
         raise UserError(f"no CTranslate2 activation for model.activation={activation!r}")
 
 
+def _check_vocabulary(tokens: list[str], side: str) -> None:
+    """CTranslate2 looks tokens up by their piece, the first of equal ones: a piece listed
+    twice would lose the other id (its embedding row, its output)."""
+    first: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token in first:
+            raise UserError(
+                f"the {side} vocabulary lists {token!r} twice (ids {first[token]} and {i}): "
+                "CTranslate2 looks tokens up by their piece and would use only the first"
+            )
+        first[token] = i
+
+
 def transformer_spec(
     model: Transformer, source_vocabulary: list[str], target_vocabulary: list[str]
 ) -> Any:
     """A validated ``ctranslate2.specs.TransformerSpec`` holding ``model``'s weights (float32
-    copies) and the two vocabularies."""
+    copies) and the two vocabularies (each piece once)."""
     ct2 = import_ctranslate2()
     specs = ct2.specs
     _check_exportable(model)
+    _check_vocabulary(source_vocabulary, "source")
+    _check_vocabulary(target_vocabulary, "target")
     config = model.config
     activation = specs.common_spec.Activation[_ACTIVATIONS[getattr(config, "activation", "relu")]]
     head_dim = config.head_dim_k if config.head_dim_k * config.n_heads != config.d_model else None
