@@ -427,11 +427,15 @@ def test_attention_gives_every_layer_and_head(make_app, engine):
     )
 
 
-def test_an_int8_engine_translates_and_shows_the_attention(reverse_checkpoint: Path):
+def test_an_int8_engine_translates_and_shows_the_attention(
+    reverse_checkpoint: Path, engine: Engine
+):
     """``serve --quantize int8``: the PyTorch engine's dynamic int8 quantization, as in
     ``translate --quantize int8``."""
+    fp32 = engine
     engine = Engine.from_checkpoint(reverse_checkpoint, quantize="int8", threads=1)
     assert "qint8" in engine.describe()["weights_dtype"] and engine.attention_available
+    assert engine.parameters == fp32.parameters
     translator, _ = Translator.from_checkpoint(reverse_checkpoint, quantize="int8")
     texts = ["alpha bravo charlie", "delta echo"]
     [first, second] = engine.translate(DecodeKey(4, 0.6, 1), engine.encode(texts))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
 from aiayn.accel import Precision
 from aiayn.config import ModelConfig, RunConfig
@@ -84,8 +85,13 @@ class Engine:
         self.model: Transformer | None = (
             translator.model if isinstance(translator, Translator) else None
         )
+        quantized = self.model is not None and any(
+            isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()
+        )  # its linear layers hold packed int8 weights, no parameters
         self.parameters = (
-            count_parameters(self.model) if self.model is not None else parameters_of(config.model)
+            count_parameters(self.model)
+            if self.model is not None and not quantized
+            else parameters_of(config.model)
         )
         self._label: Callable[[int], str] = token_labeler(translator.tokenizer)
         self._source_label = token_labeler(translator.tokenizer, source=True)
