@@ -170,3 +170,45 @@ def test_the_page_shows_a_refusal(browser, server):
     error = driver.find_element(By.ID, "error")
     WebDriverWait(driver, 30).until(lambda _: error.text != "")
     assert error.text == "beam: 99 is more than the limit of 16"
+
+
+@pytest.fixture(scope="module")
+def ct2_server(reverse_checkpoint: Path) -> Iterator[ServerProcess]:
+    pytest.importorskip(
+        "ctranslate2", reason="CTranslate2 is not installed (pip install 'aiayn[interop]')"
+    )
+    process = ServerProcess(reverse_checkpoint, "--engine", "ctranslate2")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+def test_the_page_without_attention_maps(browser, ct2_server):
+    """With ``--engine ctranslate2`` the page says so, translates, and offers no attention
+    view (the server has none)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as visible
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = browser
+    driver.get_log("browser")  # what earlier tests left there
+    wait = WebDriverWait(driver, 30)
+    driver.get(ct2_server.url + "/")
+    info = driver.find_element(By.ID, "model-info")
+    wait.until(lambda _: "CTranslate2 (float32)" in info.text)
+    assert "no attention maps with this engine" in info.text
+    sentence = "alpha bravo charlie"
+    status, expected = ct2_server.post("/v1/translate", {"text": [sentence]})
+    assert status == 200
+    driver.find_element(By.ID, "source").send_keys(sentence)
+    driver.find_element(By.ID, "translate").click()
+    shown = wait.until(visible.visibility_of_element_located((By.CSS_SELECTOR, ".translation")))
+    assert shown.text == expected["translations"][0]["text"] != ""
+    buttons = driver.find_elements(By.CSS_SELECTOR, ".show-attention")
+    assert buttons and not any(b.is_displayed() for b in buttons)
+    assert not driver.find_element(By.ID, "attention").is_displayed()
+    assert driver.find_element(By.ID, "error").text == ""
+    problems = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert problems == []

@@ -7,8 +7,13 @@ import argparse
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING, Any
 
+from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.errors import CLIError
+
+if TYPE_CHECKING:
+    from aiayn.serving.engine import Engine
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "alpha, nbest), POST /v1/attention, GET /v1/health, GET /v1/model, the schema at "
         "/openapi.json, and a page at / to translate and look at the cross-attention. "
         "Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops "
-        "accepting, finishes what is queued and exits 0.",
+        "accepting, finishes what is queued and exits 0. --engine ctranslate2 decodes with "
+        "CTranslate2, as translate does (no attention maps then: /v1/attention answers 501).",
     )
     parser.add_argument(
         "checkpoint",
@@ -33,14 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free one)")
     parser.add_argument("--beam", type=int, help="default beam size (default: the run's)")
     parser.add_argument("--alpha", type=float, help="default length penalty (the run's)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument(
-        "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="as in translate"
-    )
-    parser.add_argument(
-        "--pack-weights", action="store_true", help="MKL pre-packed weights (as in translate)"
-    )
-    parser.add_argument("--threads", type=int, help="PyTorch threads for decoding (default: all)")
+    add_engine_arguments(parser)
     batching = parser.add_argument_group("batching")
     batching.add_argument(
         "--batch-tokens",
@@ -121,16 +120,52 @@ def _on_signal(signum: int) -> None:
     os.write(sys.stderr.fileno(), message.encode())
 
 
+def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Engine, str]:
+    """The PyTorch engine and the device it runs on."""
+    from aiayn.devices import pick_device
+    from aiayn.serving.engine import Engine
+
+    device = pick_device(args.device or "auto")
+    engine = Engine.from_checkpoint(
+        args.checkpoint,
+        device=device,
+        decode_overrides=overrides,
+        quantize=args.quantize,
+        pack_weights=args.pack_weights,
+        precision=args.precision,
+        threads=args.threads,
+    )
+    return engine, str(device)
+
+
+def _ct2_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Engine, str]:
+    """The CTranslate2 engine (through the export cached beside the checkpoint, as
+    ``translate --engine ctranslate2``) and where it runs."""
+    from aiayn.interop.ct2_translator import Ct2Translator
+    from aiayn.progress import stderr_report
+    from aiayn.serving.engine import Engine
+
+    device = ct2_device(args.device)
+    translator, config = Ct2Translator.from_checkpoint(
+        args.checkpoint,
+        device=device,
+        decode_overrides=overrides,
+        quantize=args.quantize,
+        precision=args.precision,
+        threads=args.threads or 0,
+        log=stderr_report(),
+    )
+    engine = Engine(translator, config, source=args.checkpoint, threads=args.threads)
+    return engine, f"{device} (CTranslate2, {translator.compute_type})"
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast (aiayn.cli).
-    from aiayn.devices import pick_device
     from aiayn.serving.app import create_app
-    from aiayn.serving.engine import Engine
     from aiayn.serving.server import bind, serve
     from aiayn.serving.settings import ServeSettings
 
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be positive, got {args.threads}")
+    check_engine_options(args)
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
     settings = ServeSettings(
@@ -148,17 +183,13 @@ def run(args: argparse.Namespace) -> int:
         batching=not args.no_batching,
         max_connections=args.max_connections,
     )
-    overrides = {"beam_size": args.beam, "alpha": args.alpha}
-    device = pick_device(args.device or "auto")
+    given = {"beam_size": args.beam, "alpha": args.alpha}
+    overrides = {k: v for k, v in given.items() if v is not None}
     try:
-        engine = Engine.from_checkpoint(
-            args.checkpoint,
-            device=device,
-            decode_overrides={k: v for k, v in overrides.items() if v is not None},
-            pack_weights=args.pack_weights,
-            precision=args.precision,
-            threads=args.threads,
-        )
+        if args.engine == "ctranslate2":
+            engine, where = _ct2_engine(args, overrides)
+        else:
+            engine, where = _torch_engine(args, overrides)
     except ValueError as err:
         raise CLIError(str(err)) from None
     if engine.default_key.beam > settings.max_beam:
@@ -178,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _say(
         f"{args.checkpoint}: preset {engine.config.preset}, "
-        f"{engine.parameters / 1e6:.1f}M parameters, on {device}; {batching}"
+        f"{engine.parameters / 1e6:.1f}M parameters, on {where}; {batching}"
     )
     _say(f"listening on http://{url_host}:{port} (page /, API /v1/translate, /openapi.json)")
     with sock:

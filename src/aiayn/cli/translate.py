@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.errors import CLIError
 from aiayn.progress import stderr_report
 
@@ -54,45 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--batch-tokens", type=int, help="padded source tokens per batch (default: run's setting)"
     )
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument(
-        "--engine",
-        choices=["torch", "ctranslate2"],
-        default="torch",
-        help="what decodes: 'torch' (the model in PyTorch, the default) or 'ctranslate2' "
-        "(the checkpoint exported to CTranslate2 once, cached beside it as NAME.ct2-float32 "
-        "or NAME.ct2-int8, and decoded with aiayn's tokenisation, batching, output limit and "
-        "length penalty; beam search by the fairseq rule, which is CTranslate2's; needs "
-        "pip install 'aiayn[interop]')",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        metavar="N",
-        help="CPU threads of the decoding (default: PyTorch's or CTranslate2's own default)",
-    )
-    parser.add_argument(
-        "--quantize",
-        choices=["int8"],
-        help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a "
-        "little); with --engine ctranslate2, CTranslate2's int8 weights",
-    )
-    parser.add_argument(
-        "--pack-weights",
-        action="store_true",
-        help="pre-pack the float32 weights for MKL (CPU): faster for one to 32 sentences at a "
-        "time (interactive use), no gain for large batches; 1.25-1.8x the weights' size "
-        "more memory",
-    )
-    parser.add_argument(
-        "--precision",
-        choices=["fp32", "bf16", "fp16"],
-        default="fp32",
-        help="weights and products in this dtype (default fp32): bf16 on a CPU with bfloat16 "
-        "instructions (AVX512-BF16 or AMX) or a GPU, fp16 on a GPU; faster batches, slower "
-        "one-sentence steps on the CPU; log-probabilities and beam scores stay float32; "
-        "with --engine ctranslate2, CTranslate2's compute type (float32, bfloat16, float16)",
-    )
+    add_engine_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -176,32 +139,12 @@ def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
     return translator, str(device)
 
 
-def _ct2_device(requested: str | None) -> str:
-    """cpu, cuda or cuda:N for CTranslate2 ("auto": CUDA where CTranslate2 sees a GPU)."""
-    from aiayn.interop.ct2 import import_ctranslate2
-
-    ct2 = import_ctranslate2()
-    if requested in (None, "auto"):
-        return "cuda" if ct2.get_cuda_device_count() > 0 else "cpu"
-    kind, _, index = requested.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
-        raise CLIError(f"unknown device {requested!r} for CTranslate2 (cpu, cuda, cuda:N)")
-    return requested
-
-
 def _ct2_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
     """The CTranslate2 engine's translator (through the export cached beside the checkpoint)
     and the device it runs on."""
-    if args.pack_weights:
-        raise CLIError("--pack-weights is an option of --engine torch")
-    if args.beam_rule == "paper" and args.beam != 1:  # refused before anything is exported
-        raise CLIError(
-            "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "
-            "no CTranslate2 equivalent): use --beam-rule fairseq, or --engine torch"
-        )
     from aiayn.interop.ct2_translator import Ct2Translator
 
-    device = _ct2_device(args.device)
+    device = ct2_device(args.device)
     log = stderr_report()
     translator, _ = Ct2Translator.from_checkpoint(
         args.checkpoint,
@@ -220,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast (aiayn.cli).
     from aiayn.inference.textio import read_lines, split_lines
 
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be at least 1, got {args.threads}")
+    check_engine_options(args)  # before anything is read or exported
     try:
         if args.engine == "ctranslate2":
             translator, where = _ct2_translator(args)

@@ -176,6 +176,16 @@ class PieceVocabTokenizer(Tokenizer):
         return _PIECE_VOCAB_MAGIC + json.dumps(fields, ensure_ascii=False).encode("utf-8")
 
     @property
+    def source_spm(self) -> bytes:
+        """The source side's sentencepiece model (Marian's ``source.spm``)."""
+        return self._spm_bytes[0]
+
+    @property
+    def target_spm(self) -> bytes:
+        """The target side's sentencepiece model (Marian's ``target.spm``)."""
+        return self._spm_bytes[1]
+
+    @property
     def shared(self) -> bool:
         return self.source_vocab == self.target_vocab
 

@@ -121,6 +121,9 @@ class TextTranslator:
     positions. ``warn`` receives warnings (default: stderr).
     """
 
+    # The engine's name, as ``--engine`` spells it.
+    engine_name = ""
+
     def __init__(
         self,
         tokenizer: TextTokenizer,
@@ -211,6 +214,11 @@ class TextTranslator:
         """Hypotheses for one batch of non-empty sources, in its order (the engine's part)."""
         raise NotImplementedError
 
+    def engine_details(self) -> dict[str, Any]:
+        """What the engine says of itself (plain JSON data): ``engine`` (its name), ``device``
+        and its own settings (the server's ``GET /v1/model`` reports them)."""
+        raise NotImplementedError
+
 
 class Translator(TextTranslator):
     """Translates sentences with a trained :class:`Transformer` (the PyTorch engine); the
@@ -226,6 +234,8 @@ class Translator(TextTranslator):
     ``pack_weights`` also packs its float32 weights for MKL: faster decoder steps over 4 to 128
     rows (one to 32 sentences with beam 4), for more memory (docs/translation.md).
     """
+
+    engine_name = "torch"
 
     def __init__(
         self,
@@ -303,6 +313,19 @@ class Translator(TextTranslator):
         )
         translator.checkpoint = loaded.path
         return translator, config
+
+    def engine_details(self) -> dict[str, Any]:
+        """The engine, the device, the weights' dtypes (``qint8`` for int8-quantized linear
+        layers) and whether the model is accelerated for the CPU."""
+        weights = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
+        if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
+            weights.add("qint8")
+        return {
+            "engine": self.engine_name,
+            "device": str(self.device),
+            "weights_dtype": sorted(weights),
+            "accelerated": self.acceleration is not None,
+        }
 
     @torch.inference_mode()
     def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:

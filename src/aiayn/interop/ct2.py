@@ -16,14 +16,19 @@ computes:
   per-head size when d_k·h differs from d_model;
 - the source and target embeddings and the pre-softmax projection, each written; CTranslate2
   stores a matrix that appears twice once (shared embeddings, tied projection); a projection
-  bias where the model has one;
+  bias where the model has one (a final-logits bias);
+- for a model that never outputs BOS (``model.bos_output = false``: one imported from
+  Marian, whose BOS row holds Marian's decoder-start embedding), a logit bias at BOS of
+  :data:`NO_OUTPUT_BIAS`, which takes BOS out of the softmax: the distribution aiayn decodes
+  such a model with (renormalised without BOS), in CTranslate2's searches and scores alike;
 - the feed-forward activation (ReLU, or GELU / Swish where the model has them);
 - the vocabularies of :func:`vocabularies`, and the special tokens at aiayn's fixed ids
   (:mod:`aiayn.data.collate`): decoding starts from BOS, ends at EOS, and the source gets EOS
   appended, as aiayn's collate does.
 
-The directory also holds the tokenizer (``sentencepiece.model``), a README that shows how to
-translate with it, and ``aiayn.json``: what was exported (the checkpoint's size, modification
+The directory also holds the tokenizer (``sentencepiece.model``; for an imported Marian model
+its ``source.spm`` and ``target.spm``), a README that shows how to translate with it, and
+``aiayn.json``: what was exported (the checkpoint's size, modification
 time and SHA-256, the run's config, the quantization), which the translate cache checks.
 """
 
@@ -47,7 +52,7 @@ from torch import Tensor, nn
 from aiayn import __version__
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.collate import BOS_ID, EOS_ID, UNK_ID
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import PieceVocabTokenizer, Tokenizer
 from aiayn.errors import ConfigError, UserError
 from aiayn.inference.loading import LoadedModel, load_model
 from aiayn.interop import QUANTIZATIONS
@@ -58,6 +63,15 @@ EXPORT_FORMAT = "aiayn-ct2-export"
 EXPORT_VERSION = 1
 METADATA_NAME = "aiayn.json"
 SENTENCEPIECE_NAME = "sentencepiece.model"
+# A piece-vocabulary tokenizer's two sentencepiece models (an imported Marian model's).
+SOURCE_SPM_NAME = "source.spm"
+TARGET_SPM_NAME = "target.spm"
+# aiayn's own tokenizer where no file above is it (a piece-vocabulary tokenizer's JSON).
+TOKENIZER_NAME = "aiayn-tokenizer.bin"
+# The logit bias of BOS in the export of a model that never outputs BOS (model.bos_output =
+# false): far enough below any logit that exp() of the difference is 0 in float32, so the
+# softmax is that of the other tokens, and representable in float16 and bfloat16.
+NO_OUTPUT_BIAS = -1e4
 # The feed-forward activations of aiayn's models, by CTranslate2's names
 # (ctranslate2.specs.common_spec.Activation).
 _ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "swish": "SWISH"}
@@ -78,14 +92,22 @@ def import_ctranslate2() -> ModuleType:
 
 def vocabularies(tokenizer: Tokenizer) -> tuple[list[str], list[str]]:
     """The source and target vocabularies as token lists, the token of id ``i`` at index
-    ``i``: for aiayn's sentencepiece tokenizer, its pieces by id, one joint list for both."""
+    ``i``: for aiayn's sentencepiece tokenizer, its pieces by id, one joint list for both;
+    for a piece-vocabulary tokenizer (an imported Marian model's), its source and target
+    vocabularies."""
+    if isinstance(tokenizer, PieceVocabTokenizer):
+        return list(tokenizer.source_vocab), list(tokenizer.target_vocab)
     pieces = [tokenizer.piece(i) for i in range(tokenizer.vocab_size)]
     return pieces, list(pieces)
 
 
 def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
-    """The files that tokenise text for the exported model, by name: for aiayn's
-    sentencepiece tokenizer, its model (the README's example reads it)."""
+    """The files that tokenise text for the exported model, by name (the README's example
+    reads them): for aiayn's sentencepiece tokenizer, its model; for a piece-vocabulary
+    tokenizer, the sentencepiece models that cut source text and join target pieces
+    (Marian's ``source.spm`` and ``target.spm``)."""
+    if isinstance(tokenizer, PieceVocabTokenizer):
+        return {SOURCE_SPM_NAME: tokenizer.source_spm, TARGET_SPM_NAME: tokenizer.target_spm}
     return {SENTENCEPIECE_NAME: tokenizer.to_bytes()}
 
 
@@ -118,12 +140,21 @@ def _position_table(positions: PositionalEncoding) -> np.ndarray:
     return _array(positions.get_buffer("table"))
 
 
-def _output_bias(model: Transformer) -> Tensor | None:
-    """The bias added to the logits, if the model has one (a final-logits bias)."""
+def _output_bias(model: Transformer) -> np.ndarray | None:
+    """The bias added to the logits, if any: the model's own (a final-logits bias), with
+    :data:`NO_OUTPUT_BIAS` at BOS for a model that never outputs BOS (``model.bos_output =
+    false``: aiayn renormalises its decoding distribution without BOS, which is the softmax
+    of the other logits)."""
     bias = model.out_proj.bias
-    if bias is None:
-        bias = getattr(model, "out_bias", None)
-    return bias
+    if model.config.bos_output:
+        return None if bias is None else _array(bias)
+    values = (
+        _array(bias)
+        if bias is not None
+        else np.zeros(model.config.target_vocab_size, dtype=np.float32)
+    )
+    values[BOS_ID] = NO_OUTPUT_BIAS
+    return values
 
 
 def _check_exportable(model: Transformer) -> None:
@@ -138,14 +169,29 @@ def _check_exportable(model: Transformer) -> None:
         raise UserError(f"no CTranslate2 activation for model.activation={activation!r}")
 
 
+def _check_vocabulary(tokens: list[str], side: str) -> None:
+    """CTranslate2 looks tokens up by their piece, the first of equal ones: a piece listed
+    twice would lose the other id (its embedding row, its output)."""
+    first: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token in first:
+            raise UserError(
+                f"the {side} vocabulary lists {token!r} twice (ids {first[token]} and {i}): "
+                "CTranslate2 looks tokens up by their piece and would use only the first"
+            )
+        first[token] = i
+
+
 def transformer_spec(
     model: Transformer, source_vocabulary: list[str], target_vocabulary: list[str]
 ) -> Any:
     """A validated ``ctranslate2.specs.TransformerSpec`` holding ``model``'s weights (float32
-    copies) and the two vocabularies."""
+    copies) and the two vocabularies (each piece once)."""
     ct2 = import_ctranslate2()
     specs = ct2.specs
     _check_exportable(model)
+    _check_vocabulary(source_vocabulary, "source")
+    _check_vocabulary(target_vocabulary, "target")
     config = model.config
     activation = specs.common_spec.Activation[_ACTIVATIONS[getattr(config, "activation", "relu")]]
     head_dim = config.head_dim_k if config.head_dim_k * config.n_heads != config.d_model else None
@@ -187,7 +233,7 @@ def transformer_spec(
     decoder.projection.weight = _array(model.out_proj.weight)
     bias = _output_bias(model)
     if bias is not None:
-        decoder.projection.bias = _array(bias)
+        decoder.projection.bias = bias
 
     spec = specs.TransformerSpec(encoder, decoder)
     spec.config.layer_norm_epsilon = float(config.layer_norm_eps)
@@ -243,21 +289,75 @@ def _publish(tmp: Path, out_dir: Path) -> None:
             old.unlink(missing_ok=True)
 
 
-def _readme(model: Transformer, config: RunConfig, checkpoint: Path | None, quant: str) -> str:
+def _readme_tokenizer(tokenizer: Tokenizer) -> tuple[str, str, str]:
+    """The README's lines on the tokenizer files, its code that reads them and cuts
+    ``lines`` into ``sources``, and the name of what joins target pieces into text."""
+    if not isinstance(tokenizer, PieceVocabTokenizer):
+        files = (
+            f"- `{SENTENCEPIECE_NAME}`: the sentencepiece model that cuts text into the "
+            "vocabulary's pieces and joins them again;"
+        )
+        code = f"""sp = spm.SentencePieceProcessor(model_file="{SENTENCEPIECE_NAME}")
+sources = [sp.encode(line, out_type=str) for line in lines]"""
+        return files, code, "sp"
+    files = f"""- `{SOURCE_SPM_NAME}`: the sentencepiece model that cuts source text into pieces, \
+`{TARGET_SPM_NAME}` the one
+  that joins target pieces into text (a piece missing from a vocabulary is `<unk>`);
+- `{TOKENIZER_NAME}`: both, with the vocabularies, as aiayn reads them;"""
+    codes = any(p.startswith(">>") and p.endswith("<<") for p in tokenizer.source_vocab)
+    cut = (
+        """
+
+
+def pieces(line):  # a leading language code such as >>fra<< is one piece
+    code, _, rest = line.partition("<<") if line.startswith(">>") else ("", "", line)
+    return ([code + "<<"] if code else []) + source.encode(rest, out_type=str)
+
+
+sources = [pieces(line) for line in lines]"""
+        if codes
+        else """
+sources = [source.encode(line, out_type=str) for line in lines]"""
+    )
+    code = f"""source = spm.SentencePieceProcessor(model_file="{SOURCE_SPM_NAME}")
+target = spm.SentencePieceProcessor(model_file="{TARGET_SPM_NAME}"){cut}"""
+    return files, code, "target"
+
+
+def _readme(
+    model: Transformer, config: RunConfig, tokenizer: Tokenizer, checkpoint: Path | None, quant: str
+) -> str:
     m = config.model
     decode = config.decode
     source = f"`{checkpoint.name}`" if checkpoint is not None else "an aiayn model"
     norm = "pre-norm" if m.pre_norm else "post-norm"
     shared = "shared" if m.share_embeddings else "separate"
+    origin = (
+        "imported from Marian by `aiayn import-marian`"
+        if isinstance(tokenizer, PieceVocabTokenizer)
+        else "trained with aiayn"
+    )
+    files, tokenize, detokenizer = _readme_tokenizer(tokenizer)
+    limit = f"{decode.max_len_a:g} * max(map(len, sources)) + {decode.max_len_b}"
+    bos = (
+        ""
+        if m.bos_output
+        else f"""
+`<s>` starts the decoder (it stands for the Marian model's decoder-start token) and is
+never an output: its logit bias in `model.bin` is {NO_OUTPUT_BIAS:g}, which takes it out of the
+softmax (the other tokens' probabilities are renormalised without it, as aiayn decodes this
+model) in `translate_batch` and `score_batch` alike, so nothing has to be passed for it.
+"""
+    )
     return f"""# CTranslate2 model exported from {source}
 
-A Transformer translation model trained with aiayn, exported by `aiayn export-ct2`:
-{len(model.encoder.layers)}+{len(model.decoder.layers)} layers, d_model {m.d_model}, \
-d_ff {m.d_ff}, {m.n_heads} heads, {norm},
+A Transformer translation model {origin}, exported by
+`aiayn export-ct2`: {len(model.encoder.layers)}+{len(model.decoder.layers)} layers, \
+d_model {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, {norm},
 {shared} source and target embeddings, weights in {quant}. The files:
 
 - `model.bin`, `config.json`, the vocabulary files: the model, read by `ctranslate2.Translator`;
-- `{SENTENCEPIECE_NAME}`: the sentencepiece model that cuts text into the vocabulary's pieces;
+{files}
 - `{METADATA_NAME}`: what was exported (the checkpoint's size, time and SHA-256, the run's
   config); `aiayn translate --engine ctranslate2` reads it.
 
@@ -267,22 +367,23 @@ d_ff {m.d_ff}, {m.n_heads} heads, {norm},
 import ctranslate2
 import sentencepiece as spm
 
-sp = spm.SentencePieceProcessor(model_file="{SENTENCEPIECE_NAME}")
-translator = ctranslate2.Translator(".", device="cpu")  # this directory
 lines = ["A man rides a bicycle down the street."]
-sources = [sp.encode(line, out_type=str) for line in lines]
+{tokenize}
+translator = ctranslate2.Translator(".", device="cpu")  # this directory
 results = translator.translate_batch(
     sources,
     beam_size={decode.beam_size},
-    # aiayn's output limit: {decode.max_len_a:g} x source tokens + {decode.max_len_b}
-    max_decoding_length=int({decode.max_len_a:g} * max(map(len, sources)) + {decode.max_len_b}),
+    # aiayn's output limit ({decode.max_len_a:g} x source tokens + {decode.max_len_b}), within \
+the model's {m.max_positions} positions
+    max_decoding_length=min(int({limit}), {m.max_positions}),
     min_decoding_length=0,  # an empty translation is allowed, as in aiayn
     suppress_sequences=[["<pad>"], ["<s>"]],  # never output, as in aiayn
 )
-print([sp.decode(result.hypotheses[0]) for result in results])
+print([{detokenizer}.decode(result.hypotheses[0]) for result in results])
 ```
 
 `config.json` appends `</s>` to every source (`add_source_eos`), as aiayn does: do not add it.
+{bos}
 CTranslate2 divides beam scores by `length ** length_penalty` (1 by default), where aiayn
 divides by GNMT's `((5 + length) / 6) ** alpha` (α = {decode.alpha:g} for this run):
 `aiayn translate CHECKPOINT --engine ctranslate2` decodes this model with aiayn's length
@@ -317,14 +418,6 @@ def _source(
         raise UserError(
             f"{loaded.path} holds a model for the {task} task (model.task); only translation "
             "models export to CTranslate2"
-        )
-    if not loaded.config.model.bos_output:
-        # CTranslate2 would keep BOS (an imported Marian model's decoder-start copy) in the
-        # output distribution; an export of such a model is not offered yet.
-        raise UserError(
-            f"{loaded.path}: a model with model.bos_output = false (imported from Marian) does "
-            "not export to CTranslate2 yet; CTranslate2 converts the original Marian model "
-            "itself (ct2-transformers-converter)"
         )
     return _Source(loaded.model, loaded.config, tokenizer or loaded.tokenizer, loaded.path)
 
@@ -370,11 +463,12 @@ def export_ct2(
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         own = source.tokenizer.to_bytes()
-        tokenizer_name = next((n for n, d in files.items() if d == own), "aiayn-tokenizer.bin")
+        tokenizer_name = next((n for n, d in files.items() if d == own), TOKENIZER_NAME)
         if tokenizer_name not in files:
             (tmp / tokenizer_name).write_bytes(own)
         (tmp / "README.md").write_text(
-            _readme(source.model, source.config, source.path, weights), encoding="utf-8"
+            _readme(source.model, source.config, source.tokenizer, source.path, weights),
+            encoding="utf-8",
         )
         metadata = {
             "format": EXPORT_FORMAT,

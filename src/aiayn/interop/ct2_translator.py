@@ -28,8 +28,9 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
   decodes without that, and a sentence where a hypothesis holds PAD or BOS (a model that is
   barely trained) is decoded again with both suppressed and its hypotheses scored again,
   teacher-forced, with the full distribution's log-probabilities, aiayn's. (A model with
-  ``model.bos_output = false`` decodes from a distribution renormalised without BOS, which
-  is what CTranslate2's suppression of BOS computes: BOS is suppressed from the start.)
+  ``model.bos_output = false`` decodes from a distribution renormalised without BOS: its
+  export gives BOS a logit bias that takes it out of CTranslate2's softmax, searches and
+  scores alike, :data:`aiayn.interop.ct2.NO_OUTPUT_BIAS`.)
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class Ct2Translator(TextTranslator):
     ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
     """
 
+    engine_name = "ctranslate2"
+
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
@@ -150,6 +153,7 @@ class Ct2Translator(TextTranslator):
         except (RuntimeError, ValueError) as err:
             raise UserError(f"CTranslate2 cannot load {self.model_dir}: {err}") from None
         self.compute_type = str(self.engine.compute_type)
+        self.threads = threads
         source, target = vocabularies(tokenizer)
         self._source_pieces = source
         self._target_pieces = target
@@ -158,11 +162,6 @@ class Ct2Translator(TextTranslator):
         for i, piece in enumerate(target):
             self._target_ids.setdefault(piece, i)
         self._never = [[target[PAD_ID]], [target[BOS_ID]]]
-        # A model without BOS among its outputs (model.bos_output = false) decodes from a
-        # distribution renormalised without it, which is what CTranslate2's suppression
-        # computes. (Hypotheses scored again by score_batch get the full distribution's
-        # log-probabilities: such a model's cut or decoded-again ones differ there.)
-        self._always = [] if getattr(model_config, "bos_output", True) else [[target[BOS_ID]]]
         # Kept alive while the translator is: an export made for this run only.
         self.scratch: tempfile.TemporaryDirectory[str] | None = None
 
@@ -214,6 +213,16 @@ class Ct2Translator(TextTranslator):
         translator.scratch = scratch[0] if scratch else None
         return translator, config
 
+    def engine_details(self) -> dict[str, Any]:
+        """The engine, the device, CTranslate2's compute type and its threads per translation
+        (None: CTranslate2's default)."""
+        return {
+            "engine": self.engine_name,
+            "device": self.device,
+            "compute_type": self.compute_type,
+            "threads": self.threads or None,
+        }
+
     # -- search -------------------------------------------------------------------------------
 
     def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
@@ -236,7 +245,7 @@ class Ct2Translator(TextTranslator):
 
     def _search_group(self, pieces: list[list[str]], limit: int) -> list[list[Hypothesis]]:
         """Hypotheses for sources (as pieces) that share the output limit ``limit``."""
-        found = self._translate(pieces, limit, self._always)
+        found = self._translate(pieces, limit, [])
         again = [i for i, hyps in enumerate(found) if any(self._banned(h[0]) for h in hyps)]
         if again:  # decoded again without PAD and BOS, and then all scored again
             redone = self._translate([pieces[i] for i in again], limit, self._never)

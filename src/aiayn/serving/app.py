@@ -6,17 +6,20 @@ Answers and their statuses:
 - ``GET /``: the page (``page.html``; inline script and style, nothing fetched from elsewhere,
   which its Content-Security-Policy enforces);
 - ``GET /v1/health``: 200 ``{"status": "ok", ...}``, 503 ``"draining"`` while shutting down;
-- ``GET /v1/model``: the model's config, vocabulary size, parameters, decoding defaults and the
-  server's limits;
+- ``GET /v1/model``: the model's config, vocabulary size, parameters, decoding defaults, the
+  engine (``torch`` or ``ctranslate2``, with CTranslate2's compute type), whether the
+  attention maps are available, and the server's limits;
 - ``POST /v1/translate``: ``{"text": [...], "beam": 4, "alpha": 0.6, "nbest": 1}`` ->
   translations in input order, each with its n-best list and scores;
 - ``POST /v1/attention``: ``{"text": "...", "beam": 4, "alpha": 0.6}`` -> the best
-  translation and its cross-attention, per layer and head;
+  translation and its cross-attention, per layer and head (the PyTorch engine only: 501
+  with another);
 - ``GET /openapi.json``: the schema. (FastAPI's /docs pages load scripts from a CDN: off.)
 
 Refusals are JSON (:class:`~aiayn.serving.schemas.ErrorResponse`): 400 (not JSON, not
 UTF-8), 404, 405, 408 (body too slow), 413 (body too large), 422 (wrong, missing or unknown
-fields, limits), 503 with Retry-After (queue full, shutting down), 504 (request timeout).
+fields, limits), 501 (attention maps without the PyTorch engine), 503 with Retry-After (queue
+full, shutting down), 504 (request timeout).
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "the queue is full or the server is shutting down (see Retry-After)"),
         (504, "the translation did not finish within the request timeout"),
     ]
+}
+_ATTENTION_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    501: {"model": ErrorResponse, "description": "the engine has no attention maps"},
 }
 
 
@@ -280,11 +287,17 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
     @app.post(
         "/v1/attention",
         response_model=AttentionResponse,
-        responses=_ERRORS,
+        responses=_ATTENTION_ERRORS,
         openapi_extra=_body_schema(AttentionRequest),
     )
     async def attention(request: Request) -> JSONResponse:
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        if not engine.attention_available:
+            message = (
+                f"attention maps need --engine torch: this server decodes with {engine.name}, "
+                "without the PyTorch model"
+            )
+            raise ApiError(501, "engine", message, "unavailable")
         query = validate(AttentionRequest, parse_json_object(body))
         key = decode_key(query.beam, query.alpha, 1)
         problems = text_problems([query.text], ["text"])

@@ -1,4 +1,10 @@
-"""The model side of the server: a :class:`Translator` and the cross-attention of one sentence.
+"""The model side of the server: a translator and the cross-attention of one sentence.
+
+The translator is any :class:`~aiayn.inference.translator.TextTranslator`: the PyTorch
+engine's :class:`Translator`, or another engine's (``aiayn serve --engine ctranslate2`` passes
+:class:`aiayn.interop.ct2_translator.Ct2Translator`), with per-request beam, alpha and n-best
+either way. The attention maps need the PyTorch model: with another engine,
+:attr:`Engine.attention_available` is False and :meth:`Engine.cross_attention` refuses.
 
 Decoding and attention run on one thread only (the batcher's model thread): an accelerated
 model reuses its step buffers, and the attention hooks are attached to the model itself, so
@@ -16,13 +22,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
 from aiayn.accel import Precision
-from aiayn.config import RunConfig
+from aiayn.config import ModelConfig, RunConfig
 from aiayn.inference.attention_maps import attention_weights, token_labeler
 from aiayn.inference.textio import one_line
-from aiayn.inference.translator import Translation, Translator
-from aiayn.model.transformer import count_parameters
+from aiayn.inference.translator import TextTranslator, Translation, Translator
+from aiayn.model.transformer import Transformer, count_parameters
+
+
+class AttentionUnavailable(RuntimeError):
+    """The engine decodes without the PyTorch model, which the attention maps need."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +57,21 @@ class CrossAttention:
     weights: list[Tensor]
 
 
+def parameters_of(config: ModelConfig) -> int:
+    """The parameter count of a Transformer with ``config``, without its weights (built on
+    PyTorch's meta device): for an engine that decodes without the PyTorch model."""
+    with torch.device("meta"):
+        return count_parameters(Transformer(config))
+
+
 class Engine:
-    """A translator with per-request beam, alpha and n-best, and the attention maps."""
+    """A translator with per-request beam, alpha and n-best, and the attention maps (with
+    the PyTorch engine's :class:`Translator`). ``threads`` sets PyTorch's threads on the
+    model thread (the PyTorch engine; another engine takes its threads when it is made)."""
 
     def __init__(
         self,
-        translator: Translator,
+        translator: TextTranslator,
         config: RunConfig,
         *,
         source: str = "",
@@ -61,7 +81,18 @@ class Engine:
         self.config = config
         self.source = source
         self.threads = threads
-        self.parameters = count_parameters(translator.model)
+        # The PyTorch model, which the attention maps need; None with another engine.
+        self.model: Transformer | None = (
+            translator.model if isinstance(translator, Translator) else None
+        )
+        quantized = self.model is not None and any(
+            isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()
+        )  # its linear layers hold packed int8 weights, no parameters
+        self.parameters = (
+            count_parameters(self.model)
+            if self.model is not None and not quantized
+            else parameters_of(config.model)
+        )
         self._label: Callable[[int], str] = token_labeler(translator.tokenizer)
         self._source_label = token_labeler(translator.tokenizer, source=True)
 
@@ -72,18 +103,32 @@ class Engine:
         *,
         device: torch.device | str = "cpu",
         decode_overrides: Mapping[str, Any] | None = None,
+        quantize: str | None = None,
         pack_weights: bool = False,
         precision: Precision = "fp32",
         threads: int | None = None,
     ) -> Engine:
+        """The PyTorch engine for a checkpoint file or run directory (the settings are
+        :meth:`Translator.from_checkpoint`'s)."""
         translator, config = Translator.from_checkpoint(
             path,
             device=device,
             decode_overrides=decode_overrides,
+            quantize=quantize,
             pack_weights=pack_weights,
             precision=precision,
         )
         return cls(translator, config, source=str(path), threads=threads)
+
+    @property
+    def name(self) -> str:
+        """The engine's name, as ``--engine`` spells it."""
+        return self.translator.engine_name
+
+    @property
+    def attention_available(self) -> bool:
+        """Whether :meth:`cross_attention` can answer (the PyTorch engine)."""
+        return self.model is not None
 
     @property
     def default_key(self) -> DecodeKey:
@@ -101,7 +146,7 @@ class Engine:
 
     def start_thread(self) -> None:
         """Called once on the model thread before its first batch."""
-        if self.threads is not None:
+        if self.threads is not None and self.model is not None:
             torch.set_num_threads(self.threads)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -112,20 +157,21 @@ class Engine:
         return [tokenizer.encode(text) if text.strip() else [] for text in texts]
 
     def describe(self) -> dict[str, Any]:
-        """What ``GET /v1/model`` reports (plain JSON data)."""
-        translator = self.translator
-        weights = {str(p.dtype).removeprefix("torch.") for p in translator.model.parameters()}
+        """What ``GET /v1/model`` reports (plain JSON data): the model, the decoding
+        defaults, the engine's own details (:meth:`TextTranslator.engine_details`: its name,
+        device, and the PyTorch engine's weight dtypes or CTranslate2's compute type) and
+        whether the attention maps are available."""
+        threads = {} if self.model is None else {"threads": self.threads or torch.get_num_threads()}
         return {
             "checkpoint": self.source,
             "preset": self.config.preset,
             "config": asdict(self.config.model),
             "vocab_size": self.config.model.vocab_size,
             "parameters": self.parameters,
-            "decode": asdict(translator.decode),
-            "device": str(translator.device),
-            "weights_dtype": sorted(weights),
-            "accelerated": translator.acceleration is not None,
-            "threads": torch.get_num_threads() if self.threads is None else self.threads,
+            "decode": asdict(self.translator.decode),
+            **self.translator.engine_details(),
+            **threads,
+            "attention": self.attention_available,
         }
 
     # -- the model thread ---------------------------------------------------------------------
@@ -145,10 +191,16 @@ class Engine:
 
     def cross_attention(self, key: DecodeKey, source: Sequence[int]) -> CrossAttention:
         """The best translation of ``source`` (non-empty, at most :attr:`max_source_tokens`)
-        under ``key`` and the cross-attention of every layer over it."""
+        under ``key`` and the cross-attention of every layer over it;
+        :class:`AttentionUnavailable` without the PyTorch model."""
+        if self.model is None:
+            raise AttentionUnavailable(
+                f"the attention maps need the PyTorch model; the {self.name} engine decodes "
+                "without it"
+            )
         [hyps] = self.translate(replace(key, nbest=1), [source])
         output = hyps[0].tokens if hyps else []
-        _, _, cross = attention_weights(self.translator.model, source, output)
+        _, _, cross = attention_weights(self.model, source, output)
         label = self._label
         return CrossAttention(
             translation=hyps[0].text if hyps else "",
@@ -157,9 +209,10 @@ class Engine:
             weights=cross,
         )
 
-    def _view(self, key: DecodeKey) -> Translator:
-        """The translator with ``key``'s settings: a shallow copy that shares the model, its
-        acceleration and the tokenizer, so no state of the shared one changes."""
+    def _view(self, key: DecodeKey) -> TextTranslator:
+        """The translator with ``key``'s settings: a shallow copy that shares the model (or
+        the engine), its acceleration and the tokenizer, so no state of the shared one
+        changes."""
         view = copy.copy(self.translator)
         view.decode = replace(self.translator.decode, beam_size=key.beam, alpha=key.alpha)
         view.nbest = key.nbest

@@ -1,0 +1,88 @@
+"""The decoding engines of ``aiayn translate`` and ``aiayn serve``: their options, declared
+once for both commands, and the checks of what each engine takes, made before a checkpoint
+is read or exported. Light on purpose (no PyTorch, no CTranslate2 at import): the CLI's
+``--help`` reads it."""
+
+from __future__ import annotations
+
+import argparse
+
+from aiayn.errors import CLIError
+
+ENGINES = ("torch", "ctranslate2")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--engine``, ``--threads``, ``--quantize``, ``--pack-weights`` and
+    ``--precision``, with the same meaning in every command that decodes translations."""
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="torch",
+        help="what decodes: 'torch' (the model in PyTorch, the default) or 'ctranslate2' "
+        "(the checkpoint exported to CTranslate2 once, cached beside it as NAME.ct2-float32 "
+        "or NAME.ct2-int8, and decoded with aiayn's tokenisation, batching, output limit and "
+        "length penalty; beam search by the fairseq rule, which is CTranslate2's; needs "
+        "pip install 'aiayn[interop]')",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads of the decoding (default: PyTorch's or CTranslate2's own default)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a "
+        "little); with --engine ctranslate2, CTranslate2's int8 weights",
+    )
+    parser.add_argument(
+        "--pack-weights",
+        action="store_true",
+        help="pre-pack the float32 weights for MKL (CPU): faster for one to 32 sentences at a "
+        "time (interactive use), no gain for large batches; 1.25-1.8x the weights' size "
+        "more memory",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="weights and products in this dtype (default fp32): bf16 on a CPU with bfloat16 "
+        "instructions (AVX512-BF16 or AMX) or a GPU, fp16 on a GPU; faster batches, slower "
+        "one-sentence steps on the CPU; log-probabilities and beam scores stay float32; "
+        "with --engine ctranslate2, CTranslate2's compute type (float32, bfloat16, float16)",
+    )
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Refuse, in one line, what the chosen engine does not take: ``--threads`` below 1;
+    with ``--engine ctranslate2``, ``--pack-weights``, ``--beam-rule paper`` (where the
+    command has it, and the beam is not 1) and a device CTranslate2 does not know."""
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be at least 1, got {args.threads}")
+    if args.engine != "ctranslate2":
+        return
+    if args.pack_weights:
+        raise CLIError("--pack-weights is an option of --engine torch")
+    if getattr(args, "beam_rule", None) == "paper" and getattr(args, "beam", None) != 1:
+        raise CLIError(
+            "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "
+            "no CTranslate2 equivalent): use --beam-rule fairseq, or --engine torch"
+        )
+    if args.device not in (None, "auto"):
+        kind, _, index = args.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise CLIError(f"unknown device {args.device!r} for CTranslate2 (cpu, cuda, cuda:N)")
+
+
+def ct2_device(requested: str | None) -> str:
+    """cpu, cuda or cuda:N for CTranslate2 (``auto`` or None: CUDA where CTranslate2 sees a
+    GPU); a device that :func:`check_engine_options` let through."""
+    if requested not in (None, "auto"):
+        return requested
+    from aiayn.interop.ct2 import import_ctranslate2
+
+    ct2 = import_ctranslate2()
+    return "cuda" if ct2.get_cuda_device_count() > 0 else "cpu"
