@@ -37,6 +37,7 @@ def _aiayn(*args: str) -> None:
 def train(data: Path, out: Path, pattern: str, minutes: float, context: int) -> dict[str, Any]:
     _aiayn(
         "train", "--config", "bible_lm", "--data", str(data), "--out", str(out), "--no-progress",
+        "train.log_interval=10",
         f"model.decoder_attention={pattern}", f"model.max_positions={context}",
         f"data.block_size={context}", f"data.max_tokens={2 * context + 2}",
         "train.update_tokens=2000", f"train.max_minutes={minutes}", "train.valid_interval=100000",
@@ -48,7 +49,7 @@ def train(data: Path, out: Path, pattern: str, minutes: float, context: int) -> 
         "pattern": pattern,
         "updates": averaged["step"],
         "minutes": round(averaged["minutes"], 2),
-        "tokens_per_s": round(sum(r["tgt_tokens_per_s"] for r in trained) / len(trained)),
+        "tokens_per_s": round(sum(r["tgt_tokens_per_s"] for r in trained) / max(len(trained), 1)),
         "valid_loss": round(averaged["loss"], 4),
         "valid_nll": round(averaged["nll"], 4),
         "valid_ppl": round(averaged["ppl"], 2),
