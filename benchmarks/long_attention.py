@@ -31,7 +31,6 @@ import math
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     load_average,
     median,
     parse_results,
+    time_calls,
     versions,
     wait_for_quiet,
 )
@@ -84,12 +84,7 @@ def layer_worker(pattern: str, n: int, causal: bool, repeats: int) -> None:
         out.sum().backward()
 
     baseline = _rss_mb()  # the layer and its input are there
-    call()  # untimed: first-call costs
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
+    times = time_calls(call, warmup=1, repeats=repeats)
     emit(
         {
             "pattern": pattern,
@@ -125,12 +120,7 @@ def checkpointing_worker(on: bool, updates: int) -> None:
         loss.backward()
         optimizer.step()
 
-    update()
-    times = []
-    for _ in range(updates):
-        start = time.perf_counter()
-        update()
-        times.append(time.perf_counter() - start)
+    times = time_calls(update, warmup=1, repeats=updates)
     emit(
         {
             "checkpointing": on,
