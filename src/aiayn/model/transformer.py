@@ -15,7 +15,7 @@ from aiayn.model.embedding import (
     token_embedding,
 )
 from aiayn.model.layers import DecoderLayer, EncoderLayer
-from aiayn.model.patterns import AttentionPattern
+from aiayn.model.patterns import LSH_NO_INCREMENTAL, AttentionPattern
 
 
 class Encoder(nn.Module):
@@ -122,18 +122,19 @@ class Transformer(nn.Module):
     ) -> DecoderCache:
         """A cache for up to ``max_len`` decoder positions of ``beam_size`` rows per sentence
         of ``memory`` (B, S, d_model): rows ``i * beam_size .. (i + 1) * beam_size - 1``
-        decode sentence i. Projects the memory once per layer and sentence (not per beam)."""
+        decode sentence i. Projects the memory once per layer and sentence (not per beam);
+        with ``model.cross_attention = "linformer"`` also along the sequence, to k rows
+        without padding (the cache then has no cross mask)."""
         check_cache_size(self.config, max_len, beam_size)
         layers = []
         for layer in self.decoder.layers:
             assert layer.cross_attn is not None
-            cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
+            cross_k, cross_v = layer.cross_attn.memory_kv(memory, src_pad)  # (B, H, S or k, Dh)
             # The step's keys and values are stored as the projected memory's are.
             self_k, self_v = layer.empty_self_kv(memory.size(0), max_len, beam_size, cross_k)
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
-        return DecoderCache(
-            layers, attention_mask(src_pad), length=0, max_len=max_len, beam_size=beam_size
-        )
+        cross_mask = None if self.config.cross_attention == "linformer" else attention_mask(src_pad)
+        return DecoderCache(layers, cross_mask, length=0, max_len=max_len, beam_size=beam_size)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the tokens (B,) at position
@@ -152,7 +153,10 @@ class Transformer(nn.Module):
 
 
 def check_cache_size(config: ModelConfig, max_len: int, beam_size: int) -> None:
-    """Refuse a decoder cache longer than the model's positions, or without a beam."""
+    """Refuse a decoder cache longer than the model's positions, or without a beam, or for a
+    decoder whose attention has no incremental form (lsh)."""
+    if config.decoder_attention == "lsh":
+        raise ValueError(LSH_NO_INCREMENTAL)
     if max_len > config.max_positions:
         raise ValueError(f"max_len={max_len} exceeds model.max_positions={config.max_positions}")
     if beam_size < 1:
