@@ -14,6 +14,7 @@ from torch.testing import assert_close
 from aiayn.accel import Float32Attention, accelerate
 from aiayn.config import AttentionName, ModelConfig, load_config
 from aiayn.errors import ConfigError
+from aiayn.inference.attention_maps import attention_weights
 from aiayn.model.attention import naive_attention
 from aiayn.model.families import DecoderOnlyLM, EncoderOnly
 from aiayn.model.patterns import (
@@ -427,3 +428,19 @@ def test_training_checkpoints_averaging_and_bf16_acceleration_keep_the_patterns(
             for t in range(3):
                 step = model.log_probs_step(tgt[:, t], cache)
                 assert (step - full[:, t]).abs().max() < 0.1
+
+
+def test_attention_pictures_show_what_lsh_saw_and_refuse_linformer():
+    torch.manual_seed(0)
+    model = Transformer(_config(encoder_attention="lsh", decoder_attention="local")).eval()
+    src, out = list(range(5, 25)), list(range(5, 15))
+    encoder, decoder, _ = attention_weights(model, src, out)
+    weights = encoder[0]  # (H, S, S), S = 21 with EOS
+    assert_close(weights.sum(-1), torch.ones(4, 21))
+    assert (weights > 0).float().mean() < 0.6  # only the keys its buckets gave each query
+    assert not decoder[0].triu(1).any()  # local, causal
+    again, _, _ = attention_weights(model, src, out)
+    assert torch.equal(again[0], weights)  # eval rotations are fixed
+    model = Transformer(_config(cross_attention="linformer")).eval()
+    with pytest.raises(ValueError, match="no attention pictures"):
+        attention_weights(model, src, out)
