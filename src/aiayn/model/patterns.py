@@ -385,8 +385,9 @@ class LSHPattern(AttentionPattern):
       taken off its score in each (the paper's correction), so that the result is attention
       over the union of the keys the rounds saw, each once (:meth:`seen`).
 
-    Scores take (B, H, T, 2·chunk) per round; the counting of rounds costs rounds² small
-    gathers. The computation is in float32.
+    Scores take (B, H, T, 2·chunk) per round, and counting the rounds that see each pair
+    takes rounds² comparisons over them. The computation is in float32 (outside autocast).
+    The eval rotations are not in the state dict: they follow from ``seed``.
     """
 
     name = "lsh"
@@ -508,6 +509,7 @@ class LSHPattern(AttentionPattern):
         tp = nc * c
         device = x.device
         bucket, rank, perm = self._sort(x, key_pad, tp)
+        signature = self._signature(bucket, rank, causal)
         queries = F.pad(x, (0, 0, 0, tp - t))
         keys = F.pad(F.normalize(x, dim=-1), (0, 0, 0, tp - t))
         values = F.pad(v, (0, 0, 0, tp - t))
@@ -515,41 +517,33 @@ class LSHPattern(AttentionPattern):
         if key_pad is not None:
             key_real = key_real & ~F.pad(key_pad, (0, tp - t), value=True)
         key_real = key_real[:, None].expand(b, h, tp)
-        # The key slots of a chunk's queries: the previous chunk's positions, then its own
-        # (2c); causal: for query slot o, the c + 1 slots o .. o + c (its own is the last).
+        # A chunk's queries are scored against the previous chunk's positions, then their own
+        # (2c key slots; query slot o's own key is slot c + o). Causally, query slot o keeps
+        # the c + 1 slots o .. o + c (its reach, its own key last), so that every query
+        # reduces its scores in the same layout wherever the chunk boundaries fall.
         window = torch.arange(c, device=device)[:, None] + torch.arange(c + 1, device=device)
         scale = 1.0 / math.sqrt(d)
         outs, lses = [], []
         for r in range(self.rounds):
             order = perm[r]  # (B, H, tp): the position at each sorted index
-
-            def sorted_chunks(z: Tensor, order: Tensor = order) -> Tensor:
-                index = order[..., None].expand(-1, -1, -1, z.size(-1))
-                return z.gather(2, index).view(b, h, nc, c, z.size(-1))
-
             q_pos = order.view(b, h, nc, c)
             k_pos = _with_previous(q_pos, -1)  # (B, H, nc, 2c)
-            scores = (
-                torch.matmul(
-                    sorted_chunks(queries),
-                    _with_previous(sorted_chunks(keys), 0.0).transpose(-2, -1),
-                )
-                * scale
+            # (a missing previous chunk reads position 0, never seen)
+            key_slots = k_pos.clamp(min=0)
+            scores = torch.matmul(
+                _rows(queries, q_pos), _rows(keys, key_slots).transpose(-2, -1)
             )  # (B, H, nc, c, 2c)
-            k_pos = k_pos[:, :, :, None, :].expand(-1, -1, -1, c, -1)
+            scores = self._masked(scores * scale, q_pos, k_pos, signature, key_real, r, causal)
             if causal:
                 slots = window.expand(b, h, nc, c, c + 1)
-                scores, k_pos = scores.gather(-1, slots), k_pos.gather(-1, slots)
-            scores = self._masked(
-                scores, q_pos[..., None], k_pos, bucket, rank, key_real, r, causal
-            )
+                scores = scores.gather(-1, slots)
             lse = scores.logsumexp(dim=-1)  # (B, H, nc, c)
             weights = (scores - lse[..., None]).exp()
             if dropout > 0.0:
                 weights = F.dropout(weights, dropout)
             if causal:
                 weights = torch.zeros(b, h, nc, c, 2 * c, device=device).scatter(-1, slots, weights)
-            out = torch.matmul(weights, _with_previous(sorted_chunks(values), 0.0))
+            out = torch.matmul(weights, _rows(values, key_slots))
             # back to position order
             back = rank[r]
             outs.append(out.view(b, h, tp, dv).gather(2, back[..., None].expand(-1, -1, -1, dv)))
@@ -558,42 +552,68 @@ class LSHPattern(AttentionPattern):
         out = (share[..., None] * torch.stack(outs)).sum(dim=0)
         return out[:, :, :t]
 
+    def _signature(self, bucket: Tensor, rank: Tensor, causal: bool) -> Tensor:
+        """One integer per round and position, such that a query sees a key in that round
+        (:meth:`_sees`) exactly when its integer minus the key's is in [0, reach], with reach
+        ``chunk`` (causal) or 1: bucket · width + rank (causal) or + chunk index, the width
+        wide enough that keys of another bucket are never within reach."""
+        tp = rank.size(-1)
+        if causal:
+            width, within = tp + self.chunk + 1, rank
+        else:
+            width, within = tp // self.chunk + 1, rank // self.chunk
+        # (doubled by _masked)
+        dtype = torch.int32 if 2 * (self.buckets + 1) * width + self.chunk < 2**31 else torch.long
+        return (bucket * width + within).to(dtype)
+
     def _masked(
         self,
         scores: Tensor,
         q_pos: Tensor,
         k_pos: Tensor,
-        bucket: Tensor,
-        rank: Tensor,
+        signature: Tensor,
         key_real: Tensor,
         r: int,
         causal: bool,
     ) -> Tensor:
-        """Round ``r``'s scores (B, H, nc, c, m) with the keys it does not see filled, its own
-        key's score replaced, and log N_ij (the rounds that see the pair) taken off.
-        ``q_pos`` (B, H, nc, c, 1) and ``k_pos`` (B, H, nc, c, m) are positions, -1 for no
-        key."""
+        """Round ``r``'s scores (B, H, nc, c, 2c) with the keys it does not see filled, the
+        query's own key's score replaced, and log N_ij (the rounds that see the pair) taken
+        off. ``q_pos`` (B, H, nc, c) and ``k_pos`` (B, H, nc, 2c) are positions (-1: no key);
+        ``signature`` is :meth:`_signature`'s. (Causally, a key within reach is never later
+        than the query: the bucket is sorted by position.)"""
 
-        def at(z: Tensor, pos: Tensor) -> Tensor:  # z (B, H, tp) at positions pos
+        def at(z: Tensor, pos: Tensor) -> Tensor:  # z (B, H, tp) at positions pos (B, H, ...)
             return z.gather(2, pos.flatten(2)).view(pos.shape)
 
+        c = q_pos.size(-1)
         present = k_pos >= 0
         k_pos = k_pos.clamp(min=0)
-        count = torch.zeros(scores.shape, device=scores.device)
-        here = present
+        key_ok = (present & at(key_real, k_pos))[..., None, :]  # (B, H, nc, 1, 2c)
+        # 0 <= q - k <= reach  <=>  |2q - (2k + reach)| <= reach
+        reach = c if causal else 1
+        here = key_ok
+        count: Tensor | None = None
         for other in range(self.rounds):
-            sees = self._sees(
-                at(bucket[other], q_pos), at(rank[other], q_pos),
-                at(bucket[other], k_pos), at(rank[other], k_pos), causal,
-            )  # fmt: skip
-            count += sees
+            twice = signature[other] * 2
+            apart = at(twice, q_pos)[..., :, None] - at(twice + reach, k_pos)[..., None, :]
+            sees = apart.abs_() <= reach
             if other == r:
                 here = here & sees
-        here = here & at(key_real, k_pos)
-        if causal:
-            here = here & (k_pos <= q_pos)
-        scores = torch.where(present & (k_pos == q_pos), _SELF_SCORE, scores)
-        return torch.where(here, scores - count.clamp(min=1.0).log(), _UNSEEN_SCORE)
+            if self.rounds > 1:
+                count = sees.float() if count is None else count + sees
+        own = torch.arange(c, device=scores.device)[:, None] + c == torch.arange(
+            2 * c, device=scores.device
+        )
+        scores = scores.masked_fill(own, _SELF_SCORE)
+        if count is not None:
+            scores = scores - count.clamp(min=1.0).log()
+        return torch.where(here, scores, _UNSEEN_SCORE)
+
+
+def _rows(z: Tensor, positions: Tensor) -> Tensor:
+    """The rows of ``z`` (B, H, tp, D) at ``positions`` (B, H, ...): (B, H, ..., D)."""
+    index = positions.flatten(2)[..., None].expand(-1, -1, -1, z.size(-1))
+    return z.gather(2, index).view(*positions.shape, z.size(-1))
 
 
 def _with_previous(z: Tensor, fill: float) -> Tensor:
