@@ -33,10 +33,11 @@ Two more take another road than a positional pattern:
   cannot run causally (encoder self-attention and cross-attention only).
 - ``lsh`` (Reformer, Kitaev et al., 2020; :class:`LSHPattern`): shared-QK attention in which
   each query sees the keys that hash to its bucket, found by sorting and chunking: O(n·c)
-  scores per hash round (c = ``model.lsh_chunk``) plus a sort. It saves memory first; its
-  gathers, sort and rounds cost more time than full attention's one product until sequences
-  are several thousand positions long. Which keys a query sees depends on the data, so it has
-  no fixed :meth:`AttentionPattern.allowed` and no incremental decoding.
+  scores per hash round (c = ``model.lsh_chunk``) plus a sort. It saves memory; its hashing,
+  sort, gathers and rounds are many passes over the chunk scores, which cost more time than
+  full attention's one fused product unless sequences are very long. Which keys a query sees
+  depends on the data, so it has no fixed :meth:`AttentionPattern.allowed` and no
+  incremental decoding.
 """
 
 from __future__ import annotations
