@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from aiayn.accel import Float32Attention, accelerate
 from aiayn.config import AttentionName, ModelConfig, load_config
-from aiayn.errors import ConfigError
+from aiayn.errors import ConfigError, UserError
 from aiayn.inference.attention_maps import attention_weights
 from aiayn.model.attention import naive_attention
 from aiayn.model.families import DecoderOnlyLM, EncoderOnly
@@ -356,8 +356,12 @@ def test_lsh_eval_is_deterministic_and_training_draws_new_rotations():
 
 def test_lsh_has_no_incremental_decoding():
     lm = DecoderOnlyLM(_config(task="lm", decoder_attention="lsh"))
-    with pytest.raises(ValueError, match="lsh attention has no incremental decoding"):
+    with pytest.raises(ConfigError, match="lsh attention has no incremental decoding"):
         lm.init_cache(2, 10)
+    pattern = lm.decoder.layers[0].self_attn.pattern
+    assert pattern is not None
+    with pytest.raises(ValueError, match="lsh attention has no incremental decoding"):
+        pattern.step_keys(3, torch.device("cpu"))  # what Decoder.step asks
     model = Transformer(_config(decoder_attention="lsh"))
     memory = model.encode(torch.randint(5, 50, (1, 6)), None)
     with pytest.raises(ValueError, match="lsh attention has no incremental decoding"):
@@ -442,5 +446,5 @@ def test_attention_pictures_show_what_lsh_saw_and_refuse_linformer():
     again, _, _ = attention_weights(model, src, out)
     assert torch.equal(again[0], weights)  # eval rotations are fixed
     model = Transformer(_config(cross_attention="linformer")).eval()
-    with pytest.raises(ValueError, match="no attention pictures"):
+    with pytest.raises(UserError, match="no attention pictures"):
         attention_weights(model, src, out)

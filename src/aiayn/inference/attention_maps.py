@@ -7,7 +7,7 @@ decoder self-attention (T × T) and cross-attention (T × S), where S counts the
 and EOS, T the output tokens and EOS. Decoder row i is the step that produces output token i.
 A layer with an attention pattern (aiayn.model.patterns) gives its pattern's weights
 (``AttentionPattern.weights``; lsh's depend on the data); Linformer's fall on projected rows,
-not tokens, and a model with it has no pictures (ValueError).
+not tokens, and a model with it has no pictures (UserError).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from aiayn.data.collate import BOS_ID, EOS_ID
+from aiayn.errors import UserError
 from aiayn.model.attention import MultiHeadAttention, naive_attention
 from aiayn.model.transformer import Transformer
 
@@ -71,7 +72,7 @@ def attention_weights(
     for attention, _ in hooked:
         pattern = attention.pattern
         if pattern is not None and not pattern.weighs_positions:
-            raise ValueError(
+            raise UserError(
                 f"{pattern.name} attention weighs projected rows, not tokens: it has no "
                 "attention pictures"
             )

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.errors import ConfigError
 from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache
 from aiayn.model.embedding import (
@@ -155,8 +156,8 @@ class Transformer(nn.Module):
 def check_cache_size(config: ModelConfig, max_len: int, beam_size: int) -> None:
     """Refuse a decoder cache longer than the model's positions, or without a beam, or for a
     decoder whose attention has no incremental form (lsh)."""
-    if config.decoder_attention == "lsh":
-        raise ValueError(LSH_NO_INCREMENTAL)
+    if config.decoder_attention == "lsh":  # (a ConfigError is a ValueError)
+        raise ConfigError(LSH_NO_INCREMENTAL)
     if max_len > config.max_positions:
         raise ValueError(f"max_len={max_len} exceeds model.max_positions={config.max_positions}")
     if beam_size < 1:
