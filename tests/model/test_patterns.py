@@ -26,7 +26,8 @@ from aiayn.model.patterns import (
 )
 from aiayn.model.transformer import Transformer
 from aiayn.training import averaging
-from aiayn.training.checkpoint import model_state
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.launch import _pretrained_weights
 from tests.helpers import small_reverse_trainer, tiny_config
 
 SETTINGS = {"window": 3, "n_global": 2, "block": 4, "n_random": 2}
@@ -411,7 +412,7 @@ def test_training_checkpoints_averaging_and_bf16_acceleration_keep_the_patterns(
     names = [f"step_0000000{i}.pt" for i in (1, 2)]
     states = [torch.load(tmp_path / "checkpoints" / n, weights_only=True)["model"] for n in names]
     key = "decoder.layers.0.cross_attn.pattern.key_proj"
-    assert key in states[1] and torch.equal(states[1][key], model_state(trainer.model)[key])
+    assert key in states[1] and torch.equal(states[1][key], ckpt.model_state(trainer.model)[key])
     mean = averaging.average_checkpoints([tmp_path / "checkpoints" / n for n in names])
     assert_close(mean[key], (states[0][key] + states[1][key]) / 2)
     model = Transformer(config.model)
@@ -448,3 +449,19 @@ def test_attention_pictures_show_what_lsh_saw_and_refuse_linformer():
     model = Transformer(_config(cross_attention="linformer")).eval()
     with pytest.raises(UserError, match="no attention pictures"):
         attention_weights(model, src, out)
+
+
+def test_a_classifier_takes_a_linformer_encoder_only_with_its_projections(tmp_path):
+    mlm = tiny_config("model.task=mlm", "model.encoder_attention=linformer", "model.linformer_k=8")
+    state = ckpt.model_checkpoint(
+        mlm, ckpt.model_state(EncoderOnly(mlm.model)), ckpt.bytes_to_tensor(b"tok"), 1, 0
+    )
+    ckpt.save_atomic(state, tmp_path / "mlm.pt")
+    init = f"train.init_from={tmp_path / 'mlm.pt'}"
+    for other in ("model.encoder_attention=full", "model.linformer_k=16"):
+        clf = tiny_config("model.task=classify", "model.encoder_attention=linformer", init, other)
+        with pytest.raises(ConfigError, match="its encoder differs"):
+            _pretrained_weights(clf, b"tok")
+    same = ["model.encoder_attention=linformer", "model.linformer_k=8"]
+    weights = _pretrained_weights(tiny_config("model.task=classify", *same, init), b"tok")
+    assert "encoder.layers.0.self_attn.pattern.key_proj" in weights
