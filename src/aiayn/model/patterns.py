@@ -57,9 +57,8 @@ LINFORMER_CAUSAL = (
     "ones included, into each projected key and value"
 )
 LSH_NO_INCREMENTAL = (
-    "lsh attention has no incremental decoding (its keys come from sorting the whole "
-    "sequence by hash bucket); train and score with it, decode with another "
-    "model.decoder_attention"
+    "lsh attention has no incremental decoding (the decoder cache keeps keys by position, not "
+    "by hash bucket); train and score with it, decode with another model.decoder_attention"
 )
 
 
