@@ -55,6 +55,10 @@ _NON_NEGATIVE = (_non_negative, "0 or more")
 _PROBABILITY = (_probability, "in [0, 1)")
 
 
+# The attention of a stack's self-attention: aiayn.model.patterns.PATTERNS.
+AttentionName = Literal["full", "local", "longformer", "bigbird", "linformer", "lsh"]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, named with the paper's symbols."""
@@ -100,13 +104,24 @@ class ModelConfig:
     # long-sequences.md): the paper's "full", or a pattern for long sequences: "local" (a
     # window of attention_window positions on each side; causal: before), "longformer" (the
     # window and the first attention_global positions as global tokens), "bigbird" (blocks of
-    # attention_block positions: neighbour, global and attention_random_blocks random blocks).
-    encoder_attention: Literal["full", "local", "longformer", "bigbird"] = "full"
-    decoder_attention: Literal["full", "local", "longformer", "bigbird"] = "full"
+    # attention_block positions: neighbour, global and attention_random_blocks random blocks),
+    # "linformer" (keys and values projected along the sequence to linformer_k learned rows;
+    # not causal, so not for the decoder), "lsh" (Reformer's shared-QK attention within hash
+    # buckets: lsh_buckets buckets, lsh_rounds hash rounds, chunks of lsh_chunk positions; no
+    # incremental decoding). cross_attention: the decoder's attention over the encoder output,
+    # "full" or "linformer" (the memory projected to linformer_k rows).
+    encoder_attention: AttentionName = "full"
+    decoder_attention: AttentionName = "full"
+    cross_attention: Literal["full", "linformer"] = "full"
     attention_window: int = 128
     attention_global: int = 1
     attention_block: int = 64
     attention_random_blocks: int = 3
+    linformer_k: int = 256
+    # About the sequence length / lsh_chunk, so that a bucket fills a chunk or two.
+    lsh_buckets: int = 32
+    lsh_rounds: int = 2
+    lsh_chunk: int = 64
     # What the model is for (docs/families.md): the paper's encoder-decoder ("translation"), a
     # decoder-only language model ("lm"), or the encoder alone with a masked-language-model
     # head ("mlm") or a classification head ("classify").
@@ -136,6 +151,7 @@ class ModelConfig:
         positive = (
             *("vocab_size", "d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "n_classes"),
             *("tgt_vocab_size", "attention_window", "attention_block"),
+            *("linformer_k", "lsh_buckets", "lsh_rounds", "lsh_chunk"),
         )
         probabilities = ("dropout", "attention_dropout", "relu_dropout")
         rules = {name: _POSITIVE for name in (*positive, "max_positions", "layer_norm_eps")}
@@ -146,8 +162,16 @@ class ModelConfig:
                 f"model.tgt_vocab_size={self.tgt_vocab_size} differs from model.vocab_size="
                 f"{self.vocab_size}: set model.share_embeddings = false (separate embeddings)"
             )
+        if self.lsh_buckets % 2:
+            raise ConfigError(f"model.lsh_buckets must be even, got {self.lsh_buckets}")
+        if self.decoder_attention == "linformer":
+            raise ConfigError(
+                'model.decoder_attention = "linformer" cannot be: Linformer\'s projection mixes '
+                "future positions into every key, so it cannot run causally"
+            )
         if self.task != "translation":
-            for name, default in (("tgt_vocab_size", None), ("final_logits_bias", False)):
+            extra = (("final_logits_bias", False), ("cross_attention", "full"))
+            for name, default in (("tgt_vocab_size", None), *extra):
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
         if self.d_k is None or self.d_v is None:
@@ -440,6 +464,13 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     every = (config.model, config.data, config.train, config.decode)
     for section in every[:1] if stored else every:
         section.validate()
+    model = config.model
+    if not stored and model.task == "translation" and model.decoder_attention == "lsh":
+        if config.train.valid_bleu:
+            raise ConfigError(
+                'model.decoder_attention = "lsh" has no incremental decoding, which validation '
+                "BLEU needs: set train.valid_bleu = false"
+            )
     return config
 
 

@@ -423,3 +423,12 @@ def test_ranking_penalty() -> None:
     assert ranking_penalty(0.6, [["a"] * 14]) == pytest.approx(0.6 * 15 / 20)
     assert ranking_penalty(0.0, [["a"]]) == 1e-30
     assert 1.0 ** ranking_penalty(0.0, [["a"]]) == 1.0
+
+
+@pytest.mark.parametrize(
+    "setting", ["encoder_attention=local", "decoder_attention=lsh", "cross_attention=linformer"]
+)
+def test_export_refuses_attention_patterns(setting: str) -> None:
+    config = load_config(overrides=["preset=tiny", f"model.{setting}", "train.valid_bleu=false"])
+    with pytest.raises(UserError, match=f"full attention only, not model.{setting.split('=')[0]}"):
+        ct2_module._check_exportable(Transformer(config.model))

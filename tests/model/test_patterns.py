@@ -1,18 +1,34 @@
 """Attention patterns for long sequences (aiayn.model.patterns): the blocked computation equals
 attention written out with the pattern's mask; a pattern that covers every position is full
-attention; causal patterns never see the future; cached decoding equals the full forward."""
+attention; causal patterns never see the future; cached decoding equals the full forward.
+Linformer and LSH: equal to full attention where they cover everything, padding ignored, LSH
+equal to its written-out union of rounds, Linformer refused where it would be causal."""
+
+from typing import get_args
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from aiayn.config import ModelConfig
-from aiayn.errors import ConfigError
+from aiayn.accel import Float32Attention, accelerate
+from aiayn.config import AttentionName, ModelConfig, load_config
+from aiayn.errors import ConfigError, UserError
+from aiayn.inference.attention_maps import attention_weights
 from aiayn.model.attention import naive_attention
 from aiayn.model.families import DecoderOnlyLM, EncoderOnly
-from aiayn.model.patterns import BlockPattern, make_pattern
+from aiayn.model.patterns import (
+    PATTERNS,
+    BlockPattern,
+    LinformerPattern,
+    LSHPattern,
+    make_pattern,
+)
 from aiayn.model.transformer import Transformer
+from aiayn.training import averaging
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.launch import _pretrained_weights
+from tests.helpers import small_reverse_trainer, tiny_config
 
 SETTINGS = {"window": 3, "n_global": 2, "block": 4, "n_random": 2}
 NAMES = ("local", "longformer", "bigbird")
@@ -105,11 +121,15 @@ def _config(**changes) -> ModelConfig:
         "attention_global": 2,
         "attention_block": 4,
         "attention_random_blocks": 2,
+        "linformer_k": 8,
+        "lsh_buckets": 4,
+        "lsh_rounds": 2,
+        "lsh_chunk": 4,
     }
     return ModelConfig(**{**base, **changes})
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "lsh"])
 def test_a_causal_pattern_never_sees_the_future(name):
     torch.manual_seed(0)
     model = DecoderOnlyLM(_config(task="lm", decoder_attention=name)).eval()
@@ -148,7 +168,7 @@ def test_cached_decoding_equals_the_full_forward(name):
             assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "linformer", "lsh"])
 def test_encoder_patterns_train_and_ignore_padding(name):
     torch.manual_seed(0)
     model = EncoderOnly(_config(task="mlm", encoder_attention=name))
@@ -158,6 +178,16 @@ def test_encoder_patterns_train_and_ignore_padding(name):
     logits = model(inputs, pad)
     logits.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    layer = model.encoder.layers[0].self_attn
+    if name == "linformer":  # E and F learn
+        assert isinstance(layer.pattern, LinformerPattern)
+        assert layer.pattern.key_proj.grad is not None and layer.pattern.key_proj.grad.any()
+        assert layer.pattern.value_proj.grad is not None and layer.pattern.value_proj.grad.any()
+    if name == "lsh":  # shared QK: the key projection's rows get nothing
+        grad = layer.qkv_proj.weight.grad
+        assert grad is not None
+        d = layer.n_heads * layer.d_k
+        assert grad[:d].any() and not grad[d : 2 * d].any() and grad[2 * d :].any()
     if name == "bigbird":
         return  # its random blocks are drawn among the padded length's blocks
     # The padded row gives what the sentence gives alone.
@@ -170,12 +200,19 @@ def test_encoder_patterns_train_and_ignore_padding(name):
 
 def test_bfloat16_autocast_runs_the_patterns():
     q, k, v = _qkv()
-    for name in NAMES:
-        pattern = make_pattern(name, **SETTINGS)
+    low = SETTINGS | {"max_positions": 64, "linformer_k": 16, "lsh_buckets": 4, "lsh_chunk": 8}
+    for name, causal in [(name, True) for name in (*NAMES, "lsh")] + [
+        ("linformer", False),
+        ("lsh", False),
+    ]:
+        pattern = make_pattern(name, **low)
         assert pattern is not None
+        pattern.eval()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = pattern(q.bfloat16(), k.bfloat16(), v.bfloat16(), _pad(37), True, 0.0)
-        expected = pattern(q, k, v, _pad(37), True, 0.0)
+            out = pattern(q.bfloat16(), k.bfloat16(), v.bfloat16(), _pad(37), causal, 0.0)
+        # (LSH: the same buckets as the rounded inputs' in float32)
+        rounded = [x.bfloat16().float() for x in (q, k, v)]
+        expected = pattern(*rounded, _pad(37), causal, 0.0)
         assert out.dtype == torch.bfloat16
         assert (out[0].float() - expected[0]).abs().max() < 0.05
 
@@ -243,3 +280,248 @@ def test_a_windowed_decoder_keeps_a_ring_and_beam_search_is_unchanged(name, monk
     assert slots == 31
     assert ringed == whole
     assert all(len(hyps[0][0]) == 30 for hyps in ringed)  # the ring wraps many times
+
+
+# -- Linformer -------------------------------------------------------------------------------
+
+
+def test_linformer_with_identity_projections_is_full_attention():
+    q, k, v = _qkv(t=20)
+    pattern = LinformerPattern(20, max_positions=32)
+    with torch.no_grad():
+        pattern.key_proj.copy_(torch.eye(20, 32))
+        pattern.value_proj.copy_(torch.eye(20, 32))
+    full = F.scaled_dot_product_attention(q, k, v)
+    assert_close(pattern(q, k, v, None, False, 0.0), full, atol=1e-5, rtol=1e-5)
+
+
+def test_linformer_ignores_padding():
+    """Zeroed padded keys and values add nothing to E·K and F·V, and the real positions use the
+    same columns of E and F as alone: a padded sequence gets what it gets alone."""
+    torch.manual_seed(0)
+    pattern = LinformerPattern(6, max_positions=64)
+    q, k, v = _qkv(t=37)
+    pad = _pad(37)
+    both = pattern(q, k, v, pad, False, 0.0)
+    alone = pattern(q[1:, :, :28], k[1:, :, :28], v[1:, :, :28], None, False, 0.0)
+    assert_close(both[1, :, :28], alone[0], atol=1e-5, rtol=1e-5)
+    # padding changes nothing, whatever it holds
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 28:], v2[1, :, 28:] = 1e3, -1e3
+    assert_close(pattern(q, k2, v2, pad, False, 0.0), both, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cannot run causally"):
+        pattern(q, k, v, pad, True, 0.0)
+    with pytest.raises(ValueError, match=r"at most model\.max_positions=64"):
+        pattern(*_qkv(t=65), None, False, 0.0)
+
+
+def test_linformer_is_refused_for_the_decoder():
+    with pytest.raises(ConfigError, match="cannot run causally") as refused:
+        _config(decoder_attention="linformer").validate()
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="translation task"):
+        _config(task="lm", cross_attention="linformer").validate()
+
+
+def test_cached_decoding_with_linformer_cross_attention_equals_the_full_forward():
+    """The cache holds the memory projected to k rows (no mask); padded sources, beams."""
+    torch.manual_seed(0)
+    config = _config(cross_attention="linformer", encoder_attention="linformer")
+    model = Transformer(config).eval()
+    src = torch.randint(5, 50, (2, 15))
+    src_pad = torch.zeros(2, 15, dtype=torch.bool)
+    src_pad[1, 9:] = True
+    tgt = torch.randint(5, 50, (4, 12))
+    tgt[:, 0] = 2
+    rows = torch.tensor([0, 0, 1, 1])
+    with torch.no_grad():
+        full = torch.log_softmax(model(src[rows], src_pad[rows], tgt), dim=-1)
+        cache = model.init_cache(model.encode(src, src_pad), src_pad, max_len=12, beam_size=2)
+        assert cache.cross_mask is None
+        assert cache.layers[0].cross_k is not None and cache.layers[0].cross_k.shape[2] == 8
+        for t in range(12):
+            step = model.log_probs_step(tgt[:, t], cache)
+            assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+
+
+# -- LSH ---------------------------------------------------------------------------------------
+
+
+def _shared_qk(q: torch.Tensor, key_pad: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Full shared-QK attention weights written out: keys = q / |q|; a query attends to
+    itself only when it has no other key."""
+    t = q.size(2)
+    scores = q @ F.normalize(q, dim=-1).transpose(-2, -1) / q.size(-1) ** 0.5
+    others = ~torch.eye(t, dtype=torch.bool)
+    if causal:
+        others = others & torch.ones(t, t, dtype=torch.bool).tril()
+    keys = others[None, None].expand(q.size(0), 1, t, t)
+    if key_pad is not None:
+        keys = keys & ~key_pad[:, None, None, :]
+    alone = ~keys.any(-1, keepdim=True)  # no other key: itself
+    keys = keys | (alone & torch.eye(t, dtype=torch.bool))
+    return scores.masked_fill(~keys, float("-inf")).softmax(dim=-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lsh_with_one_bucket_and_one_chunk_is_full_shared_qk_attention(causal):
+    q, k, v = _qkv()
+    pad = _pad(37)
+    pattern = LSHPattern(buckets=1, rounds=1, chunk=40).eval()
+    ours = pattern(q, k, v, pad, causal, 0.0)
+    expected = _shared_qk(q, pad, causal) @ v
+    real = ~pad[1]
+    assert_close(ours[0], expected[0], atol=1e-5, rtol=1e-5)
+    assert_close(ours[1][:, real], expected[1][:, real], atol=1e-5, rtol=1e-5)
+    # k is not used (shared QK)
+    assert torch.equal(pattern(q, torch.zeros_like(k), v, pad, causal, 0.0), ours)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("settings", [(4, 2, 5), (8, 3, 4), (2, 1, 3)])
+def test_lsh_equals_attention_over_the_union_of_its_rounds(settings, causal):
+    """Chunked, sorted and combined over rounds, it equals shared-QK attention over the keys
+    that any round saw (:meth:`LSHPattern.seen`), each once, written out."""
+    buckets, rounds, chunk = settings
+    q, k, v = _qkv()
+    pad = _pad(37)
+    pattern = LSHPattern(buckets, rounds, chunk).eval()
+    ours = pattern(q, k, v, pad, causal, 0.0)
+    expected = pattern.weights(q, k, pad, causal) @ v
+    real = ~pad[1]
+    assert_close(ours[0], expected[0], atol=1e-5, rtol=1e-5)
+    assert_close(ours[1][:, real], expected[1][:, real], atol=1e-5, rtol=1e-5)
+    seen = pattern.seen(q, pad, causal)
+    assert seen.float().mean() < 0.5  # sparse
+    assert not (seen & pad[:, None, None, :]).any()
+    if causal:
+        assert not seen.triu(1).any()
+    # each round sees at most its chunk and the one before
+    assert seen.sum(-1).max() <= rounds * 2 * chunk
+
+
+def test_lsh_eval_is_deterministic_and_training_draws_new_rotations():
+    q, k, v = _qkv()
+    pattern = LSHPattern(8, 2, 4)
+    fixed = pattern.eval()(q, k, v, None, False, 0.0)
+    assert torch.equal(LSHPattern(8, 2, 4).eval()(q, k, v, None, False, 0.0), fixed)
+    pattern.train()
+    torch.manual_seed(3)
+    first = pattern(q, k, v, None, False, 0.0)
+    torch.manual_seed(3)
+    assert torch.equal(pattern(q, k, v, None, False, 0.0), first)  # the run's seed
+    assert not torch.equal(pattern(q, k, v, None, False, 0.0), first)
+    with pytest.raises(ValueError, match="depend on the data"):
+        pattern.allowed(10, False, q.device)
+
+
+def test_lsh_has_no_incremental_decoding():
+    lm = DecoderOnlyLM(_config(task="lm", decoder_attention="lsh"))
+    with pytest.raises(ConfigError, match="lsh attention has no incremental decoding"):
+        lm.init_cache(2, 10)
+    pattern = lm.decoder.layers[0].self_attn.pattern
+    assert pattern is not None
+    with pytest.raises(ValueError, match="lsh attention has no incremental decoding"):
+        pattern.step_keys(3, torch.device("cpu"))  # what Decoder.step asks
+    model = Transformer(_config(decoder_attention="lsh"))
+    memory = model.encode(torch.randint(5, 50, (1, 6)), None)
+    with pytest.raises(ValueError, match="lsh attention has no incremental decoding"):
+        model.init_cache(memory, None, max_len=10)
+    # a translation run with it would fail at its first validation BLEU
+    with pytest.raises(ConfigError, match=r"set train\.valid_bleu = false"):
+        load_config(overrides=["preset=tiny", "model.decoder_attention=lsh"])
+    load_config(overrides=["preset=tiny", "model.decoder_attention=lsh", "train.valid_bleu=false"])
+    # the encoder may use it and decode incrementally
+    model = Transformer(_config(encoder_attention="lsh")).eval()
+    src = torch.randint(5, 50, (1, 6))
+    with torch.no_grad():
+        cache = model.init_cache(model.encode(src, None), None, max_len=3)
+        model.log_probs_step(torch.tensor([2]), cache)
+
+
+def test_new_settings_are_checked():
+    assert get_args(AttentionName) == PATTERNS
+    with pytest.raises(ConfigError, match="lsh_buckets must be even"):
+        _config(lsh_buckets=5).validate()
+    for name in ("linformer_k", "lsh_buckets", "lsh_rounds", "lsh_chunk"):
+        with pytest.raises(ConfigError, match=name):
+            _config(**{name: 0}).validate()
+
+
+def test_training_checkpoints_averaging_and_bf16_acceleration_keep_the_patterns(tmp_path):
+    """Linformer's E and F are parameters of the model: the Trainer trains them (bf16 on the
+    CPU: attention modules swapped for Float32Attention), checkpoints hold them, averaging
+    takes their mean, and a bf16 accelerated model decodes through the projected memory."""
+    over = [
+        "model.encoder_attention=lsh",
+        "model.cross_attention=linformer",
+        "model.linformer_k=8",
+        "model.lsh_buckets=2",
+        "model.lsh_chunk=4",
+        "train.max_steps=2",
+        "train.save_interval_steps=1",
+        "train.precision=bf16",
+        "train.valid_bleu=false",
+    ]
+    config = tiny_config(*over)
+    trainer = small_reverse_trainer(config, tmp_path)
+    proj = trainer.model.decoder.layers[0].cross_attn.pattern.key_proj
+    before = proj.detach().clone()
+    trainer.train()
+    assert not torch.equal(proj.detach(), before)  # E learns
+    names = [f"step_0000000{i}.pt" for i in (1, 2)]
+    states = [torch.load(tmp_path / "checkpoints" / n, weights_only=True)["model"] for n in names]
+    key = "decoder.layers.0.cross_attn.pattern.key_proj"
+    assert key in states[1] and torch.equal(states[1][key], ckpt.model_state(trainer.model)[key])
+    mean = averaging.average_checkpoints([tmp_path / "checkpoints" / n for n in names])
+    assert_close(mean[key], (states[0][key] + states[1][key]) / 2)
+    model = Transformer(config.model)
+    model.load_state_dict(mean)
+    model = model.eval().to(torch.bfloat16)
+    with accelerate(model, "decode", precision="bf16", memory_settings=False):
+        attention = model.decoder.layers[0].cross_attn
+        assert type(attention) is Float32Attention and attention.pattern is not None
+        src = torch.randint(4, 12, (2, 7))
+        pad = torch.zeros(2, 7, dtype=torch.bool)
+        pad[1, 5:] = True
+        tgt = torch.randint(4, 12, (2, 3))
+        with torch.inference_mode():
+            full = torch.log_softmax(model(src, pad, tgt).float(), dim=-1)
+            cache = model.init_cache(model.encode(src, pad), pad, max_len=3)
+            assert cache.layers[0].cross_k is not None
+            assert cache.layers[0].cross_k.dtype == torch.float32  # Float32Attention's memory
+            for t in range(3):
+                step = model.log_probs_step(tgt[:, t], cache)
+                assert (step - full[:, t]).abs().max() < 0.1
+
+
+def test_attention_pictures_show_what_lsh_saw_and_refuse_linformer():
+    torch.manual_seed(0)
+    model = Transformer(_config(encoder_attention="lsh", decoder_attention="local")).eval()
+    src, out = list(range(5, 25)), list(range(5, 15))
+    encoder, decoder, _ = attention_weights(model, src, out)
+    weights = encoder[0]  # (H, S, S), S = 21 with EOS
+    assert_close(weights.sum(-1), torch.ones(4, 21))
+    assert (weights > 0).float().mean() < 0.6  # only the keys its buckets gave each query
+    assert not decoder[0].triu(1).any()  # local, causal
+    again, _, _ = attention_weights(model, src, out)
+    assert torch.equal(again[0], weights)  # eval rotations are fixed
+    model = Transformer(_config(cross_attention="linformer")).eval()
+    with pytest.raises(UserError, match="no attention pictures"):
+        attention_weights(model, src, out)
+
+
+def test_a_classifier_takes_a_linformer_encoder_only_with_its_projections(tmp_path):
+    mlm = tiny_config("model.task=mlm", "model.encoder_attention=linformer", "model.linformer_k=8")
+    state = ckpt.model_checkpoint(
+        mlm, ckpt.model_state(EncoderOnly(mlm.model)), ckpt.bytes_to_tensor(b"tok"), 1, 0
+    )
+    ckpt.save_atomic(state, tmp_path / "mlm.pt")
+    init = f"train.init_from={tmp_path / 'mlm.pt'}"
+    for other in ("model.encoder_attention=full", "model.linformer_k=16"):
+        clf = tiny_config("model.task=classify", "model.encoder_attention=linformer", init, other)
+        with pytest.raises(ConfigError, match="its encoder differs"):
+            _pretrained_weights(clf, b"tok")
+    same = ["model.encoder_attention=linformer", "model.linformer_k=8"]
+    weights = _pretrained_weights(tiny_config("model.task=classify", *same, init), b"tok")
+    assert "encoder.layers.0.self_attn.pattern.key_proj" in weights

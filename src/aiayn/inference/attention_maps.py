@@ -5,6 +5,9 @@ inputs each attention module receives during one teacher-forced pass over the so
 translation (forward hooks, so the model itself is unchanged): encoder self-attention (S × S),
 decoder self-attention (T × T) and cross-attention (T × S), where S counts the source tokens
 and EOS, T the output tokens and EOS. Decoder row i is the step that produces output token i.
+A layer with an attention pattern (aiayn.model.patterns) gives its pattern's weights
+(``AttentionPattern.weights``; lsh's depend on the data); Linformer's fall on projected rows,
+not tokens, and a model with it has no pictures (UserError).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from aiayn.data.collate import BOS_ID, EOS_ID
+from aiayn.errors import UserError
 from aiayn.model.attention import MultiHeadAttention, naive_attention
 from aiayn.model.transformer import Transformer
 
@@ -38,10 +42,11 @@ def _recorder(store: list[Tensor]) -> Callable[..., None]:
             k, v = module.project_kv(memory)
         # In float32: an accelerated bfloat16 model gives float32 keys and values.
         q, k, v = q.float(), k.float(), v.float()
-        if module.pattern is not None:  # the keys its pattern leaves each query
-            seen = module.pattern.allowed(q.size(2), causal, q.device)[None, None]
-            mask, causal = seen if mask is None else mask & seen, False
-        _, weights = naive_attention(q, k, v, mask, causal)  # (B, H, T, S)
+        if module.pattern is not None:  # over the keys its pattern leaves each query
+            key_pad = None if mask is None else ~mask[:, 0, 0, :]
+            weights = module.pattern.weights(q, k, key_pad, causal)
+        else:
+            _, weights = naive_attention(q, k, v, mask, causal)  # (B, H, T, S)
         store.append(weights[0].float().cpu())
 
     return hook
@@ -64,6 +69,13 @@ def attention_weights(
     for decoder_layer in model.decoder.layers:
         assert decoder_layer.cross_attn is not None
         hooked += [(decoder_layer.self_attn, decoder), (decoder_layer.cross_attn, cross)]
+    for attention, _ in hooked:
+        pattern = attention.pattern
+        if pattern is not None and not pattern.weighs_positions:
+            raise UserError(
+                f"{pattern.name} attention weighs projected rows, not tokens: it has no "
+                "attention pictures"
+            )
     for attention, store in hooked:
         handles.append(attention.register_forward_hook(_recorder(store), with_kwargs=True))
     try:

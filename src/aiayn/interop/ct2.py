@@ -167,6 +167,10 @@ def _check_exportable(model: Transformer) -> None:
     activation = getattr(config, "activation", "relu")
     if activation not in _ACTIVATIONS:
         raise UserError(f"no CTranslate2 activation for model.activation={activation!r}")
+    for name in ("encoder_attention", "decoder_attention", "cross_attention"):
+        pattern = getattr(config, name, "full")
+        if pattern != "full":  # it would translate with full attention, silently another model
+            raise UserError(f"CTranslate2 has full attention only, not model.{name}={pattern!r}")
 
 
 def _check_vocabulary(tokens: list[str], side: str) -> None:

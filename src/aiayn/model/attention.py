@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.model.patterns import AttentionPattern
+from aiayn.model.patterns import AttentionPattern, LinformerPattern
 
 
 def attention_mask(src_pad: Tensor | None) -> Tensor | None:
@@ -127,6 +127,16 @@ class MultiHeadAttention(nn.Module):
         hk, hv = self.n_heads * self.d_k, self.n_heads * self.d_v
         k, v = self.kv_proj(memory).split([hk, hv], dim=-1)
         return self._heads(k, self.d_k), self._heads(v, self.d_v)
+
+    def memory_kv(self, memory: Tensor, memory_pad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The cross-attention keys and values an incremental decoder keeps for the encoder
+        output (B, S, d_model): :meth:`project_kv`'s, or with a Linformer pattern their
+        projection along the sequence to k rows (B, H, k, Dh), which leaves no padding: the
+        decoder then attends to them without a mask."""
+        k, v = self.project_kv(memory)
+        if isinstance(self.pattern, LinformerPattern):
+            k, v = self.pattern.project(k, v, memory_pad)
+        return k, v
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool

@@ -33,7 +33,8 @@ class LayerCache:
     """One decoder layer's cached tensors, one row per *sentence*.
 
     ``self_k``/``self_v`` are preallocated to ``max_len`` positions and written in place, one
-    slot per beam; ``cross_k``/``cross_v`` are the encoder memory projected once.
+    slot per beam; ``cross_k``/``cross_v`` are the encoder memory projected once (with
+    ``model.cross_attention = "linformer"``, to k rows along the sequence: S is then k).
     """
 
     self_k: Tensor  # (sentences, H, max_len, beam, Dk)
@@ -106,7 +107,8 @@ class DecoderCache:
     """
 
     layers: list[LayerCache]
-    cross_mask: Tensor | None  # (sentences, 1, 1, S), True = attend; None when no padding
+    # (sentences, 1, 1, S), True = attend; None when no padding (or Linformer's projected rows)
+    cross_mask: Tensor | None
     length: int
     max_len: int
     beam_size: int = 1

@@ -45,25 +45,30 @@ def sublayer_connection(
     return norm(residual(x, sublayer(x)))
 
 
-def _attention(config: ModelConfig, pattern: str | None) -> MultiHeadAttention:
-    """Self-attention with ``pattern`` (model.encoder_attention or decoder_attention), or
-    cross-attention (None)."""
+def _attention(
+    config: ModelConfig, pattern: str, self_attention: bool = True
+) -> MultiHeadAttention:
+    """Self-attention (or cross-attention) with the attention ``pattern``:
+    model.encoder_attention, decoder_attention or cross_attention."""
     return MultiHeadAttention(
         config.d_model,
         config.n_heads,
         config.head_dim_k,
         config.head_dim_v,
-        self_attention=pattern is not None,
+        self_attention=self_attention,
         dropout=config.attention_dropout,
         bias=config.attention_bias,
-        pattern=None
-        if pattern is None
-        else make_pattern(
+        pattern=make_pattern(
             pattern,
             window=config.attention_window,
             n_global=config.attention_global,
             block=config.attention_block,
             n_random=config.attention_random_blocks,
+            max_positions=config.max_positions,
+            linformer_k=config.linformer_k,
+            lsh_buckets=config.lsh_buckets,
+            lsh_rounds=config.lsh_rounds,
+            lsh_chunk=config.lsh_chunk,
         ),
     )
 
@@ -99,7 +104,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, cross_attention: bool = True) -> None:
         super().__init__()
         self.self_attn = _attention(config, config.decoder_attention)
-        self.cross_attn = _attention(config, None) if cross_attention else None
+        self.cross_attn = (
+            _attention(config, config.cross_attention, self_attention=False)
+            if cross_attention
+            else None
+        )
         self.ffn = feed_forward(config)
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.cross_attn_norm = (

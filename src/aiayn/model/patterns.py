@@ -22,7 +22,22 @@ the sequence is cut into ``nb`` blocks of ``bs`` positions (padded at the end); 
 random blocks) and against the global keys, the scores are masked at the token level
 (window, causality, padding, keys counted twice), and one softmax runs over them together.
 The score tensor is (B, H, nb, bs, m) with ``m`` the keys a block sees, instead of (B, H, T,
-T). Global queries are computed as full attention rows.
+T). Global queries are computed as full attention rows. These save time and memory alike:
+O(n·m) scores instead of O(n²).
+
+Two more take another road than a positional pattern:
+
+- ``linformer`` (Wang et al., 2020; :class:`LinformerPattern`): the keys and values are
+  projected along the sequence to ``model.linformer_k`` rows by learned matrices, and every
+  query attends to those rows: O(n·k) time and memory. Every row mixes every position, so it
+  cannot run causally (encoder self-attention and cross-attention only).
+- ``lsh`` (Reformer, Kitaev et al., 2020; :class:`LSHPattern`): shared-QK attention in which
+  each query sees the keys that hash to its bucket, found by sorting and chunking: O(n·c)
+  scores per hash round (c = ``model.lsh_chunk``) plus a sort. It saves memory; its hashing,
+  sort, gathers and rounds are many passes over the chunk scores, which cost more time than
+  full attention's one fused product unless sequences are very long. Which keys a query sees
+  depends on the data, so it has no fixed :meth:`AttentionPattern.allowed` and no
+  incremental decoding.
 """
 
 from __future__ import annotations
@@ -34,8 +49,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PatternName = Literal["full", "local", "longformer", "bigbird"]
-PATTERNS: tuple[str, ...] = ("full", "local", "longformer", "bigbird")
+PatternName = Literal["full", "local", "longformer", "bigbird", "linformer", "lsh"]
+PATTERNS: tuple[str, ...] = ("full", "local", "longformer", "bigbird", "linformer", "lsh")
+
+LINFORMER_CAUSAL = (
+    "linformer attention cannot run causally: its projection mixes every position, future "
+    "ones included, into each projected key and value"
+)
+LSH_NO_INCREMENTAL = (
+    "lsh attention has no incremental decoding (the decoder cache keeps keys by position, not "
+    "by hash bucket); train and score with it, decode with another model.decoder_attention"
+)
 
 
 class AttentionPattern(nn.Module):
@@ -57,6 +81,20 @@ class AttentionPattern(nn.Module):
         """For incremental decoding: which of the keys ``0 .. position`` the query at
         ``position`` sees (bool, (position + 1,)), as :meth:`forward` with ``causal``."""
         raise NotImplementedError
+
+    # Whether the weights fall on the keys' positions (Linformer's fall on projected rows), so
+    # that :meth:`weights` can picture them per token.
+    weighs_positions = True
+
+    def weights(self, q: Tensor, k: Tensor, key_pad: Tensor | None, causal: bool) -> Tensor:
+        """(B, H, T, S) float32: the attention weights each query gives the keys' positions,
+        written out from :meth:`allowed` (attention pictures, tests)."""
+        seen = self.allowed(q.size(2), causal, q.device)[None, None]
+        if key_pad is not None:
+            seen = seen & ~key_pad[:, None, None, :]
+        q, k = q.float(), k.float()
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        return scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
 
 
 class BlockPattern(AttentionPattern):
@@ -235,10 +273,374 @@ class BlockPattern(AttentionPattern):
         return F.scaled_dot_product_attention(q[:, :, :g], k, v, attn_mask=full, dropout_p=dropout)
 
 
+class LinformerPattern(AttentionPattern):
+    """Linformer attention (Wang et al., 2020): softmax(Q (E·K)ᵀ / √d_k) (F·V).
+
+    ``E`` and ``F`` (``rows`` × ``max_positions``, learned) project the n keys and values along
+    the sequence to ``rows`` = ``model.linformer_k`` rows, sliced to their first n columns for
+    a sequence of n positions; one pair per layer, shared by its heads (the paper's headwise
+    sharing). Scores are (B, H, T, k) instead of (B, H, T, n): O(n·k) time and memory, a
+    saving of both once n exceeds k. Padded keys and values are zeroed before the projection,
+    so that padding adds nothing: a padded sequence gets what it gets alone, as the
+    projection of its real positions uses the same columns of ``E`` and ``F`` either way.
+
+    Every projected row mixes every position, so the pattern cannot be causal (a causal call
+    raises ValueError); it serves the encoder's self-attention and the decoder's
+    cross-attention (``model.cross_attention``), where an incremental decoder caches the
+    projected memory (:meth:`project`)."""
+
+    name = "linformer"
+    weighs_positions = False
+
+    def __init__(self, rows: int, max_positions: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.max_positions = max_positions
+        self.key_proj = nn.Parameter(torch.empty(rows, max_positions))  # E
+        self.value_proj = nn.Parameter(torch.empty(rows, max_positions))  # F
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Entries i.i.d. N(0, 1/k): the random projection of the paper's analysis (its
+        # Theorem 1, after Johnson-Lindenstrauss), which keeps inner products of the sequence's
+        # columns in expectation (E[EᵀE] = I); the paper does not state its trained
+        # initialisation.
+        std = 1.0 / math.sqrt(self.rows)
+        nn.init.normal_(self.key_proj, std=std)
+        nn.init.normal_(self.value_proj, std=std)
+
+    def extra_repr(self) -> str:
+        return f"k={self.rows}, max_positions={self.max_positions}"
+
+    def project(self, k: Tensor, v: Tensor, key_pad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """E·K and F·V: keys (B, H, n, Dk) and values (B, H, n, Dv) projected along the
+        sequence to (B, H, k, D·), padded positions (``key_pad`` (B, n), True at padding)
+        zeroed first. The result has no padding left."""
+        n = k.size(-2)
+        if n > self.max_positions:
+            raise ValueError(
+                f"linformer attention projects at most model.max_positions="
+                f"{self.max_positions} positions, got {n}"
+            )
+        if key_pad is not None:
+            pad = key_pad[:, None, :, None]
+            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        e = self.key_proj[:, :n].to(k.dtype)
+        f = self.value_proj[:, :n].to(v.dtype)
+        return torch.matmul(e, k), torch.matmul(f, v)
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, key_pad: Tensor | None, causal: bool, dropout: float
+    ) -> Tensor:
+        if causal:
+            raise ValueError(LINFORMER_CAUSAL)
+        keys, values = self.project(k, v, key_pad)
+        # (The cross-attention of a bfloat16 model on the CPU keeps its memory in float32.)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout)
+
+    def allowed(self, t: int, causal: bool, device: torch.device) -> Tensor:
+        raise ValueError("linformer attention weighs projected rows, not positions")
+
+    def step_keys(self, position: int, device: torch.device) -> Tensor:
+        raise ValueError(LINFORMER_CAUSAL)
+
+    def weights(self, q: Tensor, k: Tensor, key_pad: Tensor | None, causal: bool) -> Tensor:
+        raise ValueError(
+            f"linformer attention weighs {self.rows} projected rows, not the keys' positions: "
+            "it has no per-token picture"
+        )
+
+
+# Reformer's fills for shared-QK scores: a query's own key (seen only when nothing else is)
+# and a key it does not see (finite, so that a row of padding stays a number).
+_SELF_SCORE = -1e5
+_UNSEEN_SCORE = -1e9
+
+
+class LSHPattern(AttentionPattern):
+    """Reformer's LSH attention (Kitaev et al., 2020), with shared queries and keys.
+
+    - *Shared QK*: the keys are the queries normalised to unit length, k_j = q_j / ‖q_j‖;
+      the layer's key projection (W^K) is unused (it stays in the fused projection and gets
+      zero gradients). Scores are q_i·k_j / √d_k.
+    - *Hashing*: h(x) = argmax([xR; −xR]) with R a random (d_k, buckets / 2) matrix per round,
+      ``rounds`` = ``model.lsh_rounds`` rounds, ``buckets`` = ``model.lsh_buckets`` (even; 1,
+      for tests, puts every position in one bucket). In training R is drawn afresh at every
+      call from torch's global generator (the run's seed makes it reproducible); in eval it is
+      fixed, drawn once per head size from a generator seeded with ``seed``, so that
+      evaluation and pictures are deterministic. (Every layer's eval rotations are the same.)
+    - *Sort and chunk*: per round, positions are sorted by (bucket, position) and cut into
+      chunks of ``chunk`` = ``model.lsh_chunk``. A query sees the keys *of its own bucket*
+      within reach: its chunk and the previous one (non-causal), or the ``chunk`` keys before it
+      in the sorted order and itself (causal). The causal reach counts only earlier positions
+      of the bucket, which do not depend on later tokens, so no query's keys change with the
+      future; padding is sorted behind every real position, so a padded sequence sees what it
+      sees alone.
+    - *Self*: a query's own key scores −1e5, so that it is attended only when the query sees
+      no other key (Reformer's rule for shared QK); padding (and, causally, later positions)
+      is never seen.
+    - *Rounds*: each round is normalised on its own and the rounds are combined with weights
+      softmax over their log-normalisers (logsumexp); a key seen in N_ij rounds has log N_ij
+      taken off its score in each (the paper's correction), so that the result is attention
+      over the union of the keys the rounds saw, each once (:meth:`seen`).
+
+    Scores take (B, H, T, 2·chunk) per round, and counting the rounds that see each pair
+    takes rounds² comparisons over them. The computation is in float32 (outside autocast).
+    The eval rotations are not in the state dict: they follow from ``seed``.
+    """
+
+    name = "lsh"
+
+    def __init__(self, buckets: int, rounds: int, chunk: int, seed: int = 0) -> None:
+        super().__init__()
+        if buckets < 1 or (buckets > 1 and buckets % 2):
+            raise ValueError(f"lsh attention needs an even number of buckets (or 1), got {buckets}")
+        if rounds < 1 or chunk < 1:
+            raise ValueError(f"lsh attention needs rounds and chunk >= 1, got {rounds}, {chunk}")
+        self.buckets = buckets
+        self.rounds = rounds
+        self.chunk = chunk
+        self.seed = seed
+        self._fixed: dict[tuple[int, str], Tensor] = {}
+
+    def extra_repr(self) -> str:
+        return f"buckets={self.buckets}, rounds={self.rounds}, chunk={self.chunk}"
+
+    # -- hashing ---------------------------------------------------------------------------
+
+    def _rotations(self, d: int, device: torch.device) -> Tensor:
+        """R of every round: (rounds, d, buckets / 2), float32."""
+        shape = (self.rounds, d, self.buckets // 2)
+        if self.training:
+            return torch.randn(shape, device=device)
+        key = (d, str(device))
+        fixed = self._fixed.get(key)
+        if fixed is None:
+            generator = torch.Generator().manual_seed(self.seed)
+            fixed = torch.randn(shape, generator=generator).to(device)
+            self._fixed[key] = fixed
+        return fixed
+
+    def _sort(self, x: Tensor, key_pad: Tensor | None, tp: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Buckets, sorted index (rank) and sorting permutation, each (rounds, B, H, tp), of
+        the positions of ``x`` (B, H, T, D) float32, extended to ``tp`` positions: padding and
+        the extension get bucket ``buckets``, behind every real position."""
+        b, h, t, d = x.shape
+        if self.buckets == 1:
+            bucket = torch.zeros(self.rounds, b, h, t, dtype=torch.long, device=x.device)
+        else:
+            rotated = torch.einsum("bhtd,rdk->rbhtk", x, self._rotations(d, x.device))
+            bucket = torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
+        if key_pad is not None:
+            bucket = bucket.masked_fill(key_pad[None, :, None, :], self.buckets)
+        bucket = F.pad(bucket, (0, tp - t), value=self.buckets)
+        positions = torch.arange(tp, device=x.device)
+        perm = (bucket * tp + positions).argsort(dim=-1)
+        rank = torch.empty_like(perm).scatter_(-1, perm, positions.expand_as(perm).contiguous())
+        return bucket, rank, perm
+
+    def _sees(
+        self, q_bucket: Tensor, q_rank: Tensor, k_bucket: Tensor, k_rank: Tensor, causal: bool
+    ) -> Tensor:
+        """Whether a query sees a key in one round (broadcast): the same bucket, and within
+        reach in the sorted order."""
+        if causal:
+            behind = q_rank - k_rank
+            near = (behind >= 0) & (behind <= self.chunk)
+        else:
+            chunks_behind = q_rank // self.chunk - k_rank // self.chunk
+            near = (chunks_behind == 0) | (chunks_behind == 1)
+        return (q_bucket == k_bucket) & near
+
+    # -- what each query sees, written out -------------------------------------------------
+
+    def seen(self, q: Tensor, key_pad: Tensor | None, causal: bool) -> Tensor:
+        """(B, H, T, T) bool: the keys each query sees in any round (its own key included),
+        for the queries ``q`` (B, H, T, D); in eval mode what :meth:`forward` sees."""
+        t = q.size(2)
+        tp = math.ceil(t / self.chunk) * self.chunk
+        with torch.autocast(q.device.type, enabled=False):
+            bucket, rank, _ = self._sort(q.float(), key_pad, tp)
+        bucket, rank = bucket[..., :t], rank[..., :t]
+        union = torch.zeros(*q.shape[:3], t, dtype=torch.bool, device=q.device)
+        for r in range(self.rounds):
+            union |= self._sees(
+                bucket[r, ..., :, None], rank[r, ..., :, None], bucket[r, ..., None, :],
+                rank[r, ..., None, :], causal,
+            )  # fmt: skip
+        if key_pad is not None:
+            union &= ~key_pad[:, None, None, :]
+        if causal:
+            union &= torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        return union
+
+    def weights(self, q: Tensor, k: Tensor, key_pad: Tensor | None, causal: bool) -> Tensor:
+        """(B, H, T, T) float32: shared-QK attention over :meth:`seen`, its own key scoring
+        −1e5, written out (``k`` is unused)."""
+        x = q.float()
+        scores = torch.matmul(x, F.normalize(x, dim=-1).transpose(-2, -1)) / math.sqrt(x.size(-1))
+        eye = torch.eye(x.size(2), dtype=torch.bool, device=x.device)
+        scores = scores.masked_fill(eye, _SELF_SCORE)
+        lowest = torch.finfo(torch.float32).min
+        return scores.masked_fill(~self.seen(q, key_pad, causal), lowest).softmax(dim=-1)
+
+    def allowed(self, t: int, causal: bool, device: torch.device) -> Tensor:
+        raise ValueError("lsh attention's keys depend on the data: see LSHPattern.seen")
+
+    def step_keys(self, position: int, device: torch.device) -> Tensor:
+        raise ValueError(LSH_NO_INCREMENTAL)
+
+    # -- the computation -------------------------------------------------------------------
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, key_pad: Tensor | None, causal: bool, dropout: float
+    ) -> Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            return self._attend(q.float(), v.float(), key_pad, causal, dropout).to(v.dtype)
+
+    def _attend(
+        self, x: Tensor, v: Tensor, key_pad: Tensor | None, causal: bool, dropout: float
+    ) -> Tensor:
+        b, h, t, d = x.shape
+        dv = v.size(-1)
+        c = self.chunk
+        nc = math.ceil(t / c)
+        tp = nc * c
+        device = x.device
+        bucket, rank, perm = self._sort(x, key_pad, tp)
+        signature = self._signature(bucket, rank, causal)
+        queries = F.pad(x, (0, 0, 0, tp - t))
+        keys = F.pad(F.normalize(x, dim=-1), (0, 0, 0, tp - t))
+        values = F.pad(v, (0, 0, 0, tp - t))
+        key_real = (torch.arange(tp, device=device) < t).expand(b, tp)
+        if key_pad is not None:
+            key_real = key_real & ~F.pad(key_pad, (0, tp - t), value=True)
+        key_real = key_real[:, None].expand(b, h, tp)
+        # A chunk's queries are scored against the previous chunk's positions, then their own
+        # (2c key slots; query slot o's own key is slot c + o). Causally, query slot o keeps
+        # the c + 1 slots o .. o + c (its reach, its own key last), so that every query
+        # reduces its scores in the same layout wherever the chunk boundaries fall.
+        window = torch.arange(c, device=device)[:, None] + torch.arange(c + 1, device=device)
+        scale = 1.0 / math.sqrt(d)
+        outs, lses = [], []
+        for r in range(self.rounds):
+            order = perm[r]  # (B, H, tp): the position at each sorted index
+            q_pos = order.view(b, h, nc, c)
+            k_pos = _with_previous(q_pos, -1)  # (B, H, nc, 2c)
+            # (a missing previous chunk reads position 0, never seen)
+            key_slots = k_pos.clamp(min=0)
+            scores = torch.matmul(
+                _rows(queries, q_pos), _rows(keys, key_slots).transpose(-2, -1)
+            )  # (B, H, nc, c, 2c)
+            scores = self._masked(scores * scale, q_pos, k_pos, signature, key_real, r, causal)
+            if causal:
+                slots = window.expand(b, h, nc, c, c + 1)
+                scores = scores.gather(-1, slots)
+            lse = scores.logsumexp(dim=-1)  # (B, H, nc, c)
+            weights = (scores - lse[..., None]).exp()
+            if dropout > 0.0:
+                weights = F.dropout(weights, dropout)
+            if causal:
+                weights = torch.zeros(b, h, nc, c, 2 * c, device=device).scatter(-1, slots, weights)
+            out = torch.matmul(weights, _rows(values, key_slots))
+            # back to position order
+            back = rank[r]
+            outs.append(out.view(b, h, tp, dv).gather(2, back[..., None].expand(-1, -1, -1, dv)))
+            lses.append(lse.view(b, h, tp).gather(2, back))
+        share = torch.stack(lses).softmax(dim=0)  # (rounds, B, H, tp)
+        out = (share[..., None] * torch.stack(outs)).sum(dim=0)
+        return out[:, :, :t]
+
+    def _signature(self, bucket: Tensor, rank: Tensor, causal: bool) -> Tensor:
+        """One integer per round and position, such that a query sees a key in that round
+        (:meth:`_sees`) exactly when its integer minus the key's is in [0, reach], with reach
+        ``chunk`` (causal) or 1: bucket · width + rank (causal) or + chunk index, the width
+        wide enough that keys of another bucket are never within reach."""
+        tp = rank.size(-1)
+        if causal:
+            width, within = tp + self.chunk + 1, rank
+        else:
+            width, within = tp // self.chunk + 1, rank // self.chunk
+        # (doubled by _masked)
+        dtype = torch.int32 if 2 * (self.buckets + 1) * width + self.chunk < 2**31 else torch.long
+        return (bucket * width + within).to(dtype)
+
+    def _masked(
+        self,
+        scores: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        signature: Tensor,
+        key_real: Tensor,
+        r: int,
+        causal: bool,
+    ) -> Tensor:
+        """Round ``r``'s scores (B, H, nc, c, 2c) with the keys it does not see filled, the
+        query's own key's score replaced, and log N_ij (the rounds that see the pair) taken
+        off. ``q_pos`` (B, H, nc, c) and ``k_pos`` (B, H, nc, 2c) are positions (-1: no key);
+        ``signature`` is :meth:`_signature`'s. (Causally, a key within reach is never later
+        than the query: the bucket is sorted by position.)"""
+
+        def at(z: Tensor, pos: Tensor) -> Tensor:  # z (B, H, tp) at positions pos (B, H, ...)
+            return z.gather(2, pos.flatten(2)).view(pos.shape)
+
+        c = q_pos.size(-1)
+        present = k_pos >= 0
+        k_pos = k_pos.clamp(min=0)
+        key_ok = (present & at(key_real, k_pos))[..., None, :]  # (B, H, nc, 1, 2c)
+        # 0 <= q - k <= reach  <=>  |2q - (2k + reach)| <= reach
+        reach = c if causal else 1
+        here = key_ok
+        count: Tensor | None = None
+        for other in range(self.rounds):
+            twice = signature[other] * 2
+            apart = at(twice, q_pos)[..., :, None] - at(twice + reach, k_pos)[..., None, :]
+            sees = apart.abs_() <= reach
+            if other == r:
+                here = here & sees
+            if self.rounds > 1:
+                count = sees.float() if count is None else count + sees
+        own = torch.arange(c, device=scores.device)[:, None] + c == torch.arange(
+            2 * c, device=scores.device
+        )
+        scores = scores.masked_fill(own, _SELF_SCORE)
+        if count is not None:
+            scores = scores - count.clamp(min=1.0).log()
+        return torch.where(here, scores, _UNSEEN_SCORE)
+
+
+def _rows(z: Tensor, positions: Tensor) -> Tensor:
+    """The rows of ``z`` (B, H, tp, D) at ``positions`` (B, H, ...): (B, H, ..., D)."""
+    index = positions.flatten(2)[..., None].expand(-1, -1, -1, z.size(-1))
+    return z.gather(2, index).view(*positions.shape, z.size(-1))
+
+
+def _with_previous(z: Tensor, fill: float) -> Tensor:
+    """(B, H, nc, c, ...) chunks → (B, H, nc, 2c, ...): each chunk after the one before it
+    (``fill`` before the first)."""
+    before = torch.cat([torch.full_like(z[:, :, :1], fill), z[:, :, :-1]], dim=2)
+    return torch.cat([before, z], dim=3)
+
+
 def make_pattern(
-    name: str, *, window: int, n_global: int, block: int, n_random: int, seed: int = 0
+    name: str,
+    *,
+    window: int,
+    n_global: int,
+    block: int,
+    n_random: int,
+    seed: int = 0,
+    max_positions: int = 1024,
+    linformer_k: int = 256,
+    lsh_buckets: int = 32,
+    lsh_rounds: int = 2,
+    lsh_chunk: int = 64,
 ) -> AttentionPattern | None:
-    """The pattern module of ``name`` (None for ``full``: plain scaled dot-product)."""
+    """The pattern module of ``name`` (None for ``full``: plain scaled dot-product). The
+    keyword arguments are the model.* options of the same names (model.attention_window,
+    attention_global, attention_block, attention_random_blocks, max_positions, ...); the
+    defaults of the later ones are ModelConfig's."""
     if name == "full":
         return None
     if name == "local":
@@ -249,4 +651,8 @@ def make_pattern(
         return BlockPattern(
             "bigbird", n_global=max(n_global, 1), block=block, n_random=n_random, seed=seed
         )
+    if name == "linformer":
+        return LinformerPattern(linformer_k, max_positions)
+    if name == "lsh":
+        return LSHPattern(lsh_buckets, lsh_rounds, lsh_chunk, seed=seed)
     raise ValueError(f"unknown attention pattern {name!r}; choose one of {', '.join(PATTERNS)}")

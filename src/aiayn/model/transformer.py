@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from aiayn.config import ModelConfig
+from aiayn.errors import ConfigError
 from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache
 from aiayn.model.embedding import (
@@ -16,7 +17,7 @@ from aiayn.model.embedding import (
     token_embedding,
 )
 from aiayn.model.layers import DecoderLayer, EncoderLayer
-from aiayn.model.patterns import AttentionPattern
+from aiayn.model.patterns import LSH_NO_INCREMENTAL, AttentionPattern
 
 
 class Encoder(nn.Module):
@@ -130,20 +131,23 @@ class Transformer(nn.Module):
     ) -> DecoderCache:
         """A cache for up to ``max_len`` decoder positions of ``beam_size`` rows per sentence
         of ``memory`` (B, S, d_model): rows ``i * beam_size .. (i + 1) * beam_size - 1``
-        decode sentence i. Projects the memory once per layer and sentence (not per beam)."""
+        decode sentence i. Projects the memory once per layer and sentence (not per beam);
+        with ``model.cross_attention = "linformer"`` also along the sequence, to k rows
+        without padding (the cache then has no cross mask)."""
         check_cache_size(self.config, max_len, beam_size)
         ring = window_ring(self.config, max_len)
         slots = max_len if ring is None else sum(ring)
         layers = []
         for layer in self.decoder.layers:
             assert layer.cross_attn is not None
-            cross_k, cross_v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
+            cross_k, cross_v = layer.cross_attn.memory_kv(memory, src_pad)  # (B, H, S or k, Dh)
             # The step's keys and values are stored as the projected memory's are.
             self_k, self_v = layer.empty_self_kv(memory.size(0), slots, beam_size, cross_k)
             layers.append(LayerCache(self_k, self_v, cross_k, cross_v))
+        cross_mask = None if self.config.cross_attention == "linformer" else attention_mask(src_pad)
         return DecoderCache(
             layers,
-            attention_mask(src_pad),
+            cross_mask,
             length=0,
             max_len=max_len,
             beam_size=beam_size,
@@ -178,7 +182,10 @@ def window_ring(config: ModelConfig, max_len: int) -> tuple[int, int] | None:
 
 
 def check_cache_size(config: ModelConfig, max_len: int, beam_size: int) -> None:
-    """Refuse a decoder cache longer than the model's positions, or without a beam."""
+    """Refuse a decoder cache longer than the model's positions, or without a beam, or for a
+    decoder whose attention has no incremental form (lsh)."""
+    if config.decoder_attention == "lsh":  # (a ConfigError is a ValueError)
+        raise ConfigError(LSH_NO_INCREMENTAL)
     if max_len > config.max_positions:
         raise ValueError(f"max_len={max_len} exceeds model.max_positions={config.max_positions}")
     if beam_size < 1:

@@ -324,10 +324,12 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
             f"train.init_from={path}: a {stored.model.task} model; a classifier starts from "
             "an encoder-only (mlm) checkpoint"
         )
-    shape = (
+    shape: tuple[str, ...] = (
         *("d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "vocab_size", "positional"),
         *("max_positions", "share_embeddings", "pre_norm", "attention_bias"),
     )
+    if "linformer" in (stored.model.encoder_attention, config.model.encoder_attention):
+        shape = (*shape, "encoder_attention", "linformer_k")  # its projections are weights
     differ = [
         f"{name} {getattr(stored.model, name)!r} vs {getattr(config.model, name)!r}"
         for name in shape
