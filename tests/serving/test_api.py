@@ -493,3 +493,24 @@ def test_closing_refuses_new_requests_and_finishes_queued_ones(engine):
             await closing
 
     asyncio.run(scenario())
+
+
+def test_attention_of_a_linformer_cross_attention_model_is_a_501(make_app, engine: Engine):
+    from aiayn.config import RunConfig, replace
+    from aiayn.model.transformer import Transformer
+
+    config = replace(engine.config.model, cross_attention="linformer", linformer_k=8)
+    model = Transformer(config).eval()
+    translator = Translator(model, engine.translator.tokenizer, engine.translator.decode)
+    linformer = Engine(translator, RunConfig(model=config), threads=1)
+    app = make_app(linformer)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with served(app) as client:
+            described = await client.get("/v1/model")
+            return described, await client.post("/v1/attention", json={"text": "alpha bravo"})
+
+    described, refused = asyncio.run(scenario())
+    assert described.json()["attention"] is False
+    body = assert_error(refused, 501, "engine", "unavailable")
+    assert "model.cross_attention = linformer" in body["error"]["message"]

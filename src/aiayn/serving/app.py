@@ -292,12 +292,8 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
     )
     async def attention(request: Request) -> JSONResponse:
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-        if not engine.attention_available:
-            message = (
-                f"attention maps need --engine torch: this server decodes with {engine.name}, "
-                "without the PyTorch model"
-            )
-            raise ApiError(501, "engine", message, "unavailable")
+        if engine.attention_unavailable is not None:
+            raise ApiError(501, "engine", engine.attention_unavailable, "unavailable")
         query = validate(AttentionRequest, parse_json_object(body))
         key = decode_key(query.beam, query.alpha, 1)
         problems = text_problems([query.text], ["text"])

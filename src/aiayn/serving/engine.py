@@ -33,7 +33,8 @@ from aiayn.model.transformer import Transformer, count_parameters
 
 
 class AttentionUnavailable(RuntimeError):
-    """The engine decodes without the PyTorch model, which the attention maps need."""
+    """The attention maps cannot be drawn: the engine decodes without the PyTorch model, or
+    the model's cross-attention does not weigh source tokens."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,24 @@ class Engine:
 
     @property
     def attention_available(self) -> bool:
-        """Whether :meth:`cross_attention` can answer (the PyTorch engine)."""
-        return self.model is not None
+        """Whether :meth:`cross_attention` can answer: the PyTorch engine, with a model whose
+        cross-attention weights fall on source tokens (not on Linformer's projected rows)."""
+        return self.attention_unavailable is None
+
+    @property
+    def attention_unavailable(self) -> str | None:
+        """Why :meth:`cross_attention` cannot answer, or None."""
+        if self.model is None:
+            return (
+                f"attention maps need --engine torch: this server decodes with {self.name}, "
+                "without the PyTorch model"
+            )
+        if self.config.model.cross_attention == "linformer":
+            return (
+                "attention maps are not drawn for this model: its cross-attention "
+                "(model.cross_attention = linformer) weighs projected rows, not source tokens"
+            )
+        return None
 
     @property
     def default_key(self) -> DecodeKey:
@@ -192,12 +209,15 @@ class Engine:
     def cross_attention(self, key: DecodeKey, source: Sequence[int]) -> CrossAttention:
         """The best translation of ``source`` (non-empty, at most :attr:`max_source_tokens`)
         under ``key`` and the cross-attention of every layer over it;
-        :class:`AttentionUnavailable` without the PyTorch model."""
+        :class:`AttentionUnavailable` without the PyTorch model, or for a model whose
+        cross-attention weights are not over source tokens (:attr:`attention_unavailable`)."""
         if self.model is None:
             raise AttentionUnavailable(
                 f"the attention maps need the PyTorch model; the {self.name} engine decodes "
                 "without it"
             )
+        if self.attention_unavailable is not None:
+            raise AttentionUnavailable(self.attention_unavailable)
         [hyps] = self.translate(replace(key, nbest=1), [source])
         output = hyps[0].tokens if hyps else []
         _, _, cross = attention_weights(self.model, source, output)
