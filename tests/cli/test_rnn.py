@@ -1,6 +1,9 @@
 """The attention-RNN baselines through the command line: train (with validation BLEU,
-checkpoints and averaging), translate with beam and greedy search, score, draw the attention.
+checkpoints and averaging), translate with beam and greedy search, score, draw the attention;
+export to CTranslate2 is refused.
 That they learn: tests/model/test_rnn.py."""
+
+import importlib.util
 
 import pytest
 
@@ -51,3 +54,6 @@ def test_an_rnn_model_trains_translates_and_draws_its_attention(
     printed = capsys.readouterr().out.splitlines()
     assert printed[1:] == [str(pictures / "cross_layer1.png")]  # one layer, one head
     assert (pictures / "cross_layer1.png").read_bytes()[:4] == b"\x89PNG"
+    if importlib.util.find_spec("ctranslate2") is not None:  # export: Transformers only
+        assert main(["export-ct2", str(run), "--out", str(tmp_path / "ct2")]) != 0
+        assert f"model.arch={arch}" in capsys.readouterr().err
