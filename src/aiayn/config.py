@@ -130,6 +130,15 @@ class ModelConfig:
     # pooled: the first position's (BOS, BERT's [CLS]) or the mean over the text.
     n_classes: int = 2
     pooling: Literal["first", "mean"] = "first"
+    # The network of the translation task (docs/rnn.md): the paper's "transformer", or one
+    # of the attention-RNN baselines it replaced: "bahdanau" (RNNsearch, Bahdanau et al.,
+    # 2015) or "luong" (global attention, Luong et al., 2015). They read d_model (embedding
+    # size), n_layers, dropout, the vocabulary, sharing and tying options, and these: the
+    # recurrent state size (None: d_model), the Luong score, and Luong's input feeding.
+    arch: Literal["transformer", "bahdanau", "luong"] = "transformer"
+    rnn_hidden: int | None = None
+    luong_score: Literal["dot", "general", "concat"] = "general"
+    input_feeding: bool = True
 
     @property
     def target_vocab_size(self) -> int:
@@ -174,7 +183,17 @@ class ModelConfig:
             for name, default in (("tgt_vocab_size", None), *extra):
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
-        if self.d_k is None or self.d_v is None:
+        if self.arch != "transformer":
+            _require(self, "model", {"rnn_hidden": _POSITIVE})
+            if self.task != "translation":
+                raise ConfigError(f"model.arch={self.arch} is a model of the translation task")
+            patterns = ("encoder_attention", "decoder_attention", "cross_attention")
+            if set_ := [f"model.{name}" for name in patterns if getattr(self, name) != "full"]:
+                raise ConfigError(
+                    f"{', '.join(set_)}: attention patterns are options of the Transformer, "
+                    f"not of model.arch={self.arch}"
+                )
+        elif self.d_k is None or self.d_v is None:
             if self.d_model % self.n_heads != 0:
                 raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "

@@ -108,6 +108,32 @@ PRESETS: dict[str, Preset] = {
         },
         "train": {"max_steps": 100000, "average_last": 5},
     },
+    # The attention-RNN baselines the paper compares with (docs/rnn.md), sized for Multi30k
+    # on a 2-core CPU (about the small Transformer's time per update; rnn_hidden=512 is
+    # closer to the papers' proportions and about twice as slow). The training recipe is the
+    # run's (Adam and Eq. 3), with each paper's gradient-norm clipping.
+    # "rnnsearch" (Bahdanau et al., 2015; paper: embeddings 620, GRUs of 1000, maxout 500):
+    # embeddings 256, a 1-layer bidirectional GRU encoder of 256 per direction (annotations
+    # 512), a GRU decoder of 256, maxout output 256; gradient norm clipped to 1.
+    "rnnsearch": {
+        "model": {"arch": "bahdanau", "d_model": 256, "rnn_hidden": 256, "n_layers": 1},
+        "train": {"clip_norm": 1.0, "average_last": 5},
+    },
+    # "luong" (Luong et al., 2015; paper: 4 layers of 1000, dropout 0.2): embeddings 256,
+    # 2-layer LSTM encoder and decoder of 256, the general score, input feeding, dropout 0.2;
+    # gradient norm clipped to 5.
+    "luong": {
+        "model": {
+            "arch": "luong",
+            "d_model": 256,
+            "rnn_hidden": 256,
+            "n_layers": 2,
+            "dropout": 0.2,
+            "luong_score": "general",
+            "input_feeding": True,
+        },
+        "train": {"clip_norm": 5.0, "average_last": 5},
+    },
     # "tiny": for unit tests and smoke runs only.
     "tiny": {
         "model": {

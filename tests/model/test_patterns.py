@@ -220,6 +220,8 @@ def test_bfloat16_autocast_runs_the_patterns():
 def test_unknown_settings_are_refused():
     with pytest.raises(ConfigError, match="attention_window"):
         _config(attention_window=0).validate()
+    with pytest.raises(ConfigError, match="attention patterns are options of the Transformer"):
+        _config(arch="luong", encoder_attention="local").validate()
 
 
 @pytest.mark.parametrize("task", ["translation", "lm"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aiayn.inference import loading
+from aiayn.model.families import build_model
 from aiayn.model.transformer import Transformer
 from aiayn.training.launch import train_and_average
 from aiayn.training.loss import label_smoothed_nll
@@ -25,7 +26,7 @@ def make_trainer(
     run_dir, config, seed=0, n_pairs=96, valid=None, tokenizer=b"spm", show_progress=False
 ):
     torch.manual_seed(config.train.seed)
-    model = Transformer(config.model)
+    model = build_model(config.model)
     corpus = ListCorpus(reverse_pairs(n_pairs, LENGTH, config.model.vocab_size, seed))
     batches = [list(range(i, i + BATCH)) for i in range(0, n_pairs, BATCH)]
     sampler = FixedSampler(batches, seed=seed)
@@ -69,6 +70,29 @@ def test_exact_resume_is_bit_identical(tmp_path):
     # The shared embedding stayed shared.
     m = second.model
     assert m.out_proj.weight is m.src_embed.token.weight is m.tgt_embed.token.weight
+
+
+@pytest.mark.parametrize("arch", ["bahdanau", "luong"])
+def test_exact_resume_of_an_rnn_model_is_bit_identical(tmp_path, arch):
+    """The same for the attention-RNN baselines (dropout on; the fused loss of the CPU)."""
+    n = 4
+    over = ["model.dropout=0.1", f"model.arch={arch}", "model.d_model=16", "train.clip_norm=1"]
+    straight = make_trainer(tmp_path / "a", tiny_config(f"train.max_steps={2 * n}", *over))
+    assert straight._fused_loss
+    straight.train()
+    first = make_trainer(tmp_path / "b", tiny_config(f"train.max_steps={n}", *over))
+    first.train()
+    _, state = loading.latest_valid_checkpoint(tmp_path / "b")
+    torch.manual_seed(1234)
+    second = make_trainer(tmp_path / "b", tiny_config(f"train.max_steps={2 * n}", *over))
+    second.load_state_dict(state)
+    assert second.train().step == 2 * n
+    a, b = params_of(straight.model), params_of(second.model)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    m = second.model
+    assert m.out_proj.weight is m.src_embed.weight is m.tgt_embed.weight
 
 
 def test_update_sees_the_token_budget_and_normalises_globally(tmp_path):

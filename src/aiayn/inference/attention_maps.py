@@ -8,6 +8,9 @@ and EOS, T the output tokens and EOS. Decoder row i is the step that produces ou
 A layer with an attention pattern (aiayn.model.patterns) gives its pattern's weights
 (``AttentionPattern.weights``; lsh's depend on the data); Linformer's fall on projected rows,
 not tokens, and a model with it has no pictures (UserError).
+
+An RNN baseline (``model.arch``) has no self-attention and one attention over the source: its
+own :meth:`~aiayn.model.rnn.RNNSearch.cross_attention_weights`, one "layer" of one "head".
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from torch import Tensor, nn
 from aiayn.data.collate import BOS_ID, EOS_ID
 from aiayn.errors import UserError
 from aiayn.model.attention import MultiHeadAttention, naive_attention
-from aiayn.model.transformer import Transformer
+from aiayn.model.families import TranslationModel
+from aiayn.model.rnn import LuongNMT, RNNSearch
 
 
 def _recorder(store: list[Tensor]) -> Callable[..., None]:
@@ -54,13 +58,17 @@ def _recorder(store: list[Tensor]) -> Callable[..., None]:
 
 @torch.inference_mode()
 def attention_weights(
-    model: Transformer, src: Sequence[int], output: Sequence[int]
+    model: TranslationModel, src: Sequence[int], output: Sequence[int]
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """Encoder, decoder and cross-attention weights per layer for source ids ``src`` and output
-    ids ``output`` (neither with BOS/EOS)."""
+    """Encoder, decoder and cross-attention weights per layer, each (heads, rows, columns),
+    for source ids ``src`` and output ids ``output`` (neither with BOS/EOS). An RNN model
+    gives no self-attention and one (1, T, S) cross-attention."""
     device = next(model.parameters()).device
     src_ids = torch.tensor([[*src, EOS_ID]], device=device)  # (1, S)
     tgt_in = torch.tensor([[BOS_ID, *output]], device=device)  # (1, T)
+    if isinstance(model, (RNNSearch, LuongNMT)):
+        weights = model.cross_attention_weights(src_ids, None, tgt_in)  # (1, T, S)
+        return [], [], [weights.float().cpu()]
     encoder: list[Tensor] = []
     decoder: list[Tensor] = []
     cross: list[Tensor] = []
@@ -146,7 +154,7 @@ def token_labeler(tokenizer: Any, source: bool = False) -> Callable[[int], str]:
 
 
 def write_cross_attention_picture(
-    model: Transformer,
+    model: TranslationModel,
     src: Sequence[int],
     output: Sequence[int],
     label: Callable[[int], str],
@@ -173,7 +181,7 @@ def write_cross_attention_picture(
 
 
 def write_attention_pictures(
-    model: Transformer,
+    model: TranslationModel,
     src: Sequence[int],
     output: Sequence[int],
     label: Callable[[int], str],

@@ -49,8 +49,7 @@ from torch import Tensor, nn
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError, UserError
-from aiayn.model.families import build_model
-from aiayn.model.transformer import Transformer
+from aiayn.model.families import TranslationModel, build_model
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -238,9 +237,9 @@ def load_model(
 
 def load_for_inference(
     path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Transformer, RunConfig, Tokenizer]:
+) -> tuple[TranslationModel, RunConfig, Tokenizer]:
     """The translation model (eval mode, on ``device``), its config and its tokenizer from a
     checkpoint file or a run directory (see :func:`resolve_checkpoint`)."""
     loaded = load_model(path, device, tasks=("translation",))
-    assert isinstance(loaded.model, Transformer)
+    assert isinstance(loaded.model, TranslationModel)
     return loaded.model, loaded.config, loaded.tokenizer

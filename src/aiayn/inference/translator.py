@@ -32,7 +32,7 @@ from aiayn.accel import (
     accelerate,
     cpu_has_bfloat16,
 )
-from aiayn.config import DecodeConfig, RunConfig
+from aiayn.config import DecodeConfig, ModelConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.inference.loading import load_model
 from aiayn.inference.search import (
@@ -43,7 +43,24 @@ from aiayn.inference.search import (
     never_pad_or_bos,
 )
 from aiayn.inference.textio import one_line
-from aiayn.model.transformer import Transformer
+from aiayn.model.families import TranslationModel
+
+
+class IncrementalModel(Protocol):
+    """What :func:`search_batch` needs of a translation model (every ``model.arch`` has it):
+    the source encoded once (``memory``: the Transformer's (B, S, d_model) tensor, an RNN's
+    :class:`~aiayn.model.rnn.EncoderStates`), a cache of ``beam_size`` rows per sentence, and
+    the step function of search over that cache."""
+
+    config: ModelConfig
+
+    def encode(self, src_ids: Tensor, src_pad: Tensor | None) -> Any: ...
+
+    def init_cache(
+        self, memory: Any, src_pad: Tensor | None, max_len: int, beam_size: int = 1
+    ) -> Any: ...
+
+    def log_probs_step(self, tokens: Tensor, cache: Any) -> Tensor: ...
 
 
 class TextTokenizer(Protocol):
@@ -69,7 +86,7 @@ def _print_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def quantize_int8(model: Transformer) -> Transformer:
+def quantize_int8(model: TranslationModel) -> TranslationModel:
     """Dynamic int8 quantization of every Linear layer (CPU only; embeddings stay float).
     Quantize the plain model: an accelerated one's linear layers are not ``nn.Linear``."""
     if any(isinstance(m, CpuLinear) for m in model.modules()):
@@ -221,7 +238,8 @@ class TextTranslator:
 
 
 class Translator(TextTranslator):
-    """Translates sentences with a trained :class:`Transformer` (the PyTorch engine); the
+    """Translates sentences with a trained translation model (the PyTorch engine): the
+    :class:`~aiayn.model.transformer.Transformer` or an RNN baseline of ``model.arch``; the
     settings and the text side are :class:`TextTranslator`'s.
 
     ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
@@ -239,7 +257,7 @@ class Translator(TextTranslator):
 
     def __init__(
         self,
-        model: Transformer,
+        model: TranslationModel,
         tokenizer: TextTokenizer,
         decode: DecodeConfig | None = None,
         *,
@@ -294,7 +312,7 @@ class Translator(TextTranslator):
         config."""
         loaded = load_model(path, device, tasks=("translation",))
         model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        assert isinstance(model, Transformer)
+        assert isinstance(model, TranslationModel)
         if quantize is not None:
             if quantize != "int8":
                 raise ValueError(f"unknown quantization {quantize!r} (only int8)")
@@ -336,7 +354,7 @@ class Translator(TextTranslator):
 
 
 def search_batch(
-    model: Transformer,
+    model: IncrementalModel,
     src_ids: Tensor,
     src_pad: Tensor,
     decode: DecodeConfig,
@@ -351,7 +369,7 @@ def search_batch(
     src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
     limit = model.config.max_positions - 1
     limits = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b, limit=limit)
-    memory = model.encode(src_ids, src_pad)  # (B, S, d_model)
+    memory = model.encode(src_ids, src_pad)  # (B, S, d_model), or an RNN's EncoderStates
     k = decode.beam_size
     # Rows i*K .. (i+1)*K - 1 are sentence i's K beams; its memory is projected and stored
     # once for them, and beam search's reorders stay within the group.

@@ -418,6 +418,11 @@ def _source(
         else load_model(Path(model_or_checkpoint))
     )
     task = loaded.config.model.task
+    if loaded.config.model.arch != "transformer":
+        raise UserError(
+            f"{loaded.path} holds an RNN model (model.arch={loaded.config.model.arch}); only "
+            "Transformers export to CTranslate2"
+        )
     if task != "translation" or not isinstance(loaded.model, Transformer):
         raise UserError(
             f"{loaded.path} holds a model for the {task} task (model.task); only translation "

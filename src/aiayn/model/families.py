@@ -27,6 +27,7 @@ from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache
 from aiayn.model.embedding import output_projection, token_embedding
+from aiayn.model.rnn import LuongNMT, RNNSearch
 from aiayn.model.transformer import (
     Decoder,
     Encoder,
@@ -158,14 +159,21 @@ class ClassificationHead(nn.Module):
         return self.out(self.dropout(torch.tanh(self.dense(pooled))))
 
 
-AnyModel = Transformer | DecoderOnlyLM | EncoderOnly
+# The models of the translation task (model.arch): one API for search and the translator.
+TranslationModel = Transformer | RNNSearch | LuongNMT
+AnyModel = TranslationModel | DecoderOnlyLM | EncoderOnly
 
 
 def build_model(config: ModelConfig, device: torch.device | str | None = None) -> AnyModel:
-    """A freshly initialised model of ``config.task``: the encoder-decoder for translation,
-    :class:`DecoderOnlyLM` for ``lm``, :class:`EncoderOnly` for ``mlm`` and ``classify``."""
+    """A freshly initialised model of ``config.task``: the encoder-decoder for translation
+    (the Transformer, or the RNN baseline of ``model.arch``), :class:`DecoderOnlyLM` for
+    ``lm``, :class:`EncoderOnly` for ``mlm`` and ``classify``."""
     model: AnyModel
-    if config.task == "translation":
+    if config.arch == "bahdanau":
+        model = RNNSearch(config)
+    elif config.arch == "luong":
+        model = LuongNMT(config)
+    elif config.task == "translation":
         model = Transformer(config)
     elif config.task == "lm":
         model = DecoderOnlyLM(config)

@@ -29,7 +29,8 @@ from aiayn.config import ModelConfig, RunConfig
 from aiayn.inference.attention_maps import attention_weights, token_labeler
 from aiayn.inference.textio import one_line
 from aiayn.inference.translator import TextTranslator, Translation, Translator
-from aiayn.model.transformer import Transformer, count_parameters
+from aiayn.model.families import TranslationModel, build_model
+from aiayn.model.transformer import count_parameters
 
 
 class AttentionUnavailable(RuntimeError):
@@ -59,10 +60,10 @@ class CrossAttention:
 
 
 def parameters_of(config: ModelConfig) -> int:
-    """The parameter count of a Transformer with ``config``, without its weights (built on
+    """The parameter count of a translation model with ``config``, without its weights (built on
     PyTorch's meta device): for an engine that decodes without the PyTorch model."""
     with torch.device("meta"):
-        return count_parameters(Transformer(config))
+        return count_parameters(build_model(config))
 
 
 class Engine:
@@ -83,7 +84,7 @@ class Engine:
         self.source = source
         self.threads = threads
         # The PyTorch model, which the attention maps need; None with another engine.
-        self.model: Transformer | None = (
+        self.model: TranslationModel | None = (
             translator.model if isinstance(translator, Translator) else None
         )
         quantized = self.model is not None and any(

@@ -14,7 +14,7 @@ from aiayn.config import RunConfig
 from aiayn.data.collate import PAD_ID, Batch
 from aiayn.evaluation.bleu import sacrebleu_bleu
 from aiayn.inference.translator import search_batch
-from aiayn.model.transformer import Transformer
+from aiayn.model.families import TranslationModel
 from aiayn.training.distributed import (
     DistInfo,
     all_gather_objects,
@@ -81,7 +81,7 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 @torch.no_grad()
 def evaluate(
-    model: Transformer, valid: ValidSet, config: RunConfig, info: DistInfo
+    model: TranslationModel, valid: ValidSet, config: RunConfig, info: DistInfo
 ) -> dict[str, float]:
     """``loss``, ``nll`` and ``ppl`` per target token of the valid split, and ``bleu`` of its
     greedy translations (as ``aiayn translate --beam 1`` decodes) when it has references and
