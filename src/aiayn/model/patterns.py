@@ -224,29 +224,38 @@ class BlockPattern(AttentionPattern):
         if key_pad is not None:
             pad = F.pad(key_pad, (0, tp - t), value=True)  # (B, tp)
             mask = mask & ~pad[:, key_pos][:, None, :, None, :]
-        scale = 1.0 / math.sqrt(q.size(-1))
-        scores = torch.matmul(qb, keys.transpose(-2, -1)) * scale  # (B, H, nb, bs, m)
         g = min(self.n_global, t)
-        if g:
-            global_scores = torch.matmul(qb, k[:, :, None, :g].transpose(-2, -1)) * scale
+        if g:  # the global keys, after each block's own
             global_ok = torch.ones(nb, bs, g, dtype=torch.bool, device=device)
             if causal:
                 global_ok = torch.arange(g, device=device) <= query_pos
             global_mask = global_ok[None, None]
             if key_pad is not None:
                 global_mask = global_mask & ~key_pad[:, None, None, None, :g]
-            scores = torch.cat([scores, global_scores], dim=-1)
             lead = torch.broadcast_shapes(mask.shape[:2], global_mask.shape[:2])
             mask = torch.cat(
                 [mask.expand(*lead, -1, -1, -1), global_mask.expand(*lead, -1, -1, -1)], dim=-1
             )
-        lowest = torch.finfo(torch.float32).min
-        weights = scores.float().masked_fill(~mask, lowest).softmax(dim=-1).to(v.dtype)
-        if dropout > 0.0:
-            weights = F.dropout(weights, dropout)
-        out = torch.matmul(weights[..., : values.size(-2)], values)
-        if g:
-            out = out + torch.matmul(weights[..., values.size(-2) :], v[:, :, None, :g])
+            keys = torch.cat([keys, k[:, :, None, :g].expand(-1, -1, nb, -1, -1)], dim=3)
+            values = torch.cat([values, v[:, :, None, :g].expand(-1, -1, nb, -1, -1)], dim=3)
+        # A query that sees no key (a padding position) attends to all of its block's keys:
+        # finite, and never used.
+        mask = mask | ~mask.any(-1, keepdim=True)
+        # One fused attention call over the blocks, the blocks in the place of SDPA's heads
+        # and (B·H) as its batch, all views of the gathered blocks: the kernel does not keep
+        # the (bs × m) weights for the backward pass.
+        m = keys.size(3)
+        if mask.size(0) > 1:
+            block_mask = mask.expand(b, h, nb, bs, m).reshape(b * h, nb, bs, m)
+        else:
+            block_mask = mask[0]  # (1, nb, bs, m): the same for every sequence and head
+        out = F.scaled_dot_product_attention(
+            qb.reshape(b * h, nb, bs, -1),
+            keys.reshape(b * h, nb, m, -1),
+            values.reshape(b * h, nb, m, -1),
+            attn_mask=block_mask,
+            dropout_p=dropout,
+        ).view(b, h, nb, bs, -1)
         out = out.flatten(2, 3)[:, :, :t]
         if g:  # the global queries see every key
             rows = self._global_rows(q, k, v, key_pad, causal, dropout, g)
