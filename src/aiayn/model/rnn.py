@@ -187,7 +187,64 @@ def _layer_dropout(config: ModelConfig) -> float:
     return config.dropout if config.n_layers > 1 else 0.0
 
 
-class RNNSearch(nn.Module):
+class _AttentionRNN(nn.Module):
+    """What the two RNN models share: teacher-forced logits and attention weights from the
+    subclass's ``_teacher_forced``, and incremental decoding from its ``_start`` (the cache
+    of the first step) and ``step_hidden`` (one step's output before the projection)."""
+
+    config: ModelConfig
+    out_proj: nn.Linear
+
+    def forward(
+        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor, project: bool = True
+    ) -> Tensor:
+        """Teacher-forced logits (B, T, V); with ``project=False`` the outputs (B, T, d_model)
+        before the pre-softmax projection (RNNsearch's maxout t_i, Luong's h̃_t)."""
+        hidden, _ = self._teacher_forced(src_ids, src_pad, tgt_in)
+        return self.project(hidden) if project else hidden
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """The pre-softmax projection to vocabulary logits (W_o, W_s)."""
+        return self.out_proj(hidden)
+
+    @torch.no_grad()
+    def cross_attention_weights(
+        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor
+    ) -> Tensor:
+        """(B, T, S): row i is the attention of the step that produces output i."""
+        return self._teacher_forced(src_ids, src_pad, tgt_in)[1]
+
+    def init_cache(
+        self, memory: EncoderStates, src_pad: Tensor | None, max_len: int, beam_size: int = 1
+    ) -> RNNCache:
+        """A cache for up to ``max_len`` steps of ``beam_size`` rows per sentence of
+        ``memory`` (what ``encode`` gave), every row in the decoder's initial state."""
+        check_cache_size(self.config, max_len, beam_size)
+        return self._start(memory, src_pad, max_len, beam_size)
+
+    def decode_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
+        """Next-token logits (rows, V)."""
+        return self.project(self.step_hidden(tokens, cache))
+
+    def log_probs_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
+        """Next-token log-probabilities (rows, V) in float32: the ``step_fn`` of search."""
+        return torch.log_softmax(self.decode_step(tokens, cache), dim=-1, dtype=torch.float32)
+
+    def _teacher_forced(
+        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _start(
+        self, encoded: EncoderStates, src_pad: Tensor | None, max_len: int, beam_size: int
+    ) -> RNNCache:
+        raise NotImplementedError
+
+    def step_hidden(self, tokens: Tensor, cache: RNNCache) -> Tensor:
+        raise NotImplementedError
+
+
+class RNNSearch(_AttentionRNN):
     """RNNsearch (Bahdanau et al., 2015; equations of their appendix A), ``model.arch =
     "bahdanau"``, with E the embeddings (``d_model`` = m), n = ``rnn_hidden``:
 
@@ -254,25 +311,6 @@ class RNNSearch(nn.Module):
         memory, _ = run_encoder(self.encoder, self.dropout(self.src_embed(src_ids)), src_pad)
         return EncoderStates(memory, [memory[:, 0, self.hidden_size :]])
 
-    def forward(
-        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor, project: bool = True
-    ) -> Tensor:
-        """Teacher-forced logits (B, T, V); with ``project=False`` the maxout outputs t_i
-        (B, T, d_model) before the projection W_o."""
-        hidden, _ = self._teacher_forced(src_ids, src_pad, tgt_in)
-        return self.project(hidden) if project else hidden
-
-    def project(self, hidden: Tensor) -> Tensor:
-        """W_o: the pre-softmax projection to vocabulary logits."""
-        return self.out_proj(hidden)
-
-    @torch.no_grad()
-    def cross_attention_weights(
-        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor
-    ) -> Tensor:
-        """α (B, T, S): row i is the attention of the step that produces output i."""
-        return self._teacher_forced(src_ids, src_pad, tgt_in)[1]
-
     def _teacher_forced(
         self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -301,14 +339,6 @@ class RNNSearch(nn.Module):
 
     # -- incremental decoding --------------------------------------------------------------
 
-    def init_cache(
-        self, memory: EncoderStates, src_pad: Tensor | None, max_len: int, beam_size: int = 1
-    ) -> RNNCache:
-        """A cache for up to ``max_len`` steps of ``beam_size`` rows per sentence of
-        ``memory`` (what :meth:`encode` gave), every row starting from s_0."""
-        check_cache_size(self.config, max_len, beam_size)
-        return self._start(memory, src_pad, max_len, beam_size)
-
     def _start(
         self, encoded: EncoderStates, src_pad: Tensor | None, max_len: int, beam_size: int
     ) -> RNNCache:
@@ -325,16 +355,8 @@ class RNNSearch(nn.Module):
         cache.length += 1
         return hidden
 
-    def decode_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Next-token logits (rows, V)."""
-        return self.project(self.step_hidden(tokens, cache))
 
-    def log_probs_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Next-token log-probabilities (rows, V) in float32: the ``step_fn`` of search."""
-        return torch.log_softmax(self.decode_step(tokens, cache), dim=-1, dtype=torch.float32)
-
-
-class LuongNMT(nn.Module):
+class LuongNMT(_AttentionRNN):
     """Global attention (Luong et al., 2015, §3 and §3.1, input feeding §3.3), ``model.arch =
     "luong"``, with ``n_layers`` stacked LSTM layers of H = ``rnn_hidden`` in the encoder and
     the decoder:
@@ -388,25 +410,6 @@ class LuongNMT(nn.Module):
         h, c = final  # (L, B, H) each
         return EncoderStates(memory, [h.transpose(0, 1), c.transpose(0, 1)])
 
-    def forward(
-        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor, project: bool = True
-    ) -> Tensor:
-        """Teacher-forced logits (B, T, V); with ``project=False`` h̃ (B, T, d_model) before
-        the projection W_s."""
-        hidden, _ = self._teacher_forced(src_ids, src_pad, tgt_in)
-        return self.project(hidden) if project else hidden
-
-    def project(self, hidden: Tensor) -> Tensor:
-        """W_s: the pre-softmax projection to vocabulary logits."""
-        return self.out_proj(hidden)
-
-    @torch.no_grad()
-    def cross_attention_weights(
-        self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor
-    ) -> Tensor:
-        """a (B, T, S): row t is the attention of the step that produces output t."""
-        return self._teacher_forced(src_ids, src_pad, tgt_in)[1]
-
     def _teacher_forced(
         self, src_ids: Tensor, src_pad: Tensor | None, tgt_in: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -442,15 +445,6 @@ class LuongNMT(nn.Module):
 
     # -- incremental decoding --------------------------------------------------------------
 
-    def init_cache(
-        self, memory: EncoderStates, src_pad: Tensor | None, max_len: int, beam_size: int = 1
-    ) -> RNNCache:
-        """A cache for up to ``max_len`` steps of ``beam_size`` rows per sentence of
-        ``memory`` (what :meth:`encode` gave), every row starting from the encoder's final
-        states (and h̃_0 = 0)."""
-        check_cache_size(self.config, max_len, beam_size)
-        return self._start(memory, src_pad, max_len, beam_size)
-
     def _start(
         self, encoded: EncoderStates, src_pad: Tensor | None, max_len: int, beam_size: int
     ) -> RNNCache:
@@ -468,14 +462,6 @@ class LuongNMT(nn.Module):
         hidden = self._step(tokens, cache)[0]
         cache.length += 1
         return hidden
-
-    def decode_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Next-token logits (rows, V)."""
-        return self.project(self.step_hidden(tokens, cache))
-
-    def log_probs_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Next-token log-probabilities (rows, V) in float32: the ``step_fn`` of search."""
-        return torch.log_softmax(self.decode_step(tokens, cache), dim=-1, dtype=torch.float32)
 
 
 def _check_room(cache: RNNCache) -> None:
