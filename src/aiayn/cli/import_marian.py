@@ -12,9 +12,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="import a Hugging Face Marian (OPUS-MT) model directory",
         description="Convert a local Hugging Face MarianMTModel directory (config.json, "
         "model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json) into an "
-        "aiayn checkpoint with its tokenizer, which `aiayn translate`, `bleu` and `serve` use "
-        "like any other. Download the directory first, e.g. with `huggingface-cli download "
-        "Helsinki-NLP/opus-mt-en-de --local-dir DIR`.",
+        "aiayn checkpoint with its tokenizer, which `aiayn translate` and `serve` use like any "
+        "other (`aiayn bleu` then scores the translations). Download the directory first, "
+        "e.g. with `huggingface-cli download Helsinki-NLP/opus-mt-en-de --local-dir DIR`.",
     )
     parser.add_argument("directory", type=Path, metavar="DIR", help="Marian model directory")
     parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="checkpoint")
