@@ -3,7 +3,7 @@
 minutes with each causal pattern, and its validation perplexity on the held-out books.
 
     .venv/bin/python -m benchmarks.long_quality --work /tmp/long-quality [--minutes 8]
-        [--patterns full local longformer bigbird lsh] [--context 1024]
+        [--patterns full local longformer bigbird lsh] [--context 1024] [--warmup 100]
 
 Each run is ``aiayn train --config bible_lm`` with ``model.decoder_attention`` set, the
 context raised to ``--context`` (``data.block_size``, ``model.max_positions``) and two windows
@@ -34,13 +34,16 @@ def _aiayn(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "aiayn", *args], check=True, capture_output=True)
 
 
-def train(data: Path, out: Path, pattern: str, minutes: float, context: int) -> dict[str, Any]:
+def train(
+    data: Path, out: Path, pattern: str, minutes: float, context: int, warmup: int, lr_scale: float
+) -> dict[str, Any]:
     _aiayn(
         "train", "--config", "bible_lm", "--data", str(data), "--out", str(out), "--no-progress",
         "train.log_interval=10",
         f"model.decoder_attention={pattern}", f"model.max_positions={context}",
         f"data.block_size={context}", f"data.max_tokens={2 * context + 2}",
         "train.update_tokens=2000", f"train.max_minutes={minutes}", "train.valid_interval=100000",
+        f"train.warmup_steps={warmup}", f"train.lr_scale={lr_scale}",
     )  # fmt: skip
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if r["kind"] == "train"]
@@ -61,7 +64,8 @@ def report(result: dict[str, Any]) -> str:
         f"# Language model at a context of {result['context']} tokens "
         f"({result['date']}, {result['cpu']})",
         "",
-        f"`configs/bible_lm.toml`, {result['minutes']} minutes per pattern, 2 threads; "
+        f"`configs/bible_lm.toml`, {result['minutes']} minutes per pattern, 2 threads, "
+        f"warmup {result['warmup']} updates, lr scale {result['lr_scale']}; "
         "validation on the held-out books, averaged last checkpoints.",
         "",
         "| pattern | updates | target tokens/s | valid NLL | valid perplexity |",
@@ -81,6 +85,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--context", type=int, default=1024)
+    # A run of a few minutes makes ~200 updates: the recipe's warmup of 300 would end after
+    # it. 100 updates to the recipe's peak (0.3 · 256^-0.5 · 100^-0.5 ≈ 1.9e-3).
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--lr-scale", type=float, default=0.3)
     parser.add_argument(
         "--patterns", nargs="+", default=["full", "local", "longformer", "bigbird", "lsh"]
     )
@@ -95,12 +103,14 @@ def main() -> None:
         "versions": versions(),
         "minutes": args.minutes,
         "context": args.context,
+        "warmup": args.warmup,
+        "lr_scale": args.lr_scale,
         "load_before": load_average(),
         "runs": [],
     }
     for pattern in args.patterns:
         out = args.work / "runs" / pattern
-        got = train(data, out, pattern, args.minutes, args.context)
+        got = train(data, out, pattern, args.minutes, args.context, args.warmup, args.lr_scale)
         print(json.dumps(got), file=sys.stderr, flush=True)
         result["runs"].append(got)
     result["load_after"] = load_average()
