@@ -9,14 +9,17 @@ dropout 0.1, label smoothing 0.1, Adam.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -245,3 +248,34 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> float:
         if busy_cpu_seconds() - before < threshold:
             break
     return time.perf_counter() - start
+
+
+def spawn_worker(module: str, args: list[str], timeout: float, cwd: Path) -> dict[str, Any] | str:
+    """Run ``python -m module --worker ARGS`` and return the one result it emits, or a line
+    saying why there is none (over ``timeout`` seconds, or failed, with its last error line)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", module, "--worker", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return f"over {timeout:.0f} s"
+    results = parse_results(done.stdout)
+    if done.returncode != 0 or not results:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"failed (exit {done.returncode}): {tail[:200]}"
+    return results[0]
+
+
+def log_log_slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of log(value) against log(n)."""
+    if len(points) < 2:
+        return None
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(max(v, 1e-9)) for _, v in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var

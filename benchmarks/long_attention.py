@@ -27,9 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
-import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,8 +39,10 @@ from benchmarks.common import (  # noqa: E402
     cpu_model,
     emit,
     load_average,
+    log_log_slope,
     median,
-    parse_results,
+    peak_rss_mb,
+    spawn_worker,
     time_calls,
     versions,
     wait_for_quiet,
@@ -55,10 +54,6 @@ LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 BASE = {"d_model": 512, "n_heads": 8, "d_ff": 2048}
 # The pattern settings measured (the config defaults).
 SETTINGS = {"attention_window": 128, "attention_global": 1, "attention_block": 64}
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def layer_worker(pattern: str, n: int, causal: bool, repeats: int) -> None:
@@ -83,7 +78,7 @@ def layer_worker(pattern: str, n: int, causal: bool, repeats: int) -> None:
         out = layer(x, None, None) if causal else layer(x, None)
         out.sum().backward()
 
-    baseline = _rss_mb()  # the layer and its input are there
+    baseline = peak_rss_mb()  # the layer and its input are there
     times = time_calls(call, warmup=1, repeats=repeats)
     emit(
         {
@@ -92,7 +87,7 @@ def layer_worker(pattern: str, n: int, causal: bool, repeats: int) -> None:
             "causal": causal,
             "ms": round(1000 * median(times), 2),
             "ms_rounds": [round(1000 * t, 2) for t in times],
-            "peak_mb": round(_rss_mb() - baseline, 1),
+            "peak_mb": round(peak_rss_mb() - baseline, 1),
         }
     )
 
@@ -111,7 +106,7 @@ def checkpointing_worker(on: bool, updates: int) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     src = torch.randint(4, 8000, (16, 256))
     tgt = torch.randint(4, 8000, (16, 256))
-    baseline = _rss_mb()  # the model; Adam's moments come with the first update
+    baseline = peak_rss_mb()  # the model; Adam's moments come with the first update
 
     def update() -> None:
         logits = model(src, None, tgt)
@@ -126,38 +121,9 @@ def checkpointing_worker(on: bool, updates: int) -> None:
             "checkpointing": on,
             "s_per_update": round(median(times), 3),
             "s_rounds": [round(t, 3) for t in times],
-            "peak_mb": round(_rss_mb() - baseline, 1),
+            "peak_mb": round(peak_rss_mb() - baseline, 1),
         }
     )
-
-
-def _spawn(args: list[str], timeout: float) -> dict[str, Any] | str:
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.long_attention", "--worker", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return f"over {timeout:.0f} s"
-    results = parse_results(done.stdout)
-    if done.returncode != 0 or not results:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"failed (exit {done.returncode}): {tail[:200]}"
-    return results[0]
-
-
-def slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope of log(value) against log(n)."""
-    if len(points) < 2:
-        return None
-    xs = [math.log(n) for n, _ in points]
-    ys = [math.log(max(v, 1e-9)) for _, v in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
 
 
 def crossover(rows: list[dict[str, Any]], pattern: str, key: str) -> int | None:
@@ -183,7 +149,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         mine = sorted((r for r in rows if r["pattern"] == pattern), key=lambda r: r["n"])
         for ax, key in zip(axes, ("ms", "peak_mb"), strict=True):
             points = [(r["n"], r[key]) for r in mine]
-            fitted = slope([p for p in points if p[0] >= 1024])
+            fitted = log_log_slope([p for p in points if p[0] >= 1024])
             label = pattern + (f" (slope {fitted:.2f})" if fitted is not None else "")
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
     for ax, title in zip(
@@ -217,7 +183,7 @@ def report(result: dict[str, Any]) -> str:
         for pattern in patterns:
             mine = {r["n"]: r for r in rows if r["pattern"] == pattern}
             cells = [f"{mine[n][key]:,}" if n in mine else "—" for n in lengths]
-            fitted = slope([(n, mine[n][key]) for n in mine if n >= 1024])
+            fitted = log_log_slope([(n, mine[n][key]) for n in mine if n >= 1024])
             lines.append(
                 f"| {pattern} | "
                 + " | ".join(cells)
@@ -279,7 +245,12 @@ def main() -> None:
     for pattern in patterns:
         for n in sorted(args.lengths):
             mode = "causal" if args.causal else "full"
-            got = _spawn(["layer", pattern, str(n), mode, str(args.repeats)], args.timeout)
+            got = spawn_worker(
+                "benchmarks.long_attention",
+                ["layer", pattern, str(n), mode, str(args.repeats)],
+                args.timeout,
+                ROOT,
+            )
             if isinstance(got, str):
                 result["failures"].append(f"{pattern} at n = {n}: {got}")
                 print(f"{pattern} n={n}: {got}", file=sys.stderr, flush=True)
@@ -289,7 +260,9 @@ def main() -> None:
     if not args.skip_checkpointing:
         result["checkpointing"] = []
         for on in ("off", "on"):
-            got = _spawn(["checkpointing", on, "3"], args.timeout * 2)
+            got = spawn_worker(
+                "benchmarks.long_attention", ["checkpointing", on, "3"], args.timeout * 2, ROOT
+            )
             if isinstance(got, str):
                 result["failures"].append(f"checkpointing {on}: {got}")
             else:

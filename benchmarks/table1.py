@@ -38,9 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
-import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,8 +57,10 @@ from benchmarks.common import (  # noqa: E402
     cpu_model,
     emit,
     load_average,
+    log_log_slope,
     median,
-    parse_results,
+    peak_rss_mb,
+    spawn_worker,
     time_calls,
     versions,
     wait_for_quiet,
@@ -113,10 +112,6 @@ def build(kind: str, d: int, heads: int, window: int, kernel: int) -> tuple[Laye
     raise ValueError(f"unknown layer {kind!r}")
 
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def time_worker(kind: str, n: int, repeats: int, window: int, kernel: int) -> None:
     """Time one layer's forward + backward at length ``n``; emits one result."""
     import torch
@@ -129,7 +124,7 @@ def time_worker(kind: str, n: int, repeats: int, window: int, kernel: int) -> No
     def call() -> None:
         layer(x).sum().backward()
 
-    baseline = _rss_mb()
+    baseline = peak_rss_mb()
     times = time_calls(call, warmup=1, repeats=repeats)
     emit(
         {
@@ -137,7 +132,7 @@ def time_worker(kind: str, n: int, repeats: int, window: int, kernel: int) -> No
             "n": n,
             "ms": round(1000 * median(times), 3),
             "ms_rounds": [round(1000 * t, 3) for t in times],
-            "peak_mb": round(_rss_mb() - baseline, 1),
+            "peak_mb": round(peak_rss_mb() - baseline, 1),
         }
     )
 
@@ -195,37 +190,8 @@ def sequential_operations(kind: str, n: int) -> int:
     return n if kind == "recurrent" else 1
 
 
-def _spawn(args: list[str], timeout: float) -> dict[str, Any] | str:
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.table1", "--worker", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return f"over {timeout:.0f} s"
-    results = parse_results(done.stdout)
-    if done.returncode != 0 or not results:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"failed (exit {done.returncode}): {tail[:200]}"
-    return results[0]
-
-
-def slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope of log(value) against log(n)."""
-    if len(points) < 2:
-        return None
-    xs = [math.log(n) for n, _ in points]
-    ys = [math.log(max(v, 1e-9)) for _, v in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-
-
 def fits(rows: list[dict[str, Any]], kind: str, key: str, low: int) -> float | None:
-    return slope([(r["n"], r[key]) for r in rows if r["layer"] == kind and r["n"] >= low])
+    return log_log_slope([(r["n"], r[key]) for r in rows if r["layer"] == kind and r["n"] >= low])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -366,11 +332,9 @@ def main() -> None:
     }
     for kind in args.layers:
         for n in sorted(args.lengths):
-            got = _spawn(
-                [kind, str(n), str(args.repeats), "--window", str(args.window),
-                 "--kernel", str(args.kernel)],
-                args.timeout,
-            )  # fmt: skip
+            worker = [kind, str(n), str(args.repeats), "--window", str(args.window),
+                      "--kernel", str(args.kernel)]  # fmt: skip
+            got = spawn_worker("benchmarks.table1", worker, args.timeout, ROOT)
             if isinstance(got, str):
                 result["failures"].append(f"{kind} at n = {n}: {got}")
                 print(f"{kind} n={n}: {got}", file=sys.stderr, flush=True)
