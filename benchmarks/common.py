@@ -279,3 +279,13 @@ def log_log_slope(points: list[tuple[int, float]]) -> float | None:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+
+
+def against_length(ax: Any, title: str) -> None:
+    """A matplotlib axis of values against the sequence length n, both on log scales."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)

@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    against_length,
     cpu_model,
     emit,
     load_average,
@@ -138,7 +139,7 @@ def crossover(rows: list[dict[str, Any]], pattern: str, key: str) -> int | None:
     return None
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, cpu: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,13 +156,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, title in zip(
         axes, ("forward + backward time (ms)", "peak memory growth (MB)"), strict=True
     ):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("one BASE encoder layer (d_model 512, 8 heads) on " + cpu_model(), fontsize=10)
+        against_length(ax, title)
+    fig.suptitle("one BASE encoder layer (d_model 512, 8 heads) on " + cpu, fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
@@ -272,7 +268,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(report(result))
-    plot(result["layer"], IMAGE.with_name(f"{name}.png"))
+    plot(result["layer"], IMAGE.with_name(f"{name}.png"), result["cpu"])
     print(report(result))
 
 

@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    against_length,
     cpu_model,
     emit,
     load_average,
@@ -226,14 +227,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     color=colour,
                     alpha=0.6,
                 )
-    axes[0].set_title("forward + backward time (ms); dotted: the paper's power of n")
-    axes[1].set_title("peak memory growth (MB)")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    against_length(axes[0], "forward + backward time (ms); dotted: the paper's power of n")
+    against_length(axes[1], "peak memory growth (MB)")
     fig.suptitle(f"one layer, d = {D_MODEL}, batch 1, fp32, on {result['cpu']}", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
