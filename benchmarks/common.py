@@ -270,6 +270,28 @@ def spawn_worker(module: str, args: list[str], timeout: float, cwd: Path) -> dic
     return results[0]
 
 
+def sweep_lengths(
+    module: str,
+    label: str,
+    lengths: list[int],
+    worker_args: Callable[[int], list[str]],
+    timeout: float,
+    cwd: Path,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One worker process per length, shortest first (``worker_args(n)`` its arguments): the
+    results, and why the sweep stopped early, if it did. The first length that fails or runs
+    over ``timeout`` ends the sweep, since longer ones would too."""
+    rows = []
+    for n in sorted(lengths):
+        got = spawn_worker(module, worker_args(n), timeout, cwd)
+        if isinstance(got, str):
+            print(f"{label} n={n}: {got}", file=sys.stderr, flush=True)
+            return rows, f"{label} at n = {n}: {got}"
+        rows.append(got)
+        print(f"{label} n={n}: {got['ms']} ms, {got['peak_mb']} MB", file=sys.stderr)
+    return rows, None
+
+
 def log_log_slope(points: list[tuple[int, float]]) -> float | None:
     """Least-squares slope of log(value) against log(n)."""
     if len(points) < 2:

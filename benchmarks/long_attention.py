@@ -44,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     median,
     peak_rss_mb,
     spawn_worker,
+    sweep_lengths,
     time_calls,
     versions,
     wait_for_quiet,
@@ -238,21 +239,19 @@ def main() -> None:
         "layer": [],
         "failures": [],
     }
+    mode = "causal" if args.causal else "full"
     for pattern in patterns:
-        for n in sorted(args.lengths):
-            mode = "causal" if args.causal else "full"
-            got = spawn_worker(
-                "benchmarks.long_attention",
-                ["layer", pattern, str(n), mode, str(args.repeats)],
-                args.timeout,
-                ROOT,
-            )
-            if isinstance(got, str):
-                result["failures"].append(f"{pattern} at n = {n}: {got}")
-                print(f"{pattern} n={n}: {got}", file=sys.stderr, flush=True)
-                break
-            result["layer"].append(got)
-            print(f"{pattern} n={n}: {got['ms']} ms, {got['peak_mb']} MB", file=sys.stderr)
+        rows, failure = sweep_lengths(
+            "benchmarks.long_attention",
+            pattern,
+            args.lengths,
+            lambda n, pattern=pattern: ["layer", pattern, str(n), mode, str(args.repeats)],
+            args.timeout,
+            ROOT,
+        )
+        result["layer"] += rows
+        if failure:
+            result["failures"].append(failure)
     if not args.skip_checkpointing:
         result["checkpointing"] = []
         for on in ("off", "on"):

@@ -61,7 +61,7 @@ from benchmarks.common import (  # noqa: E402
     log_log_slope,
     median,
     peak_rss_mb,
-    spawn_worker,
+    sweep_lengths,
     time_calls,
     versions,
     wait_for_quiet,
@@ -325,17 +325,19 @@ def main() -> None:
         "counts": {},
         "failures": [],
     }
+    shape = ["--window", str(args.window), "--kernel", str(args.kernel)]
     for kind in args.layers:
-        for n in sorted(args.lengths):
-            worker = [kind, str(n), str(args.repeats), "--window", str(args.window),
-                      "--kernel", str(args.kernel)]  # fmt: skip
-            got = spawn_worker("benchmarks.table1", worker, args.timeout, ROOT)
-            if isinstance(got, str):
-                result["failures"].append(f"{kind} at n = {n}: {got}")
-                print(f"{kind} n={n}: {got}", file=sys.stderr, flush=True)
-                break
-            result["rows"].append(got)
-            print(f"{kind} n={n}: {got['ms']} ms, {got['peak_mb']} MB", file=sys.stderr)
+        rows, failure = sweep_lengths(
+            "benchmarks.table1",
+            kind,
+            args.lengths,
+            lambda n, kind=kind: [kind, str(n), str(args.repeats), *shape],
+            args.timeout,
+            ROOT,
+        )
+        result["rows"] += rows
+        if failure:
+            result["failures"].append(failure)
     for kind in LAYERS:
         result["counts"][kind] = {}
         for n in sorted(args.lengths):
