@@ -311,3 +311,18 @@ def against_length(ax: Any, title: str) -> None:
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def finished_run(run: Path) -> dict[str, Any]:
+    """The figures of a finished run from its metrics.jsonl (``minutes``: its training time,
+    rounded)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"][-5:]
+    averaged = [r for r in records if r["kind"] == "averaged"]
+    return {
+        "minutes": round(max((r["minutes"] for r in records), default=0)),
+        "updates": max((r["step"] for r in records), default=0),
+        "tokens_per_s": sum(r["tgt_tokens_per_s"] for r in train) / max(len(train), 1),
+        "valid": [r for r in records if r["kind"] == "valid"][-1:],
+        "averaged": averaged[-1] if averaged else None,
+    }

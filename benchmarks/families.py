@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import finished_run, machine  # noqa: E402
 
 AIAYN = [sys.executable, "-m", "aiayn"]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -52,23 +52,8 @@ def _train(config: str, data: Path, out: Path, minutes: float, *extra: str) -> d
     start = time.monotonic()
     _run("train", "--config", config, "--data", str(data), "--out", str(out), "--no-progress",
          f"train.max_minutes={minutes:g}", *extra)  # fmt: skip
-    figures = _finished(out)
+    figures = finished_run(out)
     return {**figures, "minutes": minutes, "wall_minutes": (time.monotonic() - start) / 60}
-
-
-def _finished(run: Path) -> dict[str, Any]:
-    """The figures of a finished run from its metrics.jsonl (``minutes``: its training time,
-    rounded)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"][-5:]
-    averaged = [r for r in records if r["kind"] == "averaged"]
-    return {
-        "minutes": round(max((r["minutes"] for r in records), default=0)),
-        "updates": max((r["step"] for r in records), default=0),
-        "tokens_per_s": sum(r["tgt_tokens_per_s"] for r in train) / max(len(train), 1),
-        "valid": [r for r in records if r["kind"] == "valid"][-1:],
-        "averaged": averaged[-1] if averaged else None,
-    }
 
 
 def _test_metrics(run: Path, data: Path) -> dict[str, float]:
@@ -137,7 +122,7 @@ def classifier(work: Path, scale: float, reuse_pretraining: bool = False) -> dic
     _run("prepare", "--corpus", "bible", "--task", "classify", "--lang", "en", "--out", str(data))
     mlm = work / "bible-mlm"
     if reuse_pretraining and (mlm / "averaged.pt").is_file():
-        pretraining = {**_finished(mlm), "reused": str(mlm)}
+        pretraining = {**finished_run(mlm), "reused": str(mlm)}
     else:
         pretraining = _train("configs/bible_mlm.toml", data, mlm, 10 * scale)
     results: dict[str, Any] = {"pretraining": pretraining, "bag_of_words": _bag_of_words(data)}

@@ -1,0 +1,214 @@
+"""The figures of docs/comparison.md: the Transformer, RNNsearch and Luong's global attention on
+Multi30k English→German, each trained for the same minutes on this machine through the CLI a
+user runs, with the same prepared data (one joint 8k vocabulary), optimizer, schedule, label
+smoothing, checkpoint averaging and beam search.
+
+For each model: ``aiayn train --config configs/<recipe>.toml`` for ``--minutes`` with every
+step checkpoint kept; then, in this process, the averaged model (``averaged.pt``, the last 5)
+translates the validation source with the recipe's beam 4 and α = 0.6 (timed: sentences/s),
+scored with sacreBLEU and chrF; and at each of ``--points`` minutes, the average of the last 5
+checkpoints saved by then is translated the same way (the BLEU-against-minutes curve).
+
+Writes ``benchmarks/results/NAME.{json,md}`` after each model and ``docs/images/NAME.png``.
+
+    .venv/bin/python benchmarks/comparison.py --data data/multi30k \
+        --source data/multi30k/valid.en --reference data/multi30k/valid.de --work runs/comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import finished_run, machine  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+IMAGES = ROOT / "docs" / "images"
+MODELS = {
+    "transformer": ("configs/multi30k.toml", "Transformer (small)"),
+    "rnnsearch": ("configs/multi30k_rnnsearch.toml", "RNNsearch (Bahdanau)"),
+    "luong": ("configs/multi30k_luong.toml", "Luong (global, general)"),
+}
+AVERAGE = 5
+
+
+def _train(recipe: str, data: Path, out: Path, minutes: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", "aiayn", "train", "--config", recipe, "--data", str(data),
+               "--out", str(out), "--no-progress", f"train.max_minutes={minutes:g}",
+               "train.keep_last=100000"]  # fmt: skip
+    print("+ " + " ".join(command[2:]), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, cwd=ROOT)
+    figures = finished_run(out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tgt_tokens_per_s"] for r in records if r["kind"] == "train"]
+    # The median over every log interval of the run, with the range.
+    figures["tokens_per_s"] = statistics.median(rates) if rates else 0.0
+    figures["tokens_per_s_range"] = [min(rates), max(rates)] if rates else []
+    return figures
+
+
+def _score(translator: Any, sources: list[str], references: list[str]) -> dict[str, float]:
+    from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
+
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources)
+    seconds = time.perf_counter() - start
+    return {
+        "bleu": round(sacrebleu_bleu(hypotheses, [references]).score, 2),
+        "chrf": round(sacrebleu_chrf(hypotheses, [references]).score, 2),
+        "decode_s": round(seconds, 2),
+        "sentences_per_s": round(len(sources) / seconds, 1),
+    }
+
+
+def evaluate(run: Path, sources: list[str], references: list[str], points: list[float]) -> dict:
+    """The averaged model's scores and decoding speed, and the curve at ``points`` minutes."""
+    from aiayn.inference import loading
+    from aiayn.inference.translator import Translator
+    from aiayn.training import averaging
+
+    translator, _ = Translator.from_checkpoint(run / "averaged.pt")
+    params = sum(p.numel() for p in translator.model.parameters())
+    final = _score(translator, sources, references)
+    paths = loading.list_step_checkpoints(run)
+    minutes = [float(loading.load_checkpoint(p)["progress"]["minutes"]) for p in paths]
+    curve = []
+    for point in points:
+        upto = [i for i, m in enumerate(minutes) if m <= point + 1e-6]
+        if not upto:
+            continue
+        last = upto[-1]
+        window = paths[max(0, last - AVERAGE + 1) : last + 1]
+        translator.model.load_state_dict(averaging.average_checkpoints(window))
+        scores = _score(translator, sources, references)
+        step = int(loading.load_checkpoint(paths[last])["step"])
+        curve.append(
+            {"point": point, "minutes": round(minutes[last], 2), "update": step,
+             "averaged": len(window), "bleu": scores["bleu"], "chrf": scores["chrf"]}
+        )  # fmt: skip
+        print(f"  {run.name} {minutes[last]:.1f} min: BLEU {scores['bleu']}", file=sys.stderr)
+    return {"parameters": params, "final": final, "curve": curve}
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        f"# Transformer, RNNsearch and Luong on Multi30k en→de, {result['minutes']:g} minutes each",
+        "",
+        f"{m['cpu']}, {m['logical_cpus']} logical CPUs, PyTorch {result['torch']}, "
+        f"{result['date']}. Validation set ({result['sentences']} sentences), beam 4, α = 0.6, "
+        f"the average of the last {AVERAGE} checkpoints.",
+        "",
+        "| model | parameters | updates | train target tok/s | val BLEU | val chrF | "
+        "decode sent/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in result["models"].items():
+        t, f = run["training"], run["final"]
+        lines.append(
+            f"| {MODELS[name][1]} | {run['parameters']:,} | {t['updates']:,} | "
+            f"{t['tokens_per_s']:,.0f} | {f['bleu']:.2f} | {f['chrf']:.2f} | "
+            f"{f['sentences_per_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"BLEU of the average of the last {AVERAGE} checkpoints saved by each minute (in "
+        "brackets: the training minutes of the last of them):",
+        "",
+    ]
+    names = list(result["models"])
+    lines.append("| minutes | " + " | ".join(MODELS[n][1] for n in names) + " |")
+    lines.append("|---:|" + "---:|" * len(names))
+    for point in result["points"]:
+        cells = []
+        for n in names:
+            at = [p for p in result["models"][n]["curve"] if p["point"] == point]
+            cells.append(f"{at[0]['bleu']:.2f} ({at[0]['minutes']:.1f})" if at else "")
+        lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, run in result["models"].items():
+        xs = [p["minutes"] for p in run["curve"]]
+        ys = [p["bleu"] for p in run["curve"]]
+        ax.plot(xs, ys, marker="o", label=MODELS[name][1])
+    ax.set_xlabel("training minutes (2 CPU cores)")
+    ax.set_ylabel("sacreBLEU, Multi30k val (beam 4)")
+    ax.set_title(f"Multi30k en→de on {result['machine']['cpu']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True, help="an `aiayn prepare` directory")
+    parser.add_argument("--source", type=Path, required=True)
+    parser.add_argument("--reference", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "comparison")
+    parser.add_argument("--minutes", type=float, default=45.0)
+    parser.add_argument(
+        "--points", default="5,10,15,20,30,45", help="curve minutes, scaled by --minutes/45"
+    )
+    parser.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--name", default="comparison")
+    parser.add_argument("--fresh", action="store_true", help="delete earlier runs in --work")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from aiayn.inference.textio import read_lines
+
+    sources, references = read_lines(args.source), read_lines(args.reference)
+    scale = args.minutes / 45.0
+    points = [float(p) * scale for p in args.points.split(",")]
+    json_path = RESULTS / f"{args.name}.json"
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "torch": torch.__version__,
+        "date": dt.date.today().isoformat(),
+        "minutes": args.minutes,
+        "sentences": len(sources),
+        "points": points,
+        "models": {},
+    }
+    for name in args.only:
+        recipe = MODELS[name][0]
+        out = args.work / name
+        if args.fresh and out.exists():
+            shutil.rmtree(out)
+        training = _train(recipe, args.data, out, args.minutes)
+        figures = evaluate(out, sources, references, points)
+        result["models"][name] = {"recipe": recipe, "training": training, **figures}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / f"{args.name}.md").write_text(_markdown(result))
+        _plot(result, IMAGES / f"{args.name}.png")
+        print(_markdown(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
