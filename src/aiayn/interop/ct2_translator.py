@@ -20,8 +20,10 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
 - aiayn allows only EOS after ``limit`` output tokens. CTranslate2 decodes that step too
   (``max_decoding_length = limit + 1``), where it ends each of its best ``beam_size``
   candidates, EOS or not: one that is not is cut back to ``limit`` tokens and scored with
-  EOS here (``score_batch``). Greedy search agrees exactly; beam search keeps the
-  hypotheses of those candidates, where aiayn keeps one per live beam;
+  EOS here (``score_batch``). Greedy search agrees exactly. In beam search those
+  candidates can all extend one beam, while aiayn ends each of its live beams with EOS: a
+  sentence with a hypothesis cut at the limit is decoded again to ``limit`` steps, whose
+  last step returns the live beams, and they join the hypotheses;
 - aiayn never outputs PAD or BOS: their log-probabilities are set to -inf after the
   log-softmax, which leaves the other tokens' as they are. CTranslate2 can suppress a token
   only before its softmax (``suppress_sequences``), which renormalises the others, so it
@@ -245,12 +247,29 @@ class Ct2Translator(TextTranslator):
 
     def _search_group(self, pieces: list[list[str]], limit: int) -> list[list[Hypothesis]]:
         """Hypotheses for sources (as pieces) that share the output limit ``limit``."""
-        found = self._translate(pieces, limit, [])
+        found = self._translate(pieces, limit, [], limit + 1)
         again = [i for i, hyps in enumerate(found) if any(self._banned(h[0]) for h in hyps)]
-        if again:  # decoded again without PAD and BOS, and then all scored again
-            redone = self._translate([pieces[i] for i in again], limit, self._never)
+        if again:  # decoded again without PAD and BOS
+            redone = self._translate([pieces[i] for i in again], limit, self._never, limit + 1)
             for i, hyps in zip(again, redone, strict=True):
-                found[i] = [(tokens, log_prob, True) for tokens, log_prob, _ in hyps]
+                found[i] = hyps
+        if self.decode.beam_size > 1 and limit > 0:
+            # Where a hypothesis was cut at the limit, the candidates of CTranslate2's last
+            # step can all extend one beam, and cut back they are one hypothesis: the other
+            # live beams, each of which aiayn ends with EOS, are missing. Decoded again to
+            # ``limit`` steps, CTranslate2's last step returns the live beams themselves.
+            cut = [i for i, hyps in enumerate(found) if any(h[2] for h in hyps)]
+            for suppress in ([], self._never):
+                rows = [i for i in cut if (i in again) == bool(suppress)]
+                if rows:
+                    extra = self._translate([pieces[i] for i in rows], limit, suppress, limit)
+                    for i, hyps in zip(rows, extra, strict=True):
+                        known = {tuple(h[0]) for h in found[i]}
+                        found[i] += [
+                            h for h in hyps if tuple(h[0]) not in known and not self._banned(h[0])
+                        ]
+        for i in again:  # all scored again, teacher-forced, with the full distribution
+            found[i] = [(tokens, log_prob, True) for tokens, log_prob, _ in found[i]]
         # Scored again, teacher-forced: those cut at the limit (their EOS, which aiayn
         # forces, has no score yet) and those of a search without PAD and BOS.
         pairs = [(i, j) for i, hyps in enumerate(found) for j, h in enumerate(hyps) if h[2]]
@@ -267,16 +286,17 @@ class Ct2Translator(TextTranslator):
         return results
 
     def _translate(
-        self, pieces: list[list[str]], limit: int, suppress: list[list[str]]
+        self, pieces: list[list[str]], limit: int, suppress: list[list[str]], steps: int
     ) -> list[list[tuple[list[int], float, bool]]]:
         """The finished hypotheses of each source as (token ids without EOS, log-probability,
         whether it was cut at the limit), without repeats; the tokens ``suppress`` are never
         output.
 
-        CTranslate2 decodes one step beyond ``limit`` output tokens, where aiayn allows only
-        EOS: there it ends every one of the best ``beam_size`` candidates, EOS or not; one
-        that is not EOS is cut back to its ``limit`` tokens, a hypothesis aiayn ends with the
-        forced EOS (its log-probability, without that EOS, is then unknown)."""
+        CTranslate2 decodes at most ``steps`` tokens (``limit + 1``: one step beyond ``limit``
+        output tokens, where aiayn allows only EOS); at its last step it ends every one of the
+        best ``beam_size`` candidates, EOS or not. One that is not EOS is cut back to its
+        ``limit`` tokens, a hypothesis aiayn ends with the forced EOS (its log-probability,
+        without that EOS, is then unknown)."""
         k = self.decode.beam_size
         penalty = ranking_penalty(self.decode.alpha, pieces)
         results = self.engine.translate_batch(
@@ -284,7 +304,7 @@ class Ct2Translator(TextTranslator):
             beam_size=k,
             num_hypotheses=k,
             length_penalty=penalty,
-            max_decoding_length=limit + 1,
+            max_decoding_length=steps,
             min_decoding_length=0,
             max_input_length=0,
             return_scores=True,
