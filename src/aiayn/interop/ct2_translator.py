@@ -21,9 +21,9 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
   (``max_decoding_length = limit + 1``), where it ends each of its best ``beam_size``
   candidates, EOS or not: one that is not is cut back to ``limit`` tokens and scored with
   EOS here (``score_batch``). Greedy search agrees exactly. In beam search those
-  candidates can all extend one beam, while aiayn ends each of its live beams with EOS: a
-  sentence with a hypothesis cut at the limit is decoded again to ``limit`` steps, whose
-  last step returns the live beams, and they join the hypotheses;
+  candidates can extend fewer than ``beam_size`` beams, while aiayn ends each of its live
+  beams with EOS: a sentence with a hypothesis cut at the limit is decoded again to
+  ``limit`` steps, whose last step returns the live beams, and they join the hypotheses;
 - aiayn never outputs PAD or BOS: their log-probabilities are set to -inf after the
   log-softmax, which leaves the other tokens' as they are. CTranslate2 can suppress a token
   only before its softmax (``suppress_sequences``), which renormalises the others, so it
@@ -247,29 +247,12 @@ class Ct2Translator(TextTranslator):
 
     def _search_group(self, pieces: list[list[str]], limit: int) -> list[list[Hypothesis]]:
         """Hypotheses for sources (as pieces) that share the output limit ``limit``."""
-        found = self._translate(pieces, limit, [], limit + 1)
+        found = self._searched(pieces, limit, [])
         again = [i for i, hyps in enumerate(found) if any(self._banned(h[0]) for h in hyps)]
-        if again:  # decoded again without PAD and BOS
-            redone = self._translate([pieces[i] for i in again], limit, self._never, limit + 1)
+        if again:  # decoded again without PAD and BOS, and then all scored again
+            redone = self._searched([pieces[i] for i in again], limit, self._never)
             for i, hyps in zip(again, redone, strict=True):
-                found[i] = hyps
-        if self.decode.beam_size > 1 and limit > 0:
-            # Where a hypothesis was cut at the limit, the candidates of CTranslate2's last
-            # step can all extend one beam, and cut back they are one hypothesis: the other
-            # live beams, each of which aiayn ends with EOS, are missing. Decoded again to
-            # ``limit`` steps, CTranslate2's last step returns the live beams themselves.
-            cut = [i for i, hyps in enumerate(found) if any(h[2] for h in hyps)]
-            for suppress in ([], self._never):
-                rows = [i for i in cut if (i in again) == bool(suppress)]
-                if rows:
-                    extra = self._translate([pieces[i] for i in rows], limit, suppress, limit)
-                    for i, hyps in zip(rows, extra, strict=True):
-                        known = {tuple(h[0]) for h in found[i]}
-                        found[i] += [
-                            h for h in hyps if tuple(h[0]) not in known and not self._banned(h[0])
-                        ]
-        for i in again:  # all scored again, teacher-forced, with the full distribution
-            found[i] = [(tokens, log_prob, True) for tokens, log_prob, _ in found[i]]
+                found[i] = [(tokens, log_prob, True) for tokens, log_prob, _ in hyps]
         # Scored again, teacher-forced: those cut at the limit (their EOS, which aiayn
         # forces, has no score yet) and those of a search without PAD and BOS.
         pairs = [(i, j) for i, hyps in enumerate(found) for j, h in enumerate(hyps) if h[2]]
@@ -284,6 +267,25 @@ class Ct2Translator(TextTranslator):
             ranked.sort(key=lambda h: -h.score)  # stable: CTranslate2's order among equals
             results.append(ranked[: self.nbest])
         return results
+
+    def _searched(
+        self, pieces: list[list[str]], limit: int, suppress: list[list[str]]
+    ) -> list[list[tuple[list[int], float, bool]]]:
+        """:meth:`_translate` to ``limit + 1`` steps, and again to ``limit`` steps for beam
+        search where a hypothesis was cut at the limit: the candidates of CTranslate2's last
+        step can extend fewer than ``beam_size`` beams, and cut back to the limit they are
+        fewer hypotheses, while aiayn ends each of its live beams with EOS. The last step of
+        the second search returns the live beams themselves."""
+        found = self._translate(pieces, limit, suppress, limit + 1)
+        if self.decode.beam_size == 1 or limit == 0:  # greedy: the cut hypothesis is the beam
+            return found
+        cut = [i for i, hyps in enumerate(found) if any(h[2] for h in hyps)]
+        if cut:
+            extra = self._translate([pieces[i] for i in cut], limit, suppress, limit)
+            for i, hyps in zip(cut, extra, strict=True):
+                known = {tuple(h[0]) for h in found[i]}
+                found[i] += [h for h in hyps if tuple(h[0]) not in known]
+        return found
 
     def _translate(
         self, pieces: list[list[str]], limit: int, suppress: list[list[str]], steps: int
