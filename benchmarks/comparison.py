@@ -73,8 +73,15 @@ def _score(translator: Any, sources: list[str], references: list[str]) -> dict[s
     }
 
 
-def evaluate(run: Path, sources: list[str], references: list[str], points: list[float]) -> dict:
-    """The averaged model's scores and decoding speed, and the curve at ``points`` minutes."""
+def evaluate(
+    run: Path,
+    sources: list[str],
+    references: list[str],
+    points: list[float],
+    test: tuple[list[str], list[str]] | None = None,
+) -> dict[str, Any]:
+    """The averaged model's scores and decoding speed (and its scores on ``test``, sources and
+    references), and the curve at ``points`` minutes."""
     from aiayn.inference import loading
     from aiayn.inference.translator import Translator
     from aiayn.training import averaging
@@ -82,6 +89,7 @@ def evaluate(run: Path, sources: list[str], references: list[str], points: list[
     translator, _ = Translator.from_checkpoint(run / "averaged.pt")
     params = sum(p.numel() for p in translator.model.parameters())
     final = _score(translator, sources, references)
+    test_scores = _score(translator, *test) if test else None
     paths = loading.list_step_checkpoints(run)
     minutes = [float(loading.load_checkpoint(p)["progress"]["minutes"]) for p in paths]
     curve = []
@@ -99,29 +107,37 @@ def evaluate(run: Path, sources: list[str], references: list[str], points: list[
              "averaged": len(window), "bleu": scores["bleu"], "chrf": scores["chrf"]}
         )  # fmt: skip
         print(f"  {run.name} {minutes[last]:.1f} min: BLEU {scores['bleu']}", file=sys.stderr)
-    return {"parameters": params, "final": final, "curve": curve}
+    return {"parameters": params, "final": final, "test": test_scores, "curve": curve}
 
 
 def _markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
+    tested = any(run.get("test") for run in result["models"].values())
     lines = [
         f"# Transformer, RNNsearch and Luong on Multi30k en→de, {result['minutes']:g} minutes each",
         "",
         f"{m['cpu']}, {m['logical_cpus']} logical CPUs, PyTorch {result['torch']}, "
         f"{result['date']}. Validation set ({result['sentences']} sentences), beam 4, α = 0.6, "
-        f"the average of the last {AVERAGE} checkpoints.",
+        f"the average of the last {AVERAGE} checkpoints. Training tokens/s: the median (and "
+        "range) over the run's log intervals; decoding: the validation set at batches of the "
+        "recipe's size, model loading not timed.",
         "",
-        "| model | parameters | updates | train target tok/s | val BLEU | val chrF | "
-        "decode sent/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | parameters | updates | train target tok/s (range) | val BLEU | val chrF | "
+        "decode sent/s |" + (" test BLEU | test chrF |" if tested else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if tested else ""),
     ]
     for name, run in result["models"].items():
         t, f = run["training"], run["final"]
-        lines.append(
+        low, high = t.get("tokens_per_s_range") or (0, 0)
+        row = (
             f"| {MODELS[name][1]} | {run['parameters']:,} | {t['updates']:,} | "
-            f"{t['tokens_per_s']:,.0f} | {f['bleu']:.2f} | {f['chrf']:.2f} | "
-            f"{f['sentences_per_s']:.1f} |"
+            f"{t['tokens_per_s']:,.0f} ({low:,.0f}–{high:,.0f}) | {f['bleu']:.2f} | "
+            f"{f['chrf']:.2f} | {f['sentences_per_s']:.1f} |"
         )
+        if tested:
+            test = run.get("test")
+            row += f" {test['bleu']:.2f} | {test['chrf']:.2f} |" if test else " | |"
+        lines.append(row)
     lines += [
         "",
         f"BLEU of the average of the last {AVERAGE} checkpoints saved by each minute (in "
@@ -174,17 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--name", default="comparison")
+    parser.add_argument("--test-source", type=Path, help="also score the averaged models here")
+    parser.add_argument("--test-reference", type=Path)
     parser.add_argument("--fresh", action="store_true", help="delete earlier runs in --work")
+    parser.add_argument(
+        "--report", action="store_true", help="only write the markdown and plot of NAME.json"
+    )
     args = parser.parse_args(argv)
+    json_path = RESULTS / f"{args.name}.json"
+    if args.report:
+        _write(json.loads(json_path.read_text()), args.name)
+        return 0
 
     import torch
 
     from aiayn.inference.textio import read_lines
 
     sources, references = read_lines(args.source), read_lines(args.reference)
+    test = None
+    if args.test_source and args.test_reference:
+        test = (read_lines(args.test_source), read_lines(args.test_reference))
     scale = args.minutes / 45.0
     points = [float(p) * scale for p in args.points.split(",")]
-    json_path = RESULTS / f"{args.name}.json"
     result: dict[str, Any] = {
         "machine": machine(),
         "torch": torch.__version__,
@@ -200,14 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.fresh and out.exists():
             shutil.rmtree(out)
         training = _train(recipe, args.data, out, args.minutes)
-        figures = evaluate(out, sources, references, points)
+        figures = evaluate(out, sources, references, points, test)
         result["models"][name] = {"recipe": recipe, "training": training, **figures}
         RESULTS.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / f"{args.name}.md").write_text(_markdown(result))
-        _plot(result, IMAGES / f"{args.name}.png")
-        print(_markdown(result), flush=True)
+        print(_write(result, args.name), flush=True)
     return 0
+
+
+def _write(result: dict[str, Any], name: str) -> str:
+    """Write ``NAME.md`` and ``docs/images/NAME.png`` of ``result``; the markdown."""
+    text = _markdown(result)
+    (RESULTS / f"{name}.md").write_text(text)
+    _plot(result, IMAGES / f"{name}.png")
+    return text
 
 
 if __name__ == "__main__":

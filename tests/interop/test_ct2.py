@@ -188,7 +188,11 @@ def test_output_limits_and_empty_inputs(tokenizer: Tokenizer, tmp_path: Path) ->
                 assert [h.tokens for h in other] == [h.tokens for h in mine]
                 for a, b in zip(mine, other, strict=True):
                     assert b.score == pytest.approx(a.score, abs=1e-4)
-            cut = [len(h.tokens) == len(s) // 2 for hs, s in zip(ours, sources) for h in hs]
+            cut = [
+                len(h.tokens) == len(s) // 2
+                for hs, s in zip(ours, sources, strict=True)
+                for h in hs
+            ]
             assert sum(cut) > 3  # hypotheses that reached the limit were compared
 
 
