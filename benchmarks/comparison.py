@@ -91,7 +91,11 @@ def evaluate(
     final = _score(translator, sources, references)
     test_scores = _score(translator, *test) if test else None
     paths = loading.list_step_checkpoints(run)
-    minutes = [float(loading.load_checkpoint(p)["progress"]["minutes"]) for p in paths]
+    minutes, steps = [], []
+    for path in paths:  # one at a time: each holds the optimizer state too
+        state = loading.load_checkpoint(path)
+        minutes.append(float(state["progress"]["minutes"]))
+        steps.append(int(state["step"]))
     curve = []
     for point in points:
         upto = [i for i, m in enumerate(minutes) if m <= point + 1e-6]
@@ -101,9 +105,8 @@ def evaluate(
         window = paths[max(0, last - AVERAGE + 1) : last + 1]
         translator.model.load_state_dict(averaging.average_checkpoints(window))
         scores = _score(translator, sources, references)
-        step = int(loading.load_checkpoint(paths[last])["step"])
         curve.append(
-            {"point": point, "minutes": round(minutes[last], 2), "update": step,
+            {"point": point, "minutes": round(minutes[last], 2), "update": steps[last],
              "averaged": len(window), "bleu": scores["bleu"], "chrf": scores["chrf"]}
         )  # fmt: skip
         print(f"  {run.name} {minutes[last]:.1f} min: BLEU {scores['bleu']}", file=sys.stderr)

@@ -45,7 +45,7 @@ def compare(checkpoint: Path, source: Path) -> dict[str, Any]:
         checkpoint, decode_overrides=settings, nbest=BEAM, threads=1
     )
     a, b = ours.translate_nbest(lines), theirs.translate_nbest(lines)
-    limit = ours.decode
+    decode = ours.decode
     differing = []
     for number, (mine, other) in enumerate(zip(a, b, strict=True), 1):
         if [h.tokens for h in mine] != [h.tokens for h in other]:
@@ -53,7 +53,7 @@ def compare(checkpoint: Path, source: Path) -> dict[str, Any]:
             differing.append(
                 {
                     "line": number,
-                    "limit": math.floor(length * limit.max_len_a + limit.max_len_b),
+                    "limit": math.floor(length * decode.max_len_a + decode.max_len_b),
                     "aiayn": [(len(h.tokens), round(h.score, 5)) for h in mine],
                     "ctranslate2": [(len(h.tokens), round(h.score, 5)) for h in other],
                 }
