@@ -8,6 +8,7 @@ dropout 0.1, label smoothing 0.1, Adam.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -248,6 +249,18 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> float:
         if busy_cpu_seconds() - before < threshold:
             break
     return time.perf_counter() - start
+
+
+def run_header(waited_s: float) -> dict[str, Any]:
+    """The first keys of a benchmark's result: date, CPU, versions, load average, and the
+    seconds spent waiting for a quiet machine (:func:`wait_for_quiet`)."""
+    return {
+        "date": dt.date.today().isoformat(),
+        "cpu": cpu_model(),
+        "versions": versions(),
+        "load_before": load_average(),
+        "waited_for_quiet_s": round(waited_s, 1),
+    }
 
 
 def spawn_worker(module: str, args: list[str], timeout: float, cwd: Path) -> dict[str, Any] | str:

@@ -25,7 +25,6 @@ Writes ``benchmarks/results/long-attention.{json,md}`` and ``docs/images/long-at
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -37,16 +36,15 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     against_length,
-    cpu_model,
     emit,
     load_average,
     log_log_slope,
     median,
     peak_rss_mb,
+    run_header,
     spawn_worker,
     sweep_lengths,
     time_calls,
-    versions,
     wait_for_quiet,
 )
 
@@ -228,11 +226,7 @@ def main() -> None:
     patterns = args.patterns or list(PATTERNS)
     waited = wait_for_quiet(args.wait_quiet)
     result: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "cpu": cpu_model(),
-        "versions": versions(),
-        "load_before": load_average(),
-        "waited_for_quiet_s": round(waited, 1),
+        **run_header(waited),
         "repeats": args.repeats,
         "causal": args.causal,
         "settings": SETTINGS,

@@ -36,7 +36,6 @@ Writes ``benchmarks/results/table1.{json,md}`` and ``docs/images/table1.png``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -55,15 +54,14 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     against_length,
-    cpu_model,
     emit,
     load_average,
     log_log_slope,
     median,
     peak_rss_mb,
+    run_header,
     sweep_lengths,
     time_calls,
-    versions,
     wait_for_quiet,
 )
 
@@ -312,11 +310,7 @@ def main() -> None:
         "separable": f"separable convolution (k = {args.kernel})",
     }
     result: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "cpu": cpu_model(),
-        "versions": versions(),
-        "load_before": load_average(),
-        "waited_for_quiet_s": round(waited, 1),
+        **run_header(waited),
         "repeats": args.repeats,
         "window": args.window,
         "kernel": args.kernel,
