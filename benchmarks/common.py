@@ -326,6 +326,13 @@ def against_length(ax: Any, title: str) -> None:
     ax.legend(fontsize=8)
 
 
+def token_rate(run: Path) -> tuple[float, list[float]]:
+    """The median training target tokens/s over every log interval of ``run`` and their range."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tgt_tokens_per_s"] for r in records if r["kind"] == "train"]
+    return (statistics.median(rates), [min(rates), max(rates)]) if rates else (0.0, [])
+
+
 def finished_run(run: Path) -> dict[str, Any]:
     """The figures of a finished run from its metrics.jsonl (``minutes``: its training time,
     rounded)."""

@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import finished_run, machine  # noqa: E402
+from benchmarks.common import finished_run, machine, token_rate  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMAGES = ROOT / "docs" / "images"
@@ -51,11 +50,7 @@ def _train(recipe: str, data: Path, out: Path, minutes: float) -> dict[str, Any]
     print("+ " + " ".join(command[2:]), file=sys.stderr, flush=True)
     subprocess.run(command, check=True, cwd=ROOT)
     figures = finished_run(out)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tgt_tokens_per_s"] for r in records if r["kind"] == "train"]
-    # The median over every log interval of the run, with the range.
-    figures["tokens_per_s"] = statistics.median(rates) if rates else 0.0
-    figures["tokens_per_s_range"] = [min(rates), max(rates)] if rates else []
+    figures["tokens_per_s"], figures["tokens_per_s_range"] = token_rate(out)
     return figures
 
 
@@ -79,9 +74,11 @@ def evaluate(
     references: list[str],
     points: list[float],
     test: tuple[list[str], list[str]] | None = None,
+    average: int = AVERAGE,
 ) -> dict[str, Any]:
     """The averaged model's scores and decoding speed (and its scores on ``test``, sources and
-    references), and the curve at ``points`` minutes."""
+    references), and the curve at ``points`` minutes: the average of the last ``average``
+    checkpoints saved by then, decoded with the run's settings."""
     from aiayn.inference import loading
     from aiayn.inference.translator import Translator
     from aiayn.training import averaging
@@ -102,7 +99,7 @@ def evaluate(
         if not upto:
             continue
         last = upto[-1]
-        window = paths[max(0, last - AVERAGE + 1) : last + 1]
+        window = paths[max(0, last - average + 1) : last + 1]
         translator.model.load_state_dict(averaging.average_checkpoints(window))
         scores = _score(translator, sources, references)
         curve.append(

@@ -254,7 +254,9 @@ class TrainConfig:
     max_steps: int = 100000
     max_epochs: int = 0
     max_minutes: float = 0.0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # "auto": bf16 where the device multiplies bfloat16 natively (a CPU with AVX512-BF16 or AMX,
+    # a GPU with bf16), else fp32; the run says which it took.
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     compile: bool = False
     # Keep only each layer's input in the forward pass and recompute the layer in the
     # backward pass: less memory for long sequences and big models, about a third more time

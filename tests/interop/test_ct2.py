@@ -14,9 +14,11 @@ differ by design, docs/interop.md)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,10 +34,11 @@ from aiayn.config import DecodeConfig, RunConfig, load_config  # noqa: E402
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID, collate_pairs  # noqa: E402
 from aiayn.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from aiayn.errors import UserError  # noqa: E402
+from aiayn.inference.search import gnmt_length_penalty  # noqa: E402
 from aiayn.inference.translator import Translation, Translator  # noqa: E402
 from aiayn.interop import ct2 as ct2_module  # noqa: E402
 from aiayn.interop.ct2 import export_ct2, vocabularies  # noqa: E402
-from aiayn.interop.ct2_translator import Ct2Translator, ranking_penalty  # noqa: E402
+from aiayn.interop.ct2_translator import Ct2Translator, ranking_penalties  # noqa: E402
 from aiayn.model.transformer import Transformer  # noqa: E402
 from aiayn.training.checkpoint import (  # noqa: E402
     bytes_to_tensor,
@@ -429,11 +432,115 @@ def test_export_where_the_checkpoint_folder_is_read_only(
     assert not (tmp_path / "m.ct2-float32").exists()
 
 
-def test_ranking_penalty() -> None:
-    # GNMT's slope at the expected output length: n / (5 + n) of alpha.
-    assert ranking_penalty(0.6, [["a"] * 14]) == pytest.approx(0.6 * 15 / 20)
-    assert ranking_penalty(0.0, [["a"]]) == 1e-30
-    assert 1.0 ** ranking_penalty(0.0, [["a"]]) == 1.0
+def test_ranking_penalties_bracket_gnmt() -> None:
+    low, high = ranking_penalties(0.6, 40)
+    assert low == pytest.approx(0.1) and high == pytest.approx(0.6 * 40 / 45)
+    # Every secant of GNMT's log-penalty against log length lies between the two.
+    for a in range(1, 40):
+        for b in range(a + 1, 41):
+            secant = 0.6 * math.log((5 + b) / (5 + a)) / math.log(b / a)
+            assert low <= secant <= high
+    assert ranking_penalties(0.0, 40) == (1e-30, 1e-30)
+    assert 1.0 ** ranking_penalties(0.0, 40)[0] == 1.0
+
+
+class _Result:
+    def __init__(self, hypotheses: list[list[str]], scores: list[float]) -> None:
+        self.hypotheses, self.scores = hypotheses, scores
+
+
+def _top(hyps: list[tuple[list[str], float]], n: int, rank: Callable[[int], float]) -> list:
+    """The best ``n`` of (pieces with EOS, log P) by log P / rank(length)."""
+    return sorted(hyps, key=lambda h: -h[1] / rank(len(h[0])))[:n]
+
+
+class _CappedEngine:
+    """The end of CTranslate2's beam search: of the hypotheses that finished (given per
+    source, at most 2 · beam_size - 1), the best ``num_hypotheses`` by log P / length **
+    length_penalty, with those scores in float32. Records each call's penalty and sources."""
+
+    def __init__(self, finished: dict[str, list[tuple[list[str], float]]]) -> None:
+        self.finished = finished
+        self.calls: list[tuple[float, list[str]]] = []
+
+    def translate_batch(
+        self, pieces: list[list[str]], *, num_hypotheses: int, length_penalty: float, **_: object
+    ) -> list[_Result]:
+        self.calls.append((length_penalty, [" ".join(p) for p in pieces]))
+        results = []
+        for source in pieces:
+            kept = _top(
+                self.finished[" ".join(source)], num_hypotheses, lambda n: n**length_penalty
+            )
+            scores = [float(torch.tensor(lp / len(h) ** length_penalty)) for h, lp in kept]
+            results.append(_Result([h for h, _ in kept], scores))
+        return results
+
+
+@pytest.mark.parametrize("nbest", [1, 4])
+def test_gnmt_best_survives_ctranslate2s_cap(
+    tokenizer: Tokenizer, tmp_path: Path, nbest: int
+) -> None:
+    """Where more than beam_size hypotheses finish, CTranslate2 keeps beam_size of them by its
+    power-law penalty. The engine returns GNMT's best, and its second, whatever the finished
+    set; it decodes a sentence again only where a hypothesis left out could matter (with
+    nbest 1, seldom), and then ranks the union of both decodings as GNMT does."""
+    export_ct2(trained_model(tokenizer), tmp_path / "ct2", tokenizer=tokenizer)
+    k, alpha, limit = 4, 0.6, 39
+    decode = DecodeConfig(
+        beam_size=k, beam_rule="fairseq", alpha=alpha, max_len_a=0, max_len_b=limit
+    )
+    translator = Ct2Translator(tmp_path / "ct2", tokenizer, decode, RunConfig().model, nbest=nbest)
+    eos = tokenizer.piece(EOS_ID)
+    words = [tokenizer.piece(i) for i in range(4, tokenizer.vocab_size)]
+    rng = random.Random(3)
+    finished: dict[str, list[tuple[list[str], float]]] = {}
+    for row in range(300):
+        # As CTranslate2's search ends: fewer than K hypotheses finished before its last step
+        # T, and up to K at it (lengths without EOS: T - 1).
+        hyps: dict[tuple[str, ...], float] = {}
+        if row == 0:  # the empty translation is GNMT's best; four long ones rank above it
+            hyps[()] = -2.0  # under the power law with GNMT's slope at 15 tokens
+            for j in range(4):
+                hyps[tuple(rng.choice(words) for _ in range(14))] = -4.3 - 0.01 * j
+        else:
+            last = rng.randint(3, limit)
+            shorter = rng.randint(0, k - 1)
+            while len(hyps) < shorter:
+                n = rng.randint(0, last - 2)
+                hyps[tuple(rng.choice(words) for _ in range(n))] = -rng.uniform(0.2, 1.0) * (n + 1)
+            total = shorter + rng.randint(k - shorter, k)
+            while len(hyps) < total:
+                n = last - 1
+                hyps[tuple(rng.choice(words) for _ in range(n))] = -rng.uniform(0.2, 1.0) * (n + 1)
+        # Row 0's source has 14 tokens: GNMT's slope at 15 tokens is what the engine used to
+        # rank by, and that dropped the empty translation.
+        source = " ".join(words[:14]) if row == 0 else f"{words[row % len(words)]} {row}"
+        finished[source] = [([*h, eos], lp) for h, lp in hyps.items()]
+    engine = _CappedEngine(finished)
+    translator.engine = engine
+    found = translator._search_group([source.split() for source in finished], limit)
+    got = [[[*(tokenizer.piece(i) for i in h.tokens), eos] for h in hyps] for hyps in found]
+
+    def gnmt(n: int) -> float:
+        return gnmt_length_penalty(n, alpha)
+
+    low, high = ranking_penalties(alpha, limit + 1)
+    assert engine.calls[0][0] == pytest.approx(low) and len(engine.calls) <= 2
+    assert all(penalty == pytest.approx(high) for penalty, _ in engine.calls[1:])
+    redone = {source for _, sources in engine.calls[1:] for source in sources}
+    assert got[0][0] == [eos]  # the empty translation, which GNMT's slope at 15 tokens drops
+    for (source, hyps), mine in zip(finished.items(), got, strict=True):
+        best = [h for h, _ in _top(hyps, 2, gnmt)]
+        assert mine[:2] == best[: len(mine[:2])]
+        returned = _top(hyps, k, lambda n: n**low)
+        if source in redone:
+            returned += [h for h in _top(hyps, k, lambda n: n**high) if h not in returned]
+        assert mine == [h for h, _ in _top(returned, nbest, gnmt)]
+    if nbest == 1:  # a dropped hypothesis seldom could be the best
+        assert len(redone) < 30
+    else:
+        assert len(redone) == len(finished)
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,23 @@ def test_fp16_needs_cuda(tmp_path):
         make_trainer(tmp_path, tiny_config("train.precision=fp16"))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_takes_bf16_only_where_the_cpu_has_the_instructions(
+    tmp_path, monkeypatch, capsys, native
+):
+    from aiayn.training import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "cpu_has_bfloat16", lambda: native)
+    trainer = make_trainer(tmp_path, tiny_config("train.precision=auto"))
+    chosen = "bf16" if native else "fp32"
+    assert trainer.train_cfg.precision == trainer.config.train.precision == chosen
+    assert trainer._loss_dtype == (torch.bfloat16 if native else None)
+    assert f"train.precision=auto: {chosen} (this CPU" in capsys.readouterr().err
+    trainer.save()
+    saved = loading.load_checkpoint(loading.list_step_checkpoints(tmp_path)[-1])
+    assert saved["config"]["train"]["precision"] == chosen  # what ran, not "auto"
+
+
 def test_progress_line_follows_the_nearer_limit():
     import io
 

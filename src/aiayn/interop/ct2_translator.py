@@ -16,7 +16,13 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
   ``log P / ((5 + |Y|) / 6) ** alpha`` (|Y| counting EOS): CTranslate2 returns all
   ``beam_size`` hypotheses with their scores, the penalty is undone and GNMT's applied here.
   Where more than ``beam_size`` finish at once, CTranslate2 keeps the best ``beam_size`` by
-  its own penalty, which :func:`ranking_penalty` sets to rank as GNMT's does;
+  its own penalty, which no power law can make rank as GNMT's does at every length. It
+  decodes with the power law that favours short hypotheses least as GNMT does
+  (:func:`ranking_penalties`); a sentence where a dropped hypothesis could still be among
+  GNMT's best ``nbest`` is decoded again with the one that favours long hypotheses most,
+  and both sets join. The search itself does not depend on the penalty, so the two
+  decodings finish the same hypotheses; for a sentence that ends before its limit and holds
+  no PAD or BOS, GNMT's best two are in one of them (:func:`ranking_penalties` says why);
 - aiayn allows only EOS after ``limit`` output tokens. CTranslate2 decodes that step too
   (``max_decoding_length = limit + 1``), where it ends each of its best ``beam_size``
   candidates, EOS or not: one that is not is cut back to ``limit`` tokens and scored with
@@ -78,16 +84,24 @@ def compute_type(quantize: str | None, precision: str) -> str:
     return _COMPUTE_TYPES[(quantize, precision)]
 
 
-def ranking_penalty(alpha: float, sources: Sequence[Sequence[str]]) -> float:
-    """CTranslate2's ``length_penalty`` for a batch: where more than ``beam_size`` hypotheses
-    finish, CTranslate2 keeps the best ``beam_size`` by ``log P / length ** penalty``, so that
-    penalty should rank as GNMT's ``((5 + n) / 6) ** alpha`` does. The power law with GNMT's
-    slope (in log-log) at the expected output length ``n`` (the sources' mean length plus EOS)
-    is ``alpha · n / (5 + n)``. :data:`RAW_SCORES` for ``alpha`` 0."""
-    if alpha == 0 or not sources:
-        return RAW_SCORES
-    n = sum(len(s) for s in sources) / len(sources) + 1.0
-    return alpha * n / (5.0 + n)
+def ranking_penalties(alpha: float, steps: int) -> tuple[float, float]:
+    """The two powers ``p`` with which CTranslate2's ``log P / length ** p`` brackets GNMT's
+    ``log P / ((5 + n) / 6) ** alpha`` over hypotheses of 1 to ``steps`` tokens (EOS counted).
+
+    Between two lengths a < b, the power that ranks as GNMT does is the slope of
+    ``alpha · log((5 + n) / 6)`` against ``log n`` between them, which lies between that
+    curve's slopes at n = 1 and n = ``steps``: ``alpha / 6`` and ``alpha · steps / (5 +
+    steps)`` (in that order for ``alpha`` ≥ 0). So the hypotheses ranked above GNMT's best
+    under the first power are all shorter than it, and under the second all longer: two
+    disjoint sets. CTranslate2 stops once ``beam_size`` hypotheses have finished, so at most
+    ``2 · beam_size - 1`` finish; for GNMT's best to be dropped under both powers, the two sets
+    would need ``beam_size`` each, more than there are (for the second best, the two sets can
+    share only the best: still too many). Both are :data:`RAW_SCORES` for ``alpha`` 0, where
+    raw log-probabilities rank as GNMT's."""
+    if alpha == 0:
+        return RAW_SCORES, RAW_SCORES
+    ends = (alpha / 6.0, alpha * steps / (5.0 + steps))
+    return min(ends), max(ends)
 
 
 def resolve_without_loading(path: str | os.PathLike[str]) -> Path:
@@ -298,10 +312,29 @@ class Ct2Translator(TextTranslator):
         output tokens, where aiayn allows only EOS); at its last step it ends every one of the
         best ``beam_size`` candidates, EOS or not. One that is not EOS is cut back to its
         ``limit`` tokens, a hypothesis aiayn ends with the forced EOS (its log-probability,
-        without that EOS, is then unknown)."""
+        without that EOS, is then unknown). Sentences where CTranslate2's ranking under the
+        first of :func:`ranking_penalties` may have dropped one of GNMT's best ``nbest`` are
+        decoded again under the second, and the hypotheses of both join."""
+        low, high = ranking_penalties(self.decode.alpha, steps)
+        results = self._ct2_batch(pieces, suppress, steps, low)
+        found = [self._finished(result, low, limit) for result in results]
+        again = [
+            i for i, result in enumerate(results) if self._may_have_dropped(result, low, limit)
+        ]
+        if again and high != low:
+            redone = self._ct2_batch([pieces[i] for i in again], suppress, steps, high)
+            for i, result in zip(again, redone, strict=True):
+                known = {tuple(h[0]) for h in found[i]}
+                found[i] += [
+                    h for h in self._finished(result, high, limit) if tuple(h[0]) not in known
+                ]
+        return found
+
+    def _ct2_batch(
+        self, pieces: list[list[str]], suppress: list[list[str]], steps: int, penalty: float
+    ) -> Any:
         k = self.decode.beam_size
-        penalty = ranking_penalty(self.decode.alpha, pieces)
-        results = self.engine.translate_batch(
+        return self.engine.translate_batch(
             pieces,
             beam_size=k,
             num_hypotheses=k,
@@ -313,17 +346,55 @@ class Ct2Translator(TextTranslator):
             return_end_token=True,
             suppress_sequences=suppress or None,
         )
-        found = []
-        for result in results:
-            hyps: dict[tuple[int, ...], tuple[list[int], float, bool]] = {}
-            for tokens, score in zip(result.hypotheses, result.scores, strict=True):
-                ids = [self._target_ids[t] for t in tokens]
-                log_prob = float(score) * len(ids) ** penalty  # the score before the penalty
-                ended = bool(ids) and ids[-1] == EOS_ID
-                hyp = (ids[:-1], log_prob, False) if ended else (ids[:limit], math.nan, True)
-                hyps.setdefault(tuple(hyp[0]), hyp)
-            found.append(list(hyps.values()))
-        return found
+
+    def _finished(
+        self, result: Any, penalty: float, limit: int
+    ) -> list[tuple[list[int], float, bool]]:
+        """A CTranslate2 result's hypotheses as (ids without EOS, log-probability, cut)."""
+        hyps: dict[tuple[int, ...], tuple[list[int], float, bool]] = {}
+        for tokens, score in zip(result.hypotheses, result.scores, strict=True):
+            ids = [self._target_ids[t] for t in tokens]
+            log_prob = float(score) * len(ids) ** penalty  # the score before the penalty
+            ended = bool(ids) and ids[-1] == EOS_ID
+            hyp = (ids[:-1], log_prob, False) if ended else (ids[:limit], math.nan, True)
+            hyps.setdefault(tuple(hyp[0]), hyp)
+        return list(hyps.values())
+
+    def _may_have_dropped(self, result: Any, penalty: float, limit: int) -> bool:
+        """Whether a hypothesis CTranslate2 dropped, ranking with ``length ** penalty`` (the
+        first of :func:`ranking_penalties`), could be among GNMT's best ``nbest``.
+        CTranslate2 returns ``beam_size`` when at least that many finished; one it dropped
+        scored at most the lowest returned score ``s`` (< 0), and is no longer than the
+        longest returned, ``m`` tokens: those finished by step ``m`` already, so the search
+        stopped there. Its GNMT score is then at most ``s · n ** penalty / ((5 + n') / 6) **
+        alpha`` for its length ``n`` in CTranslate2 and ``n'`` in aiayn (one more for a
+        hypothesis cut at the limit), so at most ``s · m ** penalty / ((6 + min(m, limit)) /
+        6) ** alpha``. Compared with the ``nbest``-th GNMT score of the hypotheses returned
+        that ended with EOS (those cut at the limit are scored with their EOS only later).
+        With ``nbest == beam_size`` that is always so."""
+        k, alpha = self.decode.beam_size, self.decode.alpha
+        if k == 1 or alpha == 0 or len(result.hypotheses) < k:
+            return False
+        if alpha < 0 or self.nbest == k:
+            return True
+        eos = self._target_pieces[EOS_ID]
+        ended = sorted(
+            (
+                score * len(tokens) ** penalty / gnmt_length_penalty(len(tokens), alpha)
+                for tokens, score in zip(result.hypotheses, result.scores, strict=True)
+                if tokens and tokens[-1] == eos
+            ),
+            reverse=True,
+        )
+        if len(ended) < self.nbest:
+            return True
+        longest = max(len(tokens) for tokens in result.hypotheses)
+        bound = (
+            min(result.scores)
+            * longest**penalty
+            / gnmt_length_penalty(min(longest, limit) + 1, alpha)
+        )
+        return bound >= ended[self.nbest - 1] - 1e-5 * abs(ended[self.nbest - 1])
 
     @staticmethod
     def _banned(tokens: list[int]) -> bool:

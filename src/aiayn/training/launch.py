@@ -528,7 +528,7 @@ def _average(trainer: Trainer, last: int) -> Path:
     model = build_model(trainer.config.model, info.device)
     model.load_state_dict(broadcast_object(weights, info))
     if trainer.acceleration is not None:  # validated as the trained model was
-        accelerate(model, "train", precision=trainer.config.train.precision, memory_settings=False)
+        accelerate(model, "train", precision=trainer.precision, memory_settings=False)
     metrics = trainer.validate(model)
     # replace: a finished run run again averages again, and keeps one record.
     record = {"kind": "averaged", "step": trainer.step, "minutes": trainer.minutes, **metrics}

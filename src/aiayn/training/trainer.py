@@ -19,10 +19,10 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +86,27 @@ class TrainResult:
     rank: int = 0
 
 
+def resolve_precision(config: RunConfig, device: torch.device, announce: bool = True) -> RunConfig:
+    """``config`` with ``train.precision = "auto"`` replaced by what ``device`` runs fastest:
+    bf16 on a CPU with bfloat16 instructions (AVX512-BF16 or AMX) or a GPU that supports it,
+    else fp32; said on stderr when ``announce``. Other precisions are returned unchanged."""
+    if config.train.precision != "auto":
+        return config
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+        reason = "this GPU supports bfloat16" if native else "this GPU lacks bfloat16"
+    elif device.type == "cpu":
+        native = cpu_has_bfloat16()
+        has = "multiplies bfloat16 natively" if native else "has no bfloat16 instructions"
+        reason = f"this CPU {has}: AVX512-BF16 or AMX"
+    else:
+        native, reason = False, f"bfloat16 speed on {device.type} is not known"
+    chosen: Literal["bf16", "fp32"] = "bf16" if native else "fp32"
+    if announce:
+        print(f"train.precision=auto: {chosen} ({reason})", file=sys.stderr)
+    return replace(config, train=replace(config.train, precision=chosen))
+
+
 class Trainer:
     """Trains ``model`` on batches of ``corpus`` drawn by ``sampler`` into ``run_dir``.
 
@@ -113,10 +134,12 @@ class Trainer:
         tensorboard: bool = True,
         accelerated: bool = True,
     ) -> None:
-        self.config = config
-        self.train_cfg = config.train
         self.info = dist_info or DistInfo()
         self.device = self.info.device
+        # train.precision=auto resolved here: the checkpoints record what ran.
+        config = resolve_precision(config, self.device, announce=self.info.is_main)
+        self.config = config
+        self.train_cfg = config.train
         precision = self.train_cfg.precision
         if precision == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.precision=fp16 needs CUDA; use fp32 (or bf16) on the CPU")
@@ -128,7 +151,7 @@ class Trainer:
         # results, see its docstring); ``accelerated=False`` trains the plain model.
         self.acceleration: Acceleration | None = None
         if accelerated:
-            self.acceleration = accelerate(self.model, "train", precision=precision)
+            self.acceleration = accelerate(self.model, "train", precision=self.precision)
         self.corpus = corpus
         self.sampler = sampler
         self.valid = valid
@@ -190,6 +213,13 @@ class Trainer:
                 "warning: train.precision=bf16 on a CPU without bfloat16 instructions "
                 "(AVX512-BF16 or AMX): its products are emulated, slower than fp32"
             )
+
+    @property
+    def precision(self) -> Literal["fp32", "bf16", "fp16"]:
+        """``train.precision`` as the run trains (``"auto"`` resolved)."""
+        precision = self.train_cfg.precision
+        assert precision != "auto", "resolved in __init__"
+        return precision
 
     # -- the loop ------------------------------------------------------------------------------
 

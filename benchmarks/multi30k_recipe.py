@@ -1,0 +1,243 @@
+"""The figures of docs/results.md's Multi30k recipes: for runs trained with every checkpoint
+kept, BLEU against training minutes (each run with its own recipe's averaging and decoding
+settings) and the decoding-time levers measured on the same checkpoints: how many of the last
+checkpoints are averaged, the length penalty α and the beam size.
+
+Train each run through the CLI a user runs, keeping every checkpoint (it does not change the
+model, the data order or the average):
+
+    .venv/bin/aiayn train --config configs/multi30k.toml --data data/multi30k \\
+        --out runs/multi30k --no-progress train.keep_last=100000
+    .venv/bin/python benchmarks/multi30k_recipe.py --run "60-minute recipe=runs/multi30k" \\
+        --source data/multi30k/valid.en --reference data/multi30k/valid.de
+
+Writes ``benchmarks/results/NAME.{json,md}`` and ``docs/images/NAME.png``; ``--report``
+rewrites them from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import finished_run, machine, token_rate  # noqa: E402
+from benchmarks.comparison import _score, evaluate  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+IMAGES = ROOT / "docs" / "images"
+
+
+def _numbers(text: str, kind: type = float) -> list[Any]:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def levers(
+    run: Path,
+    sources: list[str],
+    references: list[str],
+    minutes: float,
+    averages: list[int],
+    alphas: list[float],
+    beams: list[int],
+) -> dict[str, Any]:
+    """BLEU of the average of the last N checkpoints saved by ``minutes``, for every N of
+    ``averages``, decoded with every beam size and α."""
+    from aiayn.inference import loading
+    from aiayn.inference.translator import Translator
+    from aiayn.training import averaging
+
+    paths = [
+        path
+        for path in loading.list_step_checkpoints(run)
+        if float(loading.load_checkpoint(path)["progress"]["minutes"]) <= minutes + 1e-6
+    ]
+    translator, _ = Translator.from_checkpoint(paths[-1])
+    settings = translator.decode
+    grid = []
+    for n in averages:
+        translator.model.load_state_dict(averaging.average_checkpoints(paths[-n:]))
+        for beam, alpha in itertools.product(beams, alphas):
+            translator.decode = replace(settings, beam_size=beam, alpha=alpha)
+            scores = _score(translator, sources, references)
+            grid.append({"average": n, "beam": beam, "alpha": alpha, "bleu": scores["bleu"]})
+            print(f"  {run.name} {minutes:g} min, last {n}, beam {beam}, α {alpha}: "
+                  f"BLEU {scores['bleu']}", file=sys.stderr, flush=True)  # fmt: skip
+    return {"minutes": minutes, "last_update": int(loading.load_checkpoint(paths[-1])["step"]),
+            "grid": grid}  # fmt: skip
+
+
+def _recipe(run: Path) -> dict[str, Any]:
+    """What the run trained and decodes with: from its config.toml and its last checkpoint."""
+    import tomllib
+
+    from aiayn.inference import loading
+
+    config = tomllib.loads((run / "config.toml").read_text())
+    ran = loading.load_checkpoint(loading.list_step_checkpoints(run)[-1])["config"]["train"]
+    return {
+        "dropout": config["model"]["dropout"],
+        "precision": config["train"]["precision"],
+        "precision_ran": ran["precision"],
+        "average_last": config["train"]["average_last"],
+        "beam": config["decode"]["beam_size"],
+        "alpha": config["decode"]["alpha"],
+    }
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        "# Multi30k en→de recipes: BLEU against training minutes",
+        "",
+        f"{m['cpu']} ({m['instructions']}), {m['logical_cpus']} logical CPUs, PyTorch "
+        f"{result['torch']}, {result['date']}. Validation set ({result['sentences']} "
+        "sentences), sacreBLEU. Each run is scored with its own recipe: the average of its last "
+        "N checkpoints, its beam and α. Training tokens/s: the median (and range) over the "
+        "run's log intervals.",
+        "",
+        "| run | precision | dropout | updates | train target tok/s (range) | averaged | "
+        "beam, α | val BLEU | chrF |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for label, run in result["runs"].items():
+        r, t, f = run["recipe"], run["training"], run["final"]
+        low, high = t.get("tokens_per_s_range") or (0, 0)
+        precision = r["precision"]
+        if precision == "auto":
+            precision += f" ({r['precision_ran']})"
+        lines.append(
+            f"| {label} | {precision} | {r['dropout']} | {t['updates']:,} | "
+            f"{t['tokens_per_s']:,.0f} ({low:,.0f}–{high:,.0f}) | last {r['average_last']} | "
+            f"{r['beam']}, {r['alpha']} | {f['bleu']:.2f} | {f['chrf']:.2f} |"
+        )
+    labels = list(result["runs"])
+    lines += [
+        "",
+        "BLEU at each minute (in brackets: the training minutes of the last checkpoint averaged):",
+        "",
+        "| minutes | " + " | ".join(labels) + " |",
+        "|---:|" + "---:|" * len(labels),
+    ]
+    for point in result["points"]:
+        cells = []
+        for label in labels:
+            at = [p for p in result["runs"][label]["curve"] if p["point"] == point]
+            cells.append(f"{at[0]['bleu']:.2f} ({at[0]['minutes']:.1f})" if at else "")
+        lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
+    for label, run in result["runs"].items():
+        for lever in run["levers"]:
+            grid = lever["grid"]
+            columns = sorted({(g["beam"], g["alpha"]) for g in grid})
+            lines += [
+                "",
+                f"{label}, the checkpoints saved by {lever['minutes']:g} minutes (last: update "
+                f"{lever['last_update']:,}): BLEU by how many are averaged, the beam and α.",
+                "",
+                "| averaged | " + " | ".join(f"beam {b}, α {a}" for b, a in columns) + " |",
+                "|---:|" + "---:|" * len(columns),
+            ]
+            for n in sorted({g["average"] for g in grid}):
+                row = {(g["beam"], g["alpha"]): g["bleu"] for g in grid if g["average"] == n}
+                lines.append(f"| last {n} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, run in result["runs"].items():
+        ax.plot([p["minutes"] for p in run["curve"]], [p["bleu"] for p in run["curve"]],
+                marker="o", label=label)  # fmt: skip
+    ax.axhline(40.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training minutes (2 CPU cores)")
+    ax.set_ylabel("sacreBLEU, Multi30k val")
+    ax.set_title(f"Multi30k en→de on {result['machine']['cpu']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write(result: dict[str, Any], name: str) -> str:
+    text = _markdown(result)
+    (RESULTS / f"{name}.md").write_text(text)
+    _plot(result, IMAGES / f"{name}.png")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", action="append", default=[], metavar="LABEL=DIR",
+                        help="a finished run that kept every checkpoint (repeat)")  # fmt: skip
+    parser.add_argument("--source", type=Path)
+    parser.add_argument("--reference", type=Path)
+    parser.add_argument("--points", default="5,10,15,20,30,45,60", help="curve minutes")
+    parser.add_argument("--levers-at", default="45,60", help="minutes to measure the levers at")
+    parser.add_argument("--averages", default="5,10,20")
+    parser.add_argument("--alphas", default="0.6,1.0,1.5")
+    parser.add_argument("--beams", default="4")
+    parser.add_argument("--name", default="multi30k-recipe")
+    parser.add_argument("--report", action="store_true", help="only rewrite from NAME.json")
+    args = parser.parse_args(argv)
+    json_path = RESULTS / f"{args.name}.json"
+    if args.report:
+        print(_write(json.loads(json_path.read_text()), args.name))
+        return 0
+    if not args.run or not args.source or not args.reference:
+        parser.error("--run, --source and --reference are needed (or --report)")
+
+    import torch
+
+    from aiayn.accel import cpu_has_bfloat16
+    from aiayn.inference.textio import read_lines
+
+    sources, references = read_lines(args.source), read_lines(args.reference)
+    points = _numbers(args.points)
+    has = "bfloat16 instructions" if cpu_has_bfloat16() else "no bfloat16 instructions"
+    result: dict[str, Any] = {
+        "machine": {**machine(), "instructions": has},
+        "torch": torch.__version__,
+        "date": dt.date.today().isoformat(),
+        "sentences": len(sources),
+        "points": points,
+        "runs": {},
+    }
+    for spec in args.run:
+        label, _, directory = spec.partition("=")
+        run = Path(directory)
+        recipe = _recipe(run)
+        training = finished_run(run)
+        training["tokens_per_s"], training["tokens_per_s_range"] = token_rate(run)
+        figures = evaluate(run, sources, references, points, average=recipe["average_last"])
+        measured = [
+            levers(run, sources, references, minutes, _numbers(args.averages, int),
+                   _numbers(args.alphas), _numbers(args.beams, int))
+            for minutes in _numbers(args.levers_at)
+            if minutes <= training["minutes"] + 0.5
+        ]  # fmt: skip
+        result["runs"][label] = {"dir": str(run), "recipe": recipe, "training": training,
+                                 **figures, "levers": measured}  # fmt: skip
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(_write(result, args.name), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
