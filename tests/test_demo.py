@@ -133,7 +133,7 @@ def test_recipe_is_sized_for_the_device_and_minutes(tmp_path, bible_cache):
     cpu = demo_config(options.data_dir, 7.5, "cpu")
     assert cpu.preset == "small" and cpu.model.d_model == 256 and cpu.model.vocab_size == 200
     assert cpu.train.max_minutes == 7.5 and cpu.train.save_interval_minutes == 0.75
-    assert cpu.train.precision == "fp32" and cpu.decode.beam_size == 4
+    assert cpu.train.precision == "auto" and cpu.decode.beam_size == 4
     gpu = demo_config(options.data_dir, 10, "cuda")
     assert gpu.preset == "base" and gpu.model.d_model == 512 and gpu.train.precision == "bf16"
     with pytest.raises(Exception, match="--minutes must be positive"):
