@@ -68,6 +68,19 @@ def _score(translator: Any, sources: list[str], references: list[str]) -> dict[s
     }
 
 
+def checkpoint_times(run: Path) -> tuple[list[Path], list[float], list[int]]:
+    """The step checkpoints of ``run``, with the training minutes and update of each."""
+    from aiayn.inference import loading
+
+    paths = loading.list_step_checkpoints(run)
+    minutes, steps = [], []
+    for path in paths:  # one at a time: each holds the optimizer state too
+        state = loading.load_checkpoint(path)
+        minutes.append(float(state["progress"]["minutes"]))
+        steps.append(int(state["step"]))
+    return paths, minutes, steps
+
+
 def evaluate(
     run: Path,
     sources: list[str],
@@ -75,11 +88,12 @@ def evaluate(
     points: list[float],
     test: tuple[list[str], list[str]] | None = None,
     average: int = AVERAGE,
+    saved: tuple[list[Path], list[float], list[int]] | None = None,
 ) -> dict[str, Any]:
     """The averaged model's scores and decoding speed (and its scores on ``test``, sources and
     references), and the curve at ``points`` minutes: the average of the last ``average``
-    checkpoints saved by then, decoded with the run's settings."""
-    from aiayn.inference import loading
+    checkpoints saved by then, decoded with the run's settings. ``saved``: the run's
+    :func:`checkpoint_times`, if already read."""
     from aiayn.inference.translator import Translator
     from aiayn.training import averaging
 
@@ -87,12 +101,7 @@ def evaluate(
     params = sum(p.numel() for p in translator.model.parameters())
     final = _score(translator, sources, references)
     test_scores = _score(translator, *test) if test else None
-    paths = loading.list_step_checkpoints(run)
-    minutes, steps = [], []
-    for path in paths:  # one at a time: each holds the optimizer state too
-        state = loading.load_checkpoint(path)
-        minutes.append(float(state["progress"]["minutes"]))
-        steps.append(int(state["step"]))
+    paths, minutes, steps = saved if saved is not None else checkpoint_times(run)
     curve = []
     for point in points:
         upto = [i for i, m in enumerate(minutes) if m <= point + 1e-6]
@@ -157,19 +166,32 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
+    curves = {MODELS[name][1]: run["curve"] for name, run in result["models"].items()}
+    plot_curves(curves, result["machine"]["cpu"], "sacreBLEU, Multi30k val (beam 4)", path)
+
+
+def plot_curves(
+    curves: dict[str, list[dict[str, Any]]],
+    cpu: str,
+    ylabel: str,
+    path: Path,
+    target: float | None = None,
+) -> None:
+    """BLEU against training minutes, a line for each of ``curves`` (points with ``minutes``
+    and ``bleu``), with a dashed line at ``target`` if given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, run in result["models"].items():
-        xs = [p["minutes"] for p in run["curve"]]
-        ys = [p["bleu"] for p in run["curve"]]
-        ax.plot(xs, ys, marker="o", label=MODELS[name][1])
+    for label, curve in curves.items():
+        ax.plot([p["minutes"] for p in curve], [p["bleu"] for p in curve], marker="o", label=label)
+    if target is not None:
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("training minutes (2 CPU cores)")
-    ax.set_ylabel("sacreBLEU, Multi30k val (beam 4)")
-    ax.set_title(f"Multi30k en→de on {result['machine']['cpu']}", fontsize=9)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"Multi30k en→de on {cpu}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

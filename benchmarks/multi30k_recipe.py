@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import finished_run, machine, token_rate  # noqa: E402
-from benchmarks.comparison import _score, evaluate  # noqa: E402
+from benchmarks.comparison import _score, checkpoint_times, evaluate, plot_curves  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMAGES = ROOT / "docs" / "images"
@@ -49,18 +49,16 @@ def levers(
     averages: list[int],
     alphas: list[float],
     beams: list[int],
+    saved: tuple[list[Path], list[float], list[int]],
 ) -> dict[str, Any]:
     """BLEU of the average of the last N checkpoints saved by ``minutes``, for every N of
-    ``averages``, decoded with every beam size and α."""
-    from aiayn.inference import loading
+    ``averages``, decoded with every beam size and α. ``saved``: :func:`checkpoint_times`."""
     from aiayn.inference.translator import Translator
     from aiayn.training import averaging
 
-    paths = [
-        path
-        for path in loading.list_step_checkpoints(run)
-        if float(loading.load_checkpoint(path)["progress"]["minutes"]) <= minutes + 1e-6
-    ]
+    paths, times, steps = saved
+    upto = [i for i, m in enumerate(times) if m <= minutes + 1e-6]
+    paths = paths[: upto[-1] + 1]
     translator, _ = Translator.from_checkpoint(paths[-1])
     settings = translator.decode
     grid = []
@@ -72,8 +70,7 @@ def levers(
             grid.append({"average": n, "beam": beam, "alpha": alpha, "bleu": scores["bleu"]})
             print(f"  {run.name} {minutes:g} min, last {n}, beam {beam}, α {alpha}: "
                   f"BLEU {scores['bleu']}", file=sys.stderr, flush=True)  # fmt: skip
-    return {"minutes": minutes, "last_update": int(loading.load_checkpoint(paths[-1])["step"]),
-            "grid": grid}  # fmt: skip
+    return {"minutes": minutes, "last_update": steps[upto[-1]], "grid": grid}
 
 
 def _recipe(run: Path) -> dict[str, Any]:
@@ -153,25 +150,8 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, run in result["runs"].items():
-        ax.plot([p["minutes"] for p in run["curve"]], [p["bleu"] for p in run["curve"]],
-                marker="o", label=label)  # fmt: skip
-    ax.axhline(40.0, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("training minutes (2 CPU cores)")
-    ax.set_ylabel("sacreBLEU, Multi30k val")
-    ax.set_title(f"Multi30k en→de on {result['machine']['cpu']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    curves = {label: run["curve"] for label, run in result["runs"].items()}
+    plot_curves(curves, result["machine"]["cpu"], "sacreBLEU, Multi30k val", path, target=40.0)
 
 
 def _write(result: dict[str, Any], name: str) -> str:
@@ -224,10 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe = _recipe(run)
         training = finished_run(run)
         training["tokens_per_s"], training["tokens_per_s_range"] = token_rate(run)
-        figures = evaluate(run, sources, references, points, average=recipe["average_last"])
+        saved = checkpoint_times(run)
+        figures = evaluate(
+            run, sources, references, points, average=recipe["average_last"], saved=saved
+        )
         measured = [
             levers(run, sources, references, minutes, _numbers(args.averages, int),
-                   _numbers(args.alphas), _numbers(args.beams, int))
+                   _numbers(args.alphas), _numbers(args.beams, int), saved)
             for minutes in _numbers(args.levers_at)
             if minutes <= training["minutes"] + 0.5
         ]  # fmt: skip
