@@ -218,6 +218,9 @@ class DataConfig:
     # mlm: the share of tokens chosen for prediction (of which 80% become <mask>, 10% a random
     # token, 10% stay), as BERT.
     mask_prob: float = 0.15
+    # translation: BPE-dropout (Provilkov et al., 2020) on the training pairs, each merge skipped
+    # with this probability, drawn anew for every batch; 0 = off (the paper's one segmentation).
+    bpe_dropout: float = 0.0
 
     def validate(self) -> None:
         _require(
@@ -225,6 +228,7 @@ class DataConfig:
             "data",
             {
                 "max_tokens": _POSITIVE,
+                "bpe_dropout": _PROBABILITY,
                 "max_len": _POSITIVE,
                 "block_size": _NON_NEGATIVE,
                 "mask_prob": (lambda p: 0.0 < p < 1.0, "in (0, 1)"),

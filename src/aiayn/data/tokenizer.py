@@ -92,6 +92,20 @@ class Tokenizer:
         """Target-side token ids of many sentences (one joint vocabulary: as the source's)."""
         return self.encode_batch(texts)
 
+    def sample_batch(self, texts: Sequence[str], dropout: float, seed: int) -> list[list[int]]:
+        """Token ids of many sentences, each segmented with BPE-dropout: every merge skipped
+        with probability ``dropout`` (a BPE model; :mod:`aiayn.data.sampling`). The draws
+        depend on ``seed`` alone (sentencepiece's generator, one thread)."""
+        spm.set_random_generator_seed(seed)
+        return self._sp.encode(
+            list(texts),
+            out_type=int,
+            enable_sampling=True,
+            alpha=dropout,
+            nbest_size=-1,
+            num_threads=1,
+        )
+
     @property
     def target_vocab_size(self) -> int:
         return self.vocab_size

@@ -31,6 +31,7 @@ from aiayn.config import (
 )
 from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.corpus import Corpus, data_kind, load_manifest, tokenizer_path
+from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
 from aiayn.data.text import TextCorpus, TextExamples
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.devices import busy_cpu_slowdown
@@ -285,6 +286,20 @@ def _warn_if_cpu_busy() -> None:
         )
 
 
+def _bpe_dropout_pairs(
+    data_dir: Path, pairs: Corpus, tokenizer: Tokenizer, config: RunConfig
+) -> BpeDropoutPairs:
+    """The training pairs segmented with ``data.bpe_dropout`` (aiayn.data.sampling)."""
+    check_bpe_dropout(config.data.bpe_dropout, load_manifest(data_dir), tokenizer)
+    return BpeDropoutPairs(
+        pairs,
+        tokenizer,
+        config.data.bpe_dropout,
+        seed=config.train.seed,
+        max_len=config.data.max_len,
+    )
+
+
 def _examples(data_dir: Path, split: str, config: RunConfig) -> TextExamples:
     """The examples of an lm, mlm or classify run on one split of a text data directory."""
     return TextExamples(
@@ -407,8 +422,12 @@ def train_run(
             if config.model.task == "translation":
                 pairs = Corpus.open(data_dir, "train")
                 corpus, lengths = pairs, (pairs.src_lengths, pairs.tgt_lengths)
+                if config.data.bpe_dropout > 0:
+                    corpus = _bpe_dropout_pairs(data_dir, pairs, tokenizer, config)
                 valid = _valid_set(data_dir, tokenizer) if validating else None
             else:
+                if config.data.bpe_dropout > 0:
+                    raise ConfigError("data.bpe_dropout is an option of the translation task")
                 examples = _examples(data_dir, "train", config)
                 corpus, lengths = examples, (examples.lengths, examples.lengths)
                 if validating:

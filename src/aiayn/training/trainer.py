@@ -433,6 +433,9 @@ class Trainer:
                 self.sampler.set_epoch(self.epoch)
                 self._batches = iter(self.sampler)
                 continue
+            set_epoch = getattr(self.corpus, "set_epoch", None)
+            if set_epoch is not None:  # a source whose batches depend on the epoch
+                set_epoch(self.epoch)
             batch = self.corpus.batch(indices)
             return batch.to(self.device), batch.n_tgt_tokens, batch.n_src_tokens
 
