@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from aiayn.data.batching import TokenBatchSampler
-from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID
-from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
+from aiayn.data.collate import EOS_ID, PAD_ID
+from aiayn.data.corpus import Corpus, tokenizer_path
 from aiayn.data.prepare import prepare_data
 from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Tokenizer, train_tokenizer
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.model.families import build_model
@@ -58,52 +58,67 @@ def _rows(ids, lead):
     return rows
 
 
-def test_samples_keep_the_text_and_change_with_the_epoch(data_dir):
+def test_samples_keep_the_text_and_change_with_the_epoch_and_seed(data_dir):
     pairs, tokenizer = _pairs(data_dir)
     corpus = pairs.corpus
     idx = np.arange(40)
     first = pairs.batch(idx)
-    assert torch.equal(first.src_ids, pairs.batch(idx).src_ids)  # same epoch, same draw
-    assert (first.src_ids[first.src_ids != PAD_ID] != BOS_ID).all()
+    again = pairs.batch(idx)  # same seed, epoch and pairs: the same draw
+    for name in ("src_ids", "tgt_in", "tgt_out"):
+        assert torch.equal(getattr(first, name), getattr(again, name)), name
     plain = corpus.batch(idx)
     # More pieces than the one segmentation, and the same sentences.
     assert first.n_src_tokens > plain.n_src_tokens and first.n_tgt_tokens > plain.n_tgt_tokens
     sources, targets = corpus.src_texts(), corpus.tgt_texts()
-    for i, (src, tgt_in, tgt_out) in enumerate(
-        zip(
-            _rows(first.src_ids, False),
-            _rows(first.tgt_in, True),
-            _rows(first.tgt_out, False),
-            strict=True,
-        )
-    ):
+    rows = zip(
+        _rows(first.src_ids, False),
+        _rows(first.tgt_in, True),
+        _rows(first.tgt_out, False),
+        strict=True,
+    )
+    for i, (src, tgt_in, tgt_out) in enumerate(rows):
         assert tgt_in == tgt_out
         assert tokenizer.decode(src) == sources[i]
         assert tokenizer.decode(tgt_in) == targets[i]
     assert (first.tgt_out == EOS_ID).sum() == len(idx)
     pairs.set_epoch(1)
     assert not torch.equal(first.src_ids, pairs.batch(idx).src_ids)
+    other, _ = _pairs(data_dir, seed=2)
+    assert not torch.equal(first.tgt_in, other.batch(idx).tgt_in)
 
 
-def test_a_sample_longer_than_max_len_keeps_the_prepared_ids(data_dir):
+def test_the_text_lines_are_the_prepared_sentences(data_dir):
+    pairs, tokenizer = _pairs(data_dir)
+    corpus = pairs.corpus
+    for i in range(len(corpus)):
+        src, tgt = corpus.pair(i)
+        assert tokenizer.encode(pairs.src_texts[i]) == src.tolist()
+        assert tokenizer.encode(pairs.tgt_texts[i]) == tgt.tolist()
+
+
+def test_a_sample_longer_than_max_len_keeps_the_prepared_ids_on_both_sides(data_dir):
     corpus = Corpus.open(data_dir, "train")
     longest = int(max(corpus.src_lengths.max(), corpus.tgt_lengths.max()))
     pairs, _ = _pairs(data_dir, dropout=0.9, max_len=longest)
     idx = np.argsort(-corpus.src_lengths)[:20]
     batch = pairs.batch(idx)
-    src = _rows(batch.src_ids, False)
-    assert max(map(len, src)) <= longest
-    kept = [row for row, i in zip(src, idx, strict=True) if row == corpus.pair(int(i))[0].tolist()]
-    assert kept  # the longest sentences, sampled at p = 0.9, fell back
+    src, tgt = _rows(batch.src_ids, False), _rows(batch.tgt_in, True)
+    fell_back = 0
+    for s, t, i in zip(src, tgt, idx.tolist(), strict=True):
+        assert len(s) <= longest and len(t) <= longest
+        prepared_src, prepared_tgt = corpus.pair(i)
+        if s == prepared_src.tolist():
+            assert t == prepared_tgt.tolist()
+            fell_back += 1
+    assert fell_back  # the longest sentences, sampled at p = 0.9, are too long
 
 
-def test_bpe_dropout_needs_a_bpe_vocabulary(data_dir):
-    manifest = load_manifest(data_dir)
-    tokenizer = Tokenizer.load(tokenizer_path(data_dir))
-    check_bpe_dropout(0.1, manifest, tokenizer)
-    manifest["tokenizer_options"]["model_type"] = "unigram"
-    with pytest.raises(ConfigError, match="needs a BPE vocabulary"):
-        check_bpe_dropout(0.1, manifest, tokenizer)
+def test_bpe_dropout_needs_a_bpe_vocabulary(data_dir, tmp_path):
+    check_bpe_dropout(0.1, Tokenizer.load(tokenizer_path(data_dir)))
+    text = _write(tmp_path / "text", 300, 3)
+    unigram = train_tokenizer([Path(f"{text}.xx")], 20, tmp_path / "uni", "unigram")
+    with pytest.raises(ConfigError, match=r"needs a BPE vocabulary .*, not a unigram"):
+        check_bpe_dropout(0.1, unigram)
     with pytest.raises(ConfigError, match="bpe_dropout"):
         tiny_config("data.bpe_dropout=1.0")
 
@@ -141,3 +156,17 @@ def test_resume_draws_the_same_samples(data_dir, tmp_path):
         assert torch.equal(a, b), name
     for trainer in (straight, first, second):
         trainer.close()
+
+
+def test_training_caps_samples_at_the_prepared_length_and_the_positions(data_dir):
+    from aiayn.training.launch import _bpe_dropout_pairs
+
+    corpus = Corpus.open(data_dir, "train")
+    tokenizer = Tokenizer.load(tokenizer_path(data_dir))
+    longest = int(max(corpus.src_lengths.max(), corpus.tgt_lengths.max()))
+    for positions, cap in ((1024, 256), (longest + 1, longest)):  # prepare's --max-len: 256
+        config = tiny_config("data.bpe_dropout=0.5", f"model.max_positions={positions}")
+        pairs = _bpe_dropout_pairs(data_dir, corpus, tokenizer, config)
+        assert pairs.max_len == cap
+    batch = pairs.batch(np.arange(len(corpus)))
+    assert batch.src_ids.size(1) <= longest + 1 and batch.tgt_in.size(1) <= longest + 1

@@ -139,6 +139,49 @@ _PIECE_VOCAB_MAGIC = b"aiayn-piece-vocab\n"
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 
 
+# sentencepiece's TrainerSpec.ModelType numbers (sentencepiece_model.proto).
+SPM_MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
+
+
+def spm_model_type(model: bytes) -> str:
+    """The algorithm of a serialized sentencepiece model ("unigram", "bpe", "word" or
+    "char"), read from its ``trainer_spec.model_type`` (proto fields 2 and 3) without the
+    protobuf package. Unigram, the proto's default, when the field is absent."""
+
+    def varint(data: bytes, at: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            byte = data[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value, at
+
+    def fields(data: bytes) -> dict[int, int | bytes]:
+        found: dict[int, int | bytes] = {}
+        at = 0
+        while at < len(data):
+            key, at = varint(data, at)
+            number, wire = key >> 3, key & 7
+            value: int | bytes
+            if wire == 0:
+                value, at = varint(data, at)
+            elif wire == 2:
+                size, at = varint(data, at)
+                value, at = data[at : at + size], at + size
+            elif wire in (1, 5):  # fixed 64 / 32 bits
+                value, at = 0, at + (8 if wire == 1 else 4)
+            else:
+                raise ValueError(f"not a sentencepiece model (wire type {wire})")
+            found.setdefault(number, value)
+        return found
+
+    spec = fields(model).get(2, b"")
+    kind = fields(spec).get(3, 1) if isinstance(spec, bytes) else 1
+    return SPM_MODEL_TYPES.get(int(kind) if isinstance(kind, int) else 1, "unigram")
+
+
 class PieceVocabTokenizer(Tokenizer):
     """Sentencepiece models that cut text into pieces, and vocabularies that number the pieces:
     the tokenizers of Marian / OPUS-MT models (``source.spm``, ``target.spm``, ``vocab.json``).

@@ -290,13 +290,15 @@ def _bpe_dropout_pairs(
     data_dir: Path, pairs: Corpus, tokenizer: Tokenizer, config: RunConfig
 ) -> BpeDropoutPairs:
     """The training pairs segmented with ``data.bpe_dropout`` (aiayn.data.sampling)."""
-    check_bpe_dropout(config.data.bpe_dropout, load_manifest(data_dir), tokenizer)
+    check_bpe_dropout(config.data.bpe_dropout, tokenizer)
+    # No sample longer than prepare let through, nor than the positions hold (+ BOS/EOS).
+    prepared = int(load_manifest(data_dir).get("filters", {}).get("max_len", config.data.max_len))
     return BpeDropoutPairs(
         pairs,
         tokenizer,
         config.data.bpe_dropout,
         seed=config.train.seed,
-        max_len=config.data.max_len,
+        max_len=min(prepared, config.model.max_positions - 1),
     )
 
 
