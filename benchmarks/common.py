@@ -193,9 +193,31 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+# The instruction sets that decide which kernels PyTorch, oneDNN, MKL and CTranslate2 run.
+INSTRUCTION_SETS = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+    "amx_int8",
+)  # fmt: skip
+
+
+def cpu_instructions() -> list[str]:
+    """Which of :data:`INSTRUCTION_SETS` this CPU reports (Linux ``/proc/cpuinfo``; empty
+    where that cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for name in INSTRUCTION_SETS if name in flags]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpu": cpu_model(),
+        "instructions": cpu_instructions(),
         "logical_cpus": os.cpu_count(),
         "threads": THREADS,
         "python": sys.version.split()[0],

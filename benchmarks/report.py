@@ -55,6 +55,11 @@ def header(meta: dict[str, Any]) -> list[str]:
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['threads']} threads for "
         f"every system; CUDA available: {m['cuda']}; Python {m['python']}; {m['platform']}",
         "",
+        *(
+            [f"Instruction sets: {', '.join(m['instructions']) or 'none of those listed'}", ""]
+            if "instructions" in m
+            else []
+        ),
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
         "",
         f"Load average at start / end: {meta['load_start']} / {meta['load_end']} "
@@ -133,6 +138,14 @@ def training_table(train: dict[str, dict[str, dict[str, Any]]], ceiling: float) 
     return lines
 
 
+def _spread(figure: dict[str, Any]) -> str:
+    """`` (lowest–highest)`` of a figure's per-round values, when it has more than one."""
+    rounds = figure.get("rounds", [])
+    if len(rounds) < 2:
+        return ""
+    return f" ({_fmt(min(rounds), 1)}–{_fmt(max(rounds), 1)})"
+
+
 def decoding_table(decode: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "### Decoding SMALL (64 sentences × 24 source tokens, exactly 24 decoder steps each)",
@@ -149,8 +162,9 @@ def decoding_table(decode: dict[str, dict[str, Any]]) -> list[str]:
             continue
         cells = []
         for mode, field, _, _ in DECODE_COLUMNS:
-            value = r["modes"].get(mode, {}).get(field)
-            cells.append("–" if value is None else _fmt(value, 1))
+            figure = r["modes"].get(mode, {})
+            value = figure.get(field)
+            cells.append("–" if value is None else _fmt(value, 1) + _spread(figure))
         lines.append(
             f"| {name} | "
             + " | ".join(cells)

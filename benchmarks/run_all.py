@@ -152,11 +152,14 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
         times = [t for d in done for t in d["times_s"]]
         m = median(times)
         entry: dict[str, Any] = {"times_s": times, "median_s": m}
+        # Each round's own median too, for the spread between rounds.
         if mode.endswith("batch"):
             n = done[0]["sentences_per_s"] * done[0]["median_s"]  # sentences per batch
             entry["sentences_per_s"] = n / m
+            entry["rounds"] = [n / d["median_s"] for d in done]
         else:
             entry["latency_ms"] = 1000 * m
+            entry["rounds"] = [1000 * d["median_s"] for d in done]
         modes[mode] = entry
     return {
         "modes": modes,
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--train-systems", nargs="+", default=TRAIN_SYSTEMS)
     parser.add_argument("--decode-systems", nargs="+", default=DECODE_SYSTEMS)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 2, quick 1)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, quick 1)")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.md")
     parser.add_argument("--no-doc", action="store_true", help="leave docs/performance.md alone")
     parser.add_argument(
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.peer_malloc == "retained":
         PEER_MALLOC.update(RETAINED_MALLOC_ENV)
     mode = "quick" if args.quick else "full"
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     quiet_s = args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 60.0)
     start = time.perf_counter()
     load_start = load_average()
@@ -243,8 +246,6 @@ def main(argv: list[str] | None = None) -> None:
             measure_ceiling()
             for system in rotated(args.decode_systems, r):
                 flags = ["--system", system, "--ct2-dir", str(ct2_dir), *DECODE_ARGS[mode]]
-                if r > 0:  # later rounds: batch modes only (one at a time is 64 samples already)
-                    flags += ["--modes", "beam-batch", "greedy-batch"]
                 decode_runs[system] += run_child("decode_bench", flags, quiet_s)
         results["decode"] = {s: merge_decode(v) for s, v in decode_runs.items()}
         shutil.rmtree(ct2_dir, ignore_errors=True)
