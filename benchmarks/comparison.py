@@ -153,16 +153,25 @@ def _markdown(result: dict[str, Any]) -> str:
         "brackets: the training minutes of the last of them):",
         "",
     ]
-    names = list(result["models"])
-    lines.append("| minutes | " + " | ".join(MODELS[n][1] for n in names) + " |")
-    lines.append("|---:|" + "---:|" * len(names))
-    for point in result["points"]:
+    curves = {MODELS[name][1]: run["curve"] for name, run in result["models"].items()}
+    lines += curve_table(result["points"], curves)
+    return "\n".join(lines) + "\n"
+
+
+def curve_table(points: list[float], curves: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown rows: BLEU at each of ``points`` for each labelled curve, with the training
+    minutes of the last checkpoint averaged in brackets (empty where a curve has no point)."""
+    lines = [
+        "| minutes | " + " | ".join(curves) + " |",
+        "|---:|" + "---:|" * len(curves),
+    ]
+    for point in points:
         cells = []
-        for n in names:
-            at = [p for p in result["models"][n]["curve"] if p["point"] == point]
+        for curve in curves.values():
+            at = [p for p in curve if p["point"] == point]
             cells.append(f"{at[0]['bleu']:.2f} ({at[0]['minutes']:.1f})" if at else "")
         lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -202,9 +211,9 @@ def plot_curves(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="an `aiayn prepare` directory")
-    parser.add_argument("--source", type=Path, required=True)
-    parser.add_argument("--reference", type=Path, required=True)
+    parser.add_argument("--data", type=Path, help="an `aiayn prepare` directory")
+    parser.add_argument("--source", type=Path)
+    parser.add_argument("--reference", type=Path)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "comparison")
     parser.add_argument("--minutes", type=float, default=45.0)
     parser.add_argument(
@@ -223,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         _write(json.loads(json_path.read_text()), args.name)
         return 0
+    if not args.data or not args.source or not args.reference:
+        parser.error("--data, --source and --reference are needed (or --report)")
 
     import torch
 

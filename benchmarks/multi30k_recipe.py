@@ -31,7 +31,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import finished_run, machine, token_rate  # noqa: E402
-from benchmarks.comparison import _score, checkpoint_times, evaluate, plot_curves  # noqa: E402
+from benchmarks.comparison import (  # noqa: E402
+    _score,
+    checkpoint_times,
+    curve_table,
+    evaluate,
+    plot_curves,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMAGES = ROOT / "docs" / "images"
@@ -117,20 +123,12 @@ def _markdown(result: dict[str, Any]) -> str:
             f"{t['tokens_per_s']:,.0f} ({low:,.0f}–{high:,.0f}) | last {r['average_last']} | "
             f"{r['beam']}, {r['alpha']} | {f['bleu']:.2f} | {f['chrf']:.2f} |"
         )
-    labels = list(result["runs"])
     lines += [
         "",
         "BLEU at each minute (in brackets: the training minutes of the last checkpoint averaged):",
         "",
-        "| minutes | " + " | ".join(labels) + " |",
-        "|---:|" + "---:|" * len(labels),
+        *curve_table(result["points"], {k: run["curve"] for k, run in result["runs"].items()}),
     ]
-    for point in result["points"]:
-        cells = []
-        for label in labels:
-            at = [p for p in result["runs"][label]["curve"] if p["point"] == point]
-            cells.append(f"{at[0]['bleu']:.2f} ({at[0]['minutes']:.1f})" if at else "")
-        lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
     for label, run in result["runs"].items():
         for lever in run["levers"]:
             grid = lever["grid"]

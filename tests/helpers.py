@@ -120,6 +120,22 @@ def write_reverse_text(folder: Path, prefix: str, n: int, seed: int) -> None:
     (folder / f"{prefix}.tgt").write_text("\n".join(tgt) + "\n", encoding="utf-8")
 
 
+def write_upper_reversed(
+    prefix: Path, n: int, seed: int, words: Sequence[str], max_words: int
+) -> Path:
+    """``prefix.xx``: ``n`` random sequences of 1 to ``max_words`` of ``words``; ``prefix.yy``:
+    each reversed and upper-cased. Returns ``prefix``."""
+    rng = random.Random(seed)
+    src, tgt = [], []
+    for _ in range(n):
+        chosen = rng.choices(words, k=rng.randint(1, max_words))
+        src.append(" ".join(chosen))
+        tgt.append(" ".join(w.upper() for w in reversed(chosen)))
+    Path(f"{prefix}.xx").write_text("".join(s + "\n" for s in src), encoding="utf-8")
+    Path(f"{prefix}.yy").write_text("".join(t + "\n" for t in tgt), encoding="utf-8")
+    return prefix
+
+
 def make_reverse_data(folder: Path, n_train: int = 4000, n_valid: int = 100) -> Path:
     """A prepared DATA_DIR for the reversal task (one word = one token); returns it."""
     from aiayn.data.prepare import prepare_data

@@ -12,6 +12,7 @@ from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.prepare import prepare_data
 from aiayn.data.tokenizer import Tokenizer, train_tokenizer
 from aiayn.errors import UserError
+from tests.helpers import write_upper_reversed
 
 WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
@@ -19,15 +20,7 @@ WORDS = (
 
 
 def _write(prefix: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    src, tgt = [], []
-    for _ in range(n):
-        words = rng.choices(WORDS, k=rng.randint(1, 14))
-        src.append(" ".join(words))
-        tgt.append(" ".join(w.upper() for w in reversed(words)))
-    Path(f"{prefix}.xx").write_text("".join(s + "\n" for s in src), encoding="utf-8")
-    Path(f"{prefix}.yy").write_text("".join(t + "\n" for t in tgt), encoding="utf-8")
-    return prefix
+    return write_upper_reversed(prefix, n, seed, WORDS, max_words=14)
 
 
 @pytest.fixture(scope="module")

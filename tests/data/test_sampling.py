@@ -1,4 +1,3 @@
-import random
 from pathlib import Path
 
 import numpy as np
@@ -15,22 +14,14 @@ from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.model.families import build_model
 from aiayn.training.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, write_upper_reversed
 
 WORDS = "understanding translation sentences attention positional encoding".split()
 VOCAB = 120
 
 
 def _write(prefix: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    src, tgt = [], []
-    for _ in range(n):
-        words = rng.choices(WORDS, k=rng.randint(1, 8))
-        src.append(" ".join(words))
-        tgt.append(" ".join(w.upper() for w in reversed(words)))
-    Path(f"{prefix}.xx").write_text("".join(s + "\n" for s in src), encoding="utf-8")
-    Path(f"{prefix}.yy").write_text("".join(t + "\n" for t in tgt), encoding="utf-8")
-    return prefix
+    return write_upper_reversed(prefix, n, seed, WORDS, max_words=8)
 
 
 @pytest.fixture(scope="module")
