@@ -248,6 +248,9 @@ class TrainConfig:
     # Eq. 3: lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5).
     warmup_steps: int = 4000
     lr_scale: float = 1.0
+    # "inverse_sqrt": Eq. 3 throughout. "linear": Eq. 3's warmup and peak, then a straight
+    # line to zero at max_steps (which must then be set, above warmup_steps).
+    lr_schedule: Literal["inverse_sqrt", "linear"] = "inverse_sqrt"
     weight_decay: float = 0.0
     # Label smoothing epsilon_ls (§5.4).
     label_smoothing: float = 0.1
@@ -315,6 +318,12 @@ class TrainConfig:
                 },
             },
         )
+        if self.lr_schedule == "linear" and self.max_steps <= self.warmup_steps:
+            raise ConfigError(
+                'train.lr_schedule = "linear" decays to zero at train.max_steps: set '
+                f"train.max_steps above train.warmup_steps={self.warmup_steps}, got "
+                f"{self.max_steps}"
+            )
 
 
 @dataclass(frozen=True)
