@@ -63,7 +63,7 @@ WORKLOADS: dict[str, Workload] = {"small": SMALL, "base": BASE}
 
 @dataclass(frozen=True)
 class DecodeWorkload:
-    """Decoding on SMALL: ``n_sentences`` sources of ``src_len`` tokens, exactly ``steps``
+    """Decoding on a model: ``n_sentences`` sources of ``src_len`` tokens, exactly ``steps``
     decoder steps each (end-of-sentence suppressed), beam ``beam_size`` or greedy."""
 
     model: Workload
@@ -74,6 +74,7 @@ class DecodeWorkload:
 
 
 DECODE = DecodeWorkload(SMALL)
+DECODE_WORKLOADS: dict[str, DecodeWorkload] = {"small": DECODE, "base": DecodeWorkload(BASE)}
 
 
 def set_threads(n: int = THREADS) -> None:

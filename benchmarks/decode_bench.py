@@ -1,4 +1,4 @@
-"""Decoding speed of one system on the SMALL model, in this process (run by ``run_all.py``).
+"""Decoding speed of one system on the SMALL or BASE model, in this process (``run_all.py``).
 
 64 random source sentences of 24 tokens; every system does exactly 24 decoder steps per
 sentence (end-of-sentence is suppressed until the last step), with beam 4 (length penalty 0.6)
@@ -7,7 +7,7 @@ runs) and once one sentence at a time (median latency per sentence). aiayn and t
 ``nn.Transformer`` peer are driven by ``aiayn.inference.search``; Hugging Face by ``generate``;
 CTranslate2 by ``translate_batch``.
 
-    python -m benchmarks.decode_bench --system aiayn --repeats 3
+    python -m benchmarks.decode_bench --system aiayn --repeats 3 [--workload base]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from benchmarks.common import (
     DECODE,
+    DECODE_WORKLOADS,
     EOS_ID,
     THREADS,
     DecodeWorkload,
@@ -97,8 +98,10 @@ def aiayn_decoder(
         model = quantize_int8(model)
     if bf16:  # Translator(precision="bf16") / translate --precision bf16
         model.to(torch.bfloat16)
-    # What aiayn's Translator does on the CPU (with pack_weights: translate --pack-weights).
-    accelerate(model, "decode", precision="bf16" if bf16 else "fp32", pack_weights=packed)
+    # What aiayn's Translator does on the CPU: float32 weights packed where the CPU's library
+    # for them is oneDNN; with ``packed`` (translate --pack-weights) also for MKL.
+    precision = "bf16" if bf16 else "fp32"
+    accelerate(model, "decode", precision=precision, pack_weights=True if packed else None)
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--single", type=int, default=DECODE.n_sentences, help="sentences decoded one at a time"
     )
+    parser.add_argument("--workload", choices=sorted(DECODE_WORKLOADS), default="small")
     parser.add_argument("--ct2-dir", type=Path, help="converted CTranslate2 models")
     parser.add_argument("--convert-only", action="store_true", help="convert into --ct2-dir")
     args = parser.parse_args(argv)
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.peers import convert_to_ctranslate2
 
         start = time.perf_counter()
-        convert_to_ctranslate2(DECODE.model, args.ct2_dir)
+        convert_to_ctranslate2(DECODE_WORKLOADS[args.workload].model, args.ct2_dir)
         emit({"kind": "convert", "system": "ct2", "convert_s": time.perf_counter() - start})
         return
     if args.system is None:
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         if not cpu_has_bfloat16():
             skip(args.system, "this CPU has no bfloat16 instructions (AVX512-BF16 or AMX)")
             return
-    dw = DECODE
+    dw = DECODE_WORKLOADS[args.workload]
     src = decode_sources(dw)
     start = time.perf_counter()
     decode = build(args.system, dw, args.ct2_dir)
@@ -299,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "kind": "decode",
             "system": args.system,
+            "workload": args.workload,
             "modes": results,
             "build_s": build_s,
             "peak_rss_mb": peak_rss_mb(),

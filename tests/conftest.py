@@ -38,3 +38,20 @@ def bible_cache(tmp_path_factory):
 def reverse_data_dir(tmp_path_factory):
     """A prepared data directory (aiayn prepare) of the word-reversal task, built once."""
     return make_reverse_data(tmp_path_factory.mktemp("reverse"))
+
+
+@pytest.fixture
+def intel_cpu(monkeypatch):
+    """The CPU reads as Intel's: float32 weights are packed for MKL, and only on request."""
+    from aiayn.accel import linear
+
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "GenuineIntel")
+
+
+@pytest.fixture
+def amd_cpu(monkeypatch):
+    """The CPU reads as AMD's: float32 weights are packed for oneDNN, by default."""
+    from aiayn.accel import linear
+
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(linear.platform, "machine", lambda: "x86_64")

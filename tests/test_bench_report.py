@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.common import INSTRUCTION_SETS, cpu_instructions
-from benchmarks.report import decoding_table
+from benchmarks.report import decoding_table, render
 from benchmarks.run_all import merge_decode
 
 
@@ -31,3 +31,54 @@ def test_decoding_figures_pool_the_rounds_and_show_their_spread():
 def test_the_instruction_sets_are_the_listed_ones_in_order():
     found = cpu_instructions()
     assert found == [name for name in INSTRUCTION_SETS if name in found]
+
+
+def _all_modes(batch_s: float, single_s: float, rss: float) -> dict:
+    modes = {
+        mode: {"times_s": [batch_s] * 3, "median_s": batch_s, "sentences_per_s": 64 / batch_s}
+        for mode in ("beam-batch", "greedy-batch")
+    } | {
+        mode: {"times_s": [single_s] * 3, "median_s": single_s, "latency_ms": 1000 * single_s}
+        for mode in ("beam-single", "greedy-single")
+    }
+    return {"modes": modes, "peak_rss_mb": rss, "build_s": 1.0, "background_cpus": 0.0}
+
+
+def test_base_decoding_has_its_table_and_goals_against_ct2_at_its_best_thread_count():
+    base = {
+        "aiayn": merge_decode([_all_modes(2.0, 0.030, 900.0)]),
+        "ct2-float32": merge_decode([_all_modes(4.0, 0.040, 950.0)]),
+        # CTranslate2 at 1 thread: the faster batches, the slower single sentences.
+        "ct2-float32-1thread": merge_decode([_all_modes(1.0, 0.050, 800.0)]),
+    }
+    small = {"aiayn": merge_decode([_all_modes(1.0, 0.010, 300.0)])}
+    text = render(
+        {
+            "meta": {
+                "date": "d",
+                "mode": "full",
+                "wall_s": 60.0,
+                "load_start": 0.0,
+                "load_end": 0.0,
+                "machine": {
+                    "cpu": "c",
+                    "logical_cpus": 2,
+                    "threads": 2,
+                    "cuda": False,
+                    "python": "3",
+                    "platform": "p",
+                },
+                "versions": {},
+            },
+            "decode": small,
+            "decode_base": base,
+            "matmul": {"gflops": 100.0},
+        }
+    )
+    assert "### Decoding BASE (64 sentences" in text
+    # CTranslate2's best: its 1-thread run for batches, its 2-thread run for one sentence.
+    assert "- Decoding BASE beam-batch: ≥ CTranslate2 float32 (64.0 sent/s at 1 thread): " \
+        "32.0 sent/s (0.50×) — **not met**" in text  # fmt: skip
+    assert "- Decoding BASE greedy one at a time: ≤ 1.5× CTranslate2's latency (40.0 ms at " \
+        "2 threads): 30.0 ms (0.75×) — met" in text  # fmt: skip
+    assert "- Decoding BASE memory: peak RSS ≤ best float32 peer's (800 MB): 900 MB" in text

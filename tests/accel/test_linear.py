@@ -25,9 +25,12 @@ from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.transformer import Transformer
 from tests.helpers import step_log_probs
 
-pytestmark = pytest.mark.skipif(
-    not packing_available(), reason="PyTorch without MKL's packed-linear operators"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not packing_available(), reason="PyTorch without MKL's packed-linear operators"
+    ),
+    pytest.mark.usefixtures("intel_cpu"),  # float32 packs are MKL's on Intel CPUs
+]
 
 
 def _model(vocab: int = 50) -> Transformer:

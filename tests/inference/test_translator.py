@@ -320,7 +320,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         nbest: int = 1,
         quantize: str | None = None,
         warn: object = None,
-        pack_weights: bool = False,
+        pack_weights: bool | None = None,
         precision: str = "fp32",
     ) -> tuple[Translator, None]:
         decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
@@ -444,6 +444,8 @@ def test_end_to_end_with_a_real_checkpoint(tmp_path: Path, capsys: pytest.Captur
     assert "line 3: " in captured.err and "exceed the model's 256 positions" in captured.err
     assert main([*args, "--device", "cpu", "--pack-weights"]) == 0
     assert capsys.readouterr().out == captured.out  # the same translations
+    assert main([*args, "--device", "cpu", "--no-pack-weights"]) == 0
+    assert capsys.readouterr().out == captured.out
     assert main([*args, "--device", "cpu", "--quantize", "int8"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
     assert main([*args, "--device", "cpu", "--precision", "bf16"]) == 0

@@ -357,6 +357,7 @@ def test_translate_engine_refusals(
     base = ["translate", checkpoint, "-i", str(source), "--engine", "ctranslate2"]
     for extra, message in (
         (["--pack-weights"], "--pack-weights is an option of --engine torch"),
+        (["--no-pack-weights"], "--no-pack-weights is an option of --engine torch"),
         (["--beam-rule", "paper"], "use --beam-rule fairseq, or --engine torch"),
         (["--device", "tpu"], "unknown device 'tpu' for CTranslate2"),
         (["--threads", "0"], "--threads must be at least 1"),

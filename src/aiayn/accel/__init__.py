@@ -2,9 +2,10 @@
 
 The network in :mod:`aiayn.model` is the paper's, in plain PyTorch. On the CPU,
 :func:`accelerate` swaps some of its modules for faster ones with the same parameters, state
-dict and the plain model's results (bit for bit in fp32 without dropout; the same dropout
-distribution from other draws; packed weights and bfloat16 to the tolerances that
-``tests/accel`` states), and raises the process's ``malloc`` thresholds;
+dict and the plain model's results (bit for bit in fp32 without dropout or packed weights;
+the same dropout distribution from other draws; packed weights, which decoding uses by
+default on x86 CPUs other than Intel's, and bfloat16 to the tolerances that ``tests/accel``
+states), and raises the process's ``malloc`` thresholds;
 :meth:`Acceleration.undo` puts everything back::
 
     acceleration = accelerate(model, mode="train", precision="bf16")
@@ -19,9 +20,10 @@ draw per four elements)      it is a cheaper identity)   ``Residual`` → :class
 attention in float32         bf16 (train and decode)     ``MultiHeadAttention`` →
                                                          :class:`Float32Attention`
 padded bfloat16 rows         bf16 (train and decode)     ``nn.Linear`` → :class:`CpuLinear`
-packed weights               decode: bf16 (oneDNN), and  ``nn.Linear`` → :class:`CpuLinear` with
-                             fp32 with ``pack_weights``  a pack of its weight
-                             (MKL)
+packed weights               decode: bf16 (oneDNN);      ``nn.Linear`` → :class:`CpuLinear` with
+                             fp32 where oneDNN packs     a pack of its weight
+                             them (non-Intel CPUs), or
+                             with ``pack_weights``
 one buffer per decode        decode                      ``Transformer`` →
                                                          :class:`BufferedDecoding`
 fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
@@ -47,7 +49,13 @@ from aiayn.accel.attention import Float32Attention
 from aiayn.accel.cpu import cpu_has_bfloat16
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
-from aiayn.accel.linear import CpuLinear, pack, unwatch_optimizer_steps, watch_optimizer_steps
+from aiayn.accel.linear import (
+    CpuLinear,
+    fp32_pack_library,
+    pack,
+    unwatch_optimizer_steps,
+    watch_optimizer_steps,
+)
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.layers import Residual
 from aiayn.model.transformer import Transformer
@@ -157,15 +165,18 @@ def accelerate(
     mode: Mode = "train",
     *,
     precision: Precision = "fp32",
-    pack_weights: bool = False,
+    pack_weights: bool | None = None,
     memory_settings: bool = True,
 ) -> Acceleration:
     """Make ``model`` faster on the CPU for ``mode`` (see the module docstring).
 
     ``precision`` is what the model runs at: for ``"train"``, the autocast dtype the trainer
     uses (``"fp32"``: none); for ``"decode"``, its weights' dtype (convert the model first).
-    ``pack_weights`` packs float32 weights for MKL (decoding only; bfloat16 weights are always
-    packed, for oneDNN). ``memory_settings`` raises the process's malloc thresholds while the
+    ``pack_weights`` packs float32 weights for decoding, for the library
+    :func:`~aiayn.accel.linear.fp32_pack_library` names (MKL on Intel CPUs, else oneDNN);
+    None, the default, packs them where that library is oneDNN, whose packed products are
+    faster at every row count there; False packs no float32 weight. bfloat16 weights are
+    always packed, for oneDNN. ``memory_settings`` raises the process's malloc thresholds while the
     acceleration lives. A model that is not on the CPU is left as it is.
     """
     if mode not in MODES:
@@ -176,6 +187,8 @@ def accelerate(
         )
     if pack_weights and mode != "decode":
         raise ValueError("pack_weights is for decoding: packed weights serve no gradient")
+    if pack_weights is None:
+        pack_weights = mode == "decode" and fp32_pack_library() == "onednn"
     acceleration = Acceleration(mode, precision)
     first = next(model.parameters(), None)
     if first is not None and first.device.type != "cpu":
@@ -221,7 +234,8 @@ def accelerate(
             if made:
                 watch_optimizer_steps()
                 acceleration._watching = True
-                library = "oneDNN" if bf16 else "MKL"
+                onednn = bf16 or fp32_pack_library() == "onednn"
+                library = "oneDNN" if onednn else "MKL"
                 acceleration.levers.append(f"packed weights ({library}, {made})")
     if memory_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)

@@ -5,11 +5,14 @@
 
 - **Packed weights** (:func:`pack`). MKL's ``sgemm`` copies the weight into the blocked layout
   its kernels read at every call; a decoder step has one row per sentence or beam, and there
-  that copy is a large part of each product. A pack makes the copy once
-  (``torch.ops.mkl._mkl_reorder_linear_weight``) and float32 products over
-  :data:`MIN_PACKED_ROWS` to :data:`MAX_PACKED_ROWS` rows use it (``_mkl_linear``). A
-  bfloat16 weight is packed for oneDNN instead (``torch.ops.mkldnn._reorder_linear_weight``),
-  used at every row count. Packs serve inference only: not with autograd or autocast on, and
+  that copy is a large part of each product. A pack makes the copy once. A float32 weight is
+  packed for the library :func:`fp32_pack_library` names: MKL on an Intel CPU
+  (``torch.ops.mkl._mkl_reorder_linear_weight``; products over :data:`MIN_PACKED_ROWS` to
+  :data:`MAX_PACKED_ROWS` rows use it, ``_mkl_linear``), oneDNN on other x86 CPUs, where
+  MKL's float32 products are the slower (they run one-row products on one thread, and do
+  not split them between cores). A bfloat16 weight is always packed for oneDNN
+  (``torch.ops.mkldnn._reorder_linear_weight``). oneDNN packs serve every row count. Packs
+  serve inference only: not with autograd or autocast on, and
   never with a weight that changed since (another tensor or storage, a write through autograd's
   version counter, or any optimizer step; writes that bypass all three, such as ``weight.data``
   or NumPy views, are not noticed: pack again after them). A copied or pickled layer carries no
@@ -20,13 +23,14 @@
 - **Padded bfloat16 rows.** oneDNN builds and keeps a kernel for every row count of a bfloat16
   product, and token batches bring a new row count nearly every update, so
   bfloat16 products on the CPU run over rows padded with zeros (:data:`BF16_ROW_MULTIPLE`;
-  :func:`onednn_rows` for packed products), cut off again after.
+  :func:`onednn_rows` for every oneDNN packed product, float32 too), cut off again after.
 """
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +38,9 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-# Float32 products over this many rows use the pack: a decoder step over 1 to 32 sentences
+# Float32 products over this many rows use an MKL pack: a decoder step over 1 to 32 sentences
 # with beam 4, or 4 to 128 greedily. Fewer and more rows are as fast or faster unpacked.
+# oneDNN packs serve every row count.
 MIN_PACKED_ROWS = 4
 MAX_PACKED_ROWS = 128
 # MKL and oneDNN choose their packed blocking for a row count: the decoder's typical one.
@@ -43,7 +48,8 @@ PACK_FOR_ROWS = 64
 # bfloat16 products over more rows than this are padded to a multiple of it.
 BF16_ROW_MULTIPLE = 64
 _CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_PACKED_ROWS)
-_CHECK_ROWS_BF16 = (1, 3, 4, 31, PACK_FOR_ROWS, 65, 200)
+_CHECK_ROWS_ONEDNN = (1, 3, 4, 31, PACK_FOR_ROWS, 65, 200)
+FP32_LIBRARIES = ("mkl", "onednn")
 
 
 def packing_available() -> bool:
@@ -55,11 +61,38 @@ def packing_available() -> bool:
 
 
 def onednn_packing_available() -> bool:
-    """Whether this PyTorch has oneDNN and its packed-linear operators (bfloat16)."""
+    """Whether this PyTorch has oneDNN and its packed-linear operators."""
     if not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+@cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string as /proc/cpuinfo has it (``GenuineIntel``, ``AuthenticAMD``),
+    or "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fp32_pack_library() -> str | None:
+    """The library float32 weights are packed for: ``"onednn"`` on an x86 CPU whose vendor is
+    known and not Intel (MKL's fast float32 kernels are Intel's; on an AMD EPYC oneDNN's
+    one-row product is 2.4× faster at two threads, docs/performance.md), else ``"mkl"``; the
+    other where only one is there; None where neither is."""
+    mkl, onednn = packing_available(), onednn_packing_available()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    vendor = cpu_vendor()
+    if onednn and (not mkl or (x86 and vendor not in ("", "GenuineIntel"))):
+        return "onednn"
+    return "mkl" if mkl else None
 
 
 # -- optimizer steps make every pack stale ---------------------------------------------------
@@ -103,11 +136,12 @@ def optimizer_hook_registered() -> bool:
 class Pack:
     """A packed copy of a weight, and what identifies the weight it was made from."""
 
-    __slots__ = ("data_ptr", "onednn", "packed", "steps", "version", "weight_id")
+    __slots__ = ("data_ptr", "dtype", "onednn", "packed", "steps", "version", "weight_id")
 
     def __init__(self, packed: Tensor, weight: Tensor, onednn: bool) -> None:
         self.packed = packed
-        self.onednn = onednn  # a bfloat16 weight packed for oneDNN, not a float32 one for MKL
+        self.onednn = onednn  # packed for oneDNN (every row count), not for MKL
+        self.dtype = weight.dtype  # the inputs it multiplies
         # id, not a weak reference: a weakly referenced tensor cannot be swapped in place
         # (torch.utils.swap_tensors).
         self.weight_id = id(weight)
@@ -129,31 +163,27 @@ def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @torch.no_grad()
-def pack(layer: nn.Linear) -> Pack | None:
-    """A checked pack of ``layer``'s weight (float32 for MKL, bfloat16 for oneDNN), or None
-    where it cannot be made or disagrees with ``F.linear``."""
+def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
+    """A checked pack of ``layer``'s weight (float32 for ``fp32_library``, by default
+    :func:`fp32_pack_library`'s; bfloat16 for oneDNN), or None where it cannot be made or
+    disagrees with ``F.linear``."""
     weight = layer.weight.detach()
     # An inference tensor has no version counter to tell whether it changed after packing.
     if weight.device.type != "cpu" or not weight.is_contiguous() or layer.weight.is_inference():
         return None
-    generator = torch.Generator().manual_seed(0)
     if weight.dtype == torch.bfloat16:
-        if not onednn_packing_available():
-            return None
-        try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-            for rows in _CHECK_ROWS_BF16:
-                x = torch.randn(rows, weight.size(1), generator=generator).bfloat16()
-                got = _onednn_linear(x, packed, layer.bias).float()
-                want = F.linear(x, weight, layer.bias).float()
-                # Both round their float32 sums to bfloat16: a step of 2^-8 apart at most.
-                if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
-                    return None
-        except RuntimeError:
-            return None
-        return Pack(packed, layer.weight, onednn=True)
-    if weight.dtype != torch.float32 or not packing_available():
+        # Both round their float32 sums to bfloat16: a step of 2^-8 apart at most.
+        return _onednn_pack(layer, _CHECK_ROWS_ONEDNN, tolerance=1e-2)
+    if weight.dtype != torch.float32:
         return None
+    library = fp32_library or fp32_pack_library()
+    if library not in FP32_LIBRARIES:
+        return None
+    if library == "onednn":
+        return _onednn_pack(layer, _CHECK_ROWS_ONEDNN, tolerance=1e-4)
+    if not packing_available():
+        return None
+    generator = torch.Generator().manual_seed(0)
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_FOR_ROWS)
     for rows in _CHECK_ROWS:
         x = torch.randn(rows, weight.size(1), generator=generator)
@@ -162,6 +192,27 @@ def pack(layer: nn.Linear) -> Pack | None:
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
             return None
     return Pack(packed, layer.weight, onednn=False)
+
+
+def _onednn_pack(layer: nn.Linear, check_rows: tuple[int, ...], tolerance: float) -> Pack | None:
+    """A pack of ``layer``'s weight for oneDNN (its own dtype), checked against ``F.linear``
+    at ``check_rows`` rows to ``tolerance`` (relative, and of the largest output)."""
+    if not onednn_packing_available():
+        return None
+    weight = layer.weight.detach()
+    generator = torch.Generator().manual_seed(0)
+    try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+        for rows in check_rows:
+            x = torch.randn(rows, weight.size(1), generator=generator).to(weight.dtype)
+            got = _onednn_linear(x, packed, layer.bias).float()
+            want = F.linear(x, weight, layer.bias).float()
+            limit = tolerance * float(want.abs().max())
+            if not torch.allclose(got, want, rtol=tolerance, atol=limit):
+                return None
+    except RuntimeError:
+        return None
+    return Pack(packed, layer.weight, onednn=True)
 
 
 # -- rows -------------------------------------------------------------------------------------
@@ -173,7 +224,7 @@ def round_up(rows: int, multiple: int) -> int:
 
 
 def onednn_rows(rows: int) -> int:
-    """The row count a packed bfloat16 product over ``rows`` rows runs at: up to 16 rows,
+    """The row count a oneDNN packed product over ``rows`` rows runs at: up to 16 rows,
     ``rows`` (padding would cost one-sentence steps more than it saves); up to 64, the next
     multiple of 16; above, of 64. A decode then meets a few dozen row counts, not hundreds."""
     if rows <= 16:
@@ -245,7 +296,7 @@ class CpuLinear(nn.Linear):
             return None
         rows = rows_of(x)
         if pack.onednn:
-            if x.dtype is not torch.bfloat16:
+            if x.dtype is not pack.dtype or x.dim() < 2 or not rows:
                 return None
         elif (
             x.dtype is not torch.float32

@@ -40,10 +40,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pack-weights",
-        action="store_true",
-        help="pre-pack the float32 weights for MKL (CPU): faster for one to 32 sentences at a "
-        "time (interactive use), no gain for large batches; 1.25-1.8x the weights' size "
-        "more memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pre-pack the float32 weights (CPU) for oneDNN or, on an Intel CPU, MKL; "
+        "default: packed where the library is oneDNN (CPUs other than Intel's: faster at "
+        "every batch size), --pack-weights also for MKL (faster for one to 32 sentences at a "
+        "time), --no-pack-weights packs no float32 weight; a pack takes memory besides the "
+        "weights",
     )
     parser.add_argument(
         "--precision",
@@ -64,8 +67,9 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise CLIError(f"--threads must be at least 1, got {args.threads}")
     if args.engine != "ctranslate2":
         return
-    if args.pack_weights:
-        raise CLIError("--pack-weights is an option of --engine torch")
+    if args.pack_weights is not None:
+        flag = "--pack-weights" if args.pack_weights else "--no-pack-weights"
+        raise CLIError(f"{flag} is an option of --engine torch")
     if getattr(args, "beam_rule", None) == "paper" and getattr(args, "beam", None) != 1:
         raise CLIError(
             "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "

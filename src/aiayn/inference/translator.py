@@ -249,8 +249,10 @@ class Translator(TextTranslator):
 
     On the CPU the model is accelerated for decoding (:func:`aiayn.accel.accelerate`: the
     same translations, faster; ``accelerated=False`` decodes with the plain model), and
-    ``pack_weights`` also packs its float32 weights for MKL: faster decoder steps over 4 to 128
-    rows (one to 32 sentences with beam 4), for more memory (docs/translation.md).
+    ``pack_weights`` packs its float32 weights once for the CPU's matrix library: by default
+    (None) where that is oneDNN (CPUs other than Intel's: faster decoder steps at every batch
+    size), True also for MKL on an Intel CPU (faster steps over 4 to 128 rows), False never;
+    a pack takes memory besides the weights (docs/translation.md).
     """
 
     engine_name = "torch"
@@ -264,7 +266,7 @@ class Translator(TextTranslator):
         nbest: int = 1,
         device: torch.device | str | None = None,
         warn: Callable[[str], None] | None = None,
-        pack_weights: bool = False,
+        pack_weights: bool | None = None,
         precision: Precision = "fp32",
         accelerated: bool = True,
     ) -> None:
@@ -291,7 +293,7 @@ class Translator(TextTranslator):
         if pack_weights and (self.acceleration is None or not self.acceleration.packed):
             self.warn(
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
-                "and a PyTorch built with MKL); decoding without it"
+                "and a PyTorch built with MKL or oneDNN); decoding without it"
             )
 
     @classmethod
@@ -304,7 +306,7 @@ class Translator(TextTranslator):
         nbest: int = 1,
         quantize: str | None = None,
         warn: Callable[[str], None] | None = None,
-        pack_weights: bool = False,
+        pack_weights: bool | None = None,
         precision: Precision = "fp32",
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings

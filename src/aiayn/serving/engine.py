@@ -106,7 +106,7 @@ class Engine:
         device: torch.device | str = "cpu",
         decode_overrides: Mapping[str, Any] | None = None,
         quantize: str | None = None,
-        pack_weights: bool = False,
+        pack_weights: bool | None = None,
         precision: Precision = "fp32",
         threads: int | None = None,
     ) -> Engine:

@@ -1,0 +1,189 @@
+"""Float32 weights packed for oneDNN (aiayn.accel.linear), as decoding on a CPU other than
+Intel's does by default: the same products as the plain layers to float32 rounding, at every
+row count, the same hypotheses, and never a stale weight."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+from aiayn.accel import CpuLinear, accelerate
+from aiayn.accel import linear as linear_module
+from aiayn.accel.linear import (
+    fp32_pack_library,
+    onednn_packing_available,
+    onednn_rows,
+    pack,
+    packing_available,
+)
+from aiayn.config import ModelConfig
+from aiayn.inference.search import beam_search, greedy_search
+from aiayn.model.transformer import Transformer
+from tests.helpers import step_log_probs
+
+pytestmark = [
+    pytest.mark.skipif(
+        not onednn_packing_available(), reason="PyTorch without oneDNN's packed-linear operators"
+    ),
+    pytest.mark.usefixtures("amd_cpu"),
+]
+
+# Float32 sums in another order: what two float32 GEMM libraries differ by.
+FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=2, dropout=0.0)
+    return Transformer(config).eval()
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def _packed(model: nn.Module) -> list[bool]:
+    return [isinstance(m, CpuLinear) and m.pack_serves() for m in _linears(model)]
+
+
+@pytest.fixture
+def onednn_rows_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Row counts of the products that went through oneDNN's packed operator."""
+    calls: list[int] = []
+    real = linear_module._onednn_linear
+
+    def spy(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(linear_module, "_onednn_linear", spy)
+    return calls
+
+
+def test_the_library_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fp32_pack_library() == "onednn"
+    monkeypatch.setattr(linear_module, "cpu_vendor", lambda: "GenuineIntel")
+    assert fp32_pack_library() == ("mkl" if packing_available() else "onednn")
+    monkeypatch.setattr(linear_module, "cpu_vendor", lambda: "")  # unreadable: as Intel's
+    assert fp32_pack_library() == ("mkl" if packing_available() else "onednn")
+
+
+def test_decoding_packs_every_float32_linear_by_default_and_not_when_told() -> None:
+    model = _model()
+    acceleration = accelerate(model, "decode", memory_settings=False)
+    assert acceleration.packed == len(_linears(model)) and all(_packed(model))
+    assert any(lever.startswith("packed weights (oneDNN") for lever in acceleration.levers)
+    assert all(m.pack is not None and m.pack.onednn for m in _linears(model))  # type: ignore[attr-defined]
+    acceleration.undo()
+    plain = _model()
+    assert accelerate(plain, "decode", pack_weights=False, memory_settings=False).packed == 0
+    assert accelerate(_model(), "train", memory_settings=False).packed == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130, 1000])
+def test_products_equal_the_plain_layer_through_the_pack_at_every_row_count(
+    rows: int, onednn_rows_seen: list[int]
+) -> None:
+    torch.manual_seed(1)
+    layer = nn.Linear(48, 80)
+    plain = copy.deepcopy(layer)
+    assert accelerate(layer, "decode", memory_settings=False).packed == 1
+    onednn_rows_seen.clear()  # the pack's own check
+    x = torch.randn(rows, 1, 48)  # a decoder step's (B, 1, d) input
+    with torch.no_grad():
+        got, want = layer(x), plain(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (rows, 1, 80)
+    assert_close(got, want, **FLOAT32)
+    assert onednn_rows_seen == [onednn_rows(rows)]
+    x.requires_grad_()
+    assert layer(x).requires_grad  # autograd on: the plain product
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # autocast: the plain product too
+    assert onednn_rows_seen == [onednn_rows(rows)]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_decoder_steps_equal_the_plain_model(rows: int, onednn_rows_seen: list[int]) -> None:
+    plain, model = _model(), _model()
+    accelerate(model, "decode", memory_settings=False)
+    onednn_rows_seen.clear()
+    assert_close(step_log_probs(model, rows), step_log_probs(plain, rows), **FLOAT32)
+    assert onednn_rows_seen
+
+
+def _hypotheses(model: Transformer, beam: bool) -> list:
+    torch.manual_seed(3)
+    src = torch.randint(4, 50, (6, 7))
+    src_pad = torch.zeros_like(src, dtype=torch.bool)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        if beam:
+            cache = model.init_cache(memory, src_pad, max_len=12, beam_size=4)
+            hyps = beam_search(model.log_probs_step, cache, 6, beam_size=4, max_len=11, alpha=0.6)
+            return [[h.tokens for h in sentence] for sentence in hyps]
+        cache = model.init_cache(memory, src_pad, max_len=12)
+        return [h.tokens for h in greedy_search(model.log_probs_step, cache, 6, max_len=11)]
+
+
+@pytest.mark.parametrize("beam", [True, False])
+def test_search_finds_the_same_hypotheses(beam: bool, onednn_rows_seen: list[int]) -> None:
+    plain, model = _model(), _model()
+    accelerate(model, "decode", memory_settings=False)
+    onednn_rows_seen.clear()
+    assert _hypotheses(model, beam) == _hypotheses(plain, beam)
+    assert onednn_rows_seen
+
+
+def test_a_weight_changed_after_packing_is_never_multiplied_stale(
+    onednn_rows_seen: list[int],
+) -> None:
+    model = _model()
+    plain = copy.deepcopy(model)
+    accelerate(model, "decode", memory_settings=False)
+    with torch.no_grad():
+        model.decoder.layers[0].ffn.w1.weight.mul_(2.0)
+        plain.decoder.layers[0].ffn.w1.weight.mul_(2.0)
+    onednn_rows_seen.clear()
+    got = step_log_probs(model, 6)
+    assert _packed(model).count(False) == 1 and onednn_rows_seen
+    assert_close(got, step_log_probs(plain, 6), **FLOAT32)
+
+
+def test_a_float32_pack_that_disagrees_with_the_plain_product_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = linear_module._onednn_linear
+
+    def off_from_31_rows(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        out = real(x, packed, bias)
+        return out + 1e-2 if x.numel() // x.shape[-1] >= 31 else out
+
+    monkeypatch.setattr(linear_module, "_onednn_linear", off_from_31_rows)
+    assert pack(nn.Linear(16, 24)) is None
+
+
+def test_translator_packs_by_default_and_not_with_pack_weights_false() -> None:
+    from aiayn.inference.translator import Translator
+
+    class Letters:
+        vocab_size = 50
+
+        def encode(self, text: str) -> list[int]:
+            return [4 + (ord(c) % 40) for c in text]
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    texts = ["hello", "", "abc", "a longer line of text"]
+    model = _model()
+    packed = Translator(model, Letters())  # type: ignore[arg-type]
+    assert all(_packed(model))
+    plain = Translator(_model(), Letters(), accelerated=False)  # type: ignore[arg-type]
+    assert packed.translate(texts) == plain.translate(texts)
+    model = _model()
+    Translator(model, Letters(), pack_weights=False)  # type: ignore[arg-type]
+    assert not any(_packed(model))
