@@ -165,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a finished run that kept every checkpoint (repeat)")  # fmt: skip
     parser.add_argument("--source", type=Path)
     parser.add_argument("--reference", type=Path)
+    parser.add_argument(
+        "--average-last",
+        action="append",
+        default=[],
+        metavar="LABEL=N",
+        help="score run LABEL with the average of its last N checkpoints instead of its "
+        "config's train.average_last (a run trained before the recipe's N was chosen)",
+    )
     parser.add_argument("--points", default="5,10,15,20,30,45,60", help="curve minutes")
     parser.add_argument("--levers-at", default="45,60", help="minutes to measure the levers at")
     parser.add_argument("--averages", default="5,10,20")
@@ -196,10 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         "points": points,
         "runs": {},
     }
+    average_last = {k: int(n) for k, _, n in (s.rpartition("=") for s in args.average_last)}
+    labels = {spec.partition("=")[0] for spec in args.run}
+    if unknown := [k for k in average_last if k not in labels]:
+        parser.error(f"--average-last names no --run label: {', '.join(map(repr, unknown))}")
     for spec in args.run:
         label, _, directory = spec.partition("=")
         run = Path(directory)
         recipe = _recipe(run)
+        if label in average_last:
+            recipe["average_last"] = average_last[label]
         training = finished_run(run)
         training["tokens_per_s"], training["tokens_per_s_range"] = token_rate(run)
         saved = checkpoint_times(run)
