@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from aiayn.config import RunConfig, load_config
 from aiayn.data.collate import Batch, collate_pairs
@@ -187,3 +187,41 @@ def step_log_probs(model: Transformer, rows: int, vocab: int = 50) -> Tensor:
         cache = model.init_cache(model.encode(src, src_pad), src_pad, max_len=4)
         tokens = torch.randint(4, vocab, (rows,))
         return torch.stack([model.log_probs_step(tokens, cache).clone() for _ in range(3)])
+
+
+def packing_model(vocab: int = 50) -> Transformer:
+    """The small fp32 model of the packed-weight tests (tests/accel/test_linear*.py)."""
+    from aiayn.config import ModelConfig
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=vocab, d_model=32, d_ff=64, n_heads=4, n_layers=2, dropout=0.0)
+    return Transformer(config).eval()
+
+
+def linear_layers(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def packed_flags(model: nn.Module) -> list[bool]:
+    """For each linear layer: whether a pack of its current weight serves its products."""
+    from aiayn.accel import CpuLinear
+
+    return [isinstance(m, CpuLinear) and m.pack_serves() for m in linear_layers(model)]
+
+
+def search_tokens(model: Transformer, beam: bool) -> list:
+    """The tokens beam search (beam 4; every hypothesis) or greedy search finds for six random
+    sources."""
+    from aiayn.inference.search import beam_search, greedy_search
+
+    torch.manual_seed(3)
+    src = torch.randint(4, 50, (6, 7))
+    src_pad = torch.zeros_like(src, dtype=torch.bool)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        if beam:
+            cache = model.init_cache(memory, src_pad, max_len=12, beam_size=4)
+            hyps = beam_search(model.log_probs_step, cache, 6, beam_size=4, max_len=11, alpha=0.6)
+            return [[h.tokens for h in sentence] for sentence in hyps]
+        cache = model.init_cache(memory, src_pad, max_len=12)
+        return [h.tokens for h in greedy_search(model.log_probs_step, cache, 6, max_len=11)]

@@ -20,10 +20,14 @@ from aiayn.accel.linear import (
     pack,
     packing_available,
 )
-from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
-from aiayn.model.transformer import Transformer
-from tests.helpers import step_log_probs
+from tests.helpers import (
+    linear_layers,
+    packed_flags,
+    packing_model,
+    search_tokens,
+    step_log_probs,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -31,20 +35,6 @@ pytestmark = [
     ),
     pytest.mark.usefixtures("intel_cpu"),  # float32 packs are MKL's on Intel CPUs
 ]
-
-
-def _model(vocab: int = 50) -> Transformer:
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=vocab, d_model=32, d_ff=64, n_heads=4, n_layers=2, dropout=0.0)
-    return Transformer(config).eval()
-
-
-def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, nn.Linear)]
-
-
-def _packed(model: nn.Module) -> list[bool]:
-    return [isinstance(m, CpuLinear) and m.pack_serves() for m in _linears(model)]
 
 
 @pytest.fixture
@@ -69,13 +59,13 @@ def _accelerate(model: nn.Module, calls: list[int]) -> int:
 
 
 def test_every_float_linear_is_packed_and_undo_drops_them() -> None:
-    model = _model()
-    linears = _linears(model)
+    model = packing_model()
+    linears = linear_layers(model)
     # Encoder: QKV, Wo, two FFN per layer; decoder: QKV, Wo, Wq, W_kv, Wo, two FFN; the
     # output projection.
     assert len(linears) == 2 * 4 + 2 * 7 + 1
     acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
-    assert acceleration.packed == len(linears) and all(_packed(model))
+    assert acceleration.packed == len(linears) and all(packed_flags(model))
     assert optimizer_hook_registered()
     watchers = linear_module._watchers
     acceleration.undo()
@@ -115,7 +105,7 @@ def test_not_with_autograd_or_a_non_contiguous_input(packed_calls: list[int]) ->
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_decoder_steps_equal_the_plain_model(rows: int, packed_calls: list[int]) -> None:
-    model = _model()
+    model = packing_model()
     want = step_log_probs(model, rows)
     assert packed_calls == []
     _accelerate(model, packed_calls)
@@ -127,35 +117,21 @@ def test_decoder_steps_equal_the_plain_model(rows: int, packed_calls: list[int])
         assert rows not in packed_calls
 
 
-def _search(model: Transformer, search: Callable[..., list]) -> list:
-    torch.manual_seed(3)
-    src = torch.randint(4, 50, (6, 7))
-    src_pad = torch.zeros_like(src, dtype=torch.bool)
-    with torch.inference_mode():
-        memory = model.encode(src, src_pad)
-        if search is beam_search:
-            cache = model.init_cache(memory, src_pad, max_len=12, beam_size=4)
-            hyps = beam_search(model.log_probs_step, cache, 6, beam_size=4, max_len=11, alpha=0.6)
-            return [[h.tokens for h in sentence] for sentence in hyps]
-        cache = model.init_cache(memory, src_pad, max_len=12)
-        return [h.tokens for h in greedy_search(model.log_probs_step, cache, 6, max_len=11)]
-
-
 @pytest.mark.parametrize("search", [beam_search, greedy_search])
 def test_search_finds_the_same_hypotheses(
     search: Callable[..., list], packed_calls: list[int]
 ) -> None:
-    model = _model()
-    want = _search(model, search)
+    model = packing_model()
+    want = search_tokens(model, search is beam_search)
     _accelerate(model, packed_calls)
-    assert _search(model, search) == want
+    assert search_tokens(model, search is beam_search) == want
     assert packed_calls
 
 
 def test_a_weight_changed_after_packing_is_never_multiplied_stale(
     packed_calls: list[int],
 ) -> None:
-    model = _model()
+    model = packing_model()
     plain = copy.deepcopy(model)
     _accelerate(model, packed_calls)
     layer = model.decoder.layers[0].ffn.w1
@@ -163,7 +139,7 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
         layer.weight.mul_(2.0)  # in place, as load_state_dict or copy_ would
         plain.decoder.layers[0].ffn.w1.weight.mul_(2.0)
     got = step_log_probs(model, 6)
-    assert _packed(model).count(False) == 1  # that layer's pack no longer serves
+    assert packed_flags(model).count(False) == 1  # that layer's pack no longer serves
     assert packed_calls  # the others' still do
     assert_close(got, step_log_probs(plain, 6), rtol=1e-5, atol=1e-5)
 
@@ -171,27 +147,31 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
     layer = model.decoder.layers[1].ffn.w2
     layer.weight = nn.Parameter(layer.weight.detach().clone() + 1.0)
     plain.decoder.layers[1].ffn.w2.weight = nn.Parameter(layer.weight.detach().clone())
-    assert _packed(model).count(False) == 2
+    assert packed_flags(model).count(False) == 2
     assert_close(step_log_probs(model, 6), step_log_probs(plain, 6), rtol=1e-5, atol=1e-5)
 
 
 def test_a_copied_model_carries_no_pack_and_decodes_the_same() -> None:
-    model = _model()
+    model = packing_model()
     accelerate(model, "decode", pack_weights=True, memory_settings=False)
     twin = copy.deepcopy(model)
-    assert not any(_packed(twin))
+    assert not any(packed_flags(twin))
     assert_close(step_log_probs(twin, 6), step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
-    assert set(twin.state_dict()) == set(_model().state_dict())  # nothing of it in a checkpoint
+    assert set(twin.state_dict()) == set(
+        packing_model().state_dict()
+    )  # nothing of it in a checkpoint
 
 
 def test_what_is_not_packed() -> None:
-    model = _model().double()
+    model = packing_model().double()
     assert pack(nn.Linear(8, 8).double()) is None  # float64
     with torch.inference_mode():
         inference_layer = nn.Linear(8, 8)  # no version counter to detect changes
     assert pack(inference_layer) is None
     with torch.no_grad():
-        quantized = torch.ao.quantization.quantize_dynamic(_model(), {nn.Linear}, dtype=torch.qint8)
+        quantized = torch.ao.quantization.quantize_dynamic(
+            packing_model(), {nn.Linear}, dtype=torch.qint8
+        )
     assert accelerate(quantized, "decode", pack_weights=True, memory_settings=False).packed == 0
     assert not any(isinstance(m, CpuLinear) for m in quantized.modules())
     with pytest.raises(ValueError, match="float32"):  # a float64 model is not fp32
@@ -204,10 +184,10 @@ def test_an_optimizer_step_makes_every_pack_stale() -> None:
     from aiayn.config import TrainConfig
     from aiayn.training.optim import build_optimizer
 
-    model = _model()
+    model = packing_model()
     plain = copy.deepcopy(model).train()
     acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
-    assert all(_packed(model))
+    assert all(packed_flags(model))
     model.train()
     src = torch.randint(4, 50, (3, 5))
     for net in (model, plain):
@@ -215,7 +195,7 @@ def test_an_optimizer_step_makes_every_pack_stale() -> None:
         net(src, None, src).logsumexp(-1).mean().backward()
         optimizer.step()
         net.eval()
-    assert not any(_packed(model))
+    assert not any(packed_flags(model))
     assert_close(step_log_probs(model, 6), step_log_probs(plain, 6), rtol=1e-5, atol=1e-5)
     acceleration.undo()
 
@@ -266,14 +246,18 @@ def test_translator_packs_on_request_and_says_when_it_cannot() -> None:
             return "".join(chr(97 + i % 26) for i in ids)
 
     warnings: list[str] = []
-    model = _model()
+    model = packing_model()
     Translator(model, Letters(), warn=warnings.append)  # type: ignore[arg-type]
-    assert not any(_packed(model))
-    model = _model()
+    assert not any(packed_flags(model))
+    model = packing_model()
     Translator(model, Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
-    assert all(_packed(model)) and warnings == []
+    assert all(packed_flags(model)) and warnings == []
     Translator(
-        _model().double(), Letters(), pack_weights=True, accelerated=False, warn=warnings.append
+        packing_model().double(),
+        Letters(),
+        pack_weights=True,
+        accelerated=False,
+        warn=warnings.append,
     )  # type: ignore[arg-type]
     assert len(warnings) == 1 and "nothing to pack" in warnings[0]
 

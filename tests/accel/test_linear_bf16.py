@@ -14,38 +14,12 @@ from torch.testing import assert_close
 from aiayn.accel import CpuLinear, accelerate, cpu_has_bfloat16
 from aiayn.accel import linear as linear_module
 from aiayn.accel.linear import onednn_packing_available, onednn_rows, pack
-from aiayn.config import ModelConfig
-from aiayn.model.transformer import Transformer
-from tests.helpers import step_log_probs
+from tests.helpers import linear_layers, packing_model, step_log_probs
 
 needs_bf16 = pytest.mark.skipif(
     not (onednn_packing_available() and cpu_has_bfloat16()),
     reason="PyTorch without oneDNN's packed-linear operators, or a CPU without bfloat16",
 )
-
-
-def _model() -> Transformer:
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=2, dropout=0.0)
-    return Transformer(config).eval().to(torch.bfloat16)
-
-
-def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, nn.Linear)]
-
-
-@pytest.fixture
-def onednn_rows_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Row counts of the products that went through oneDNN's packed operator."""
-    calls: list[int] = []
-    real = linear_module._onednn_linear
-
-    def spy(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        calls.append(x.numel() // x.shape[-1])
-        return real(x, packed, bias)
-
-    monkeypatch.setattr(linear_module, "_onednn_linear", spy)
-    return calls
 
 
 def test_onednn_rows_pads_from_17_rows_to_16_then_64() -> None:
@@ -84,9 +58,9 @@ def test_bf16_products_go_through_the_pack_at_every_row_count(
 def test_bf16_decoder_steps_equal_those_without_the_packs(
     rows: int, onednn_rows_seen: list[int]
 ) -> None:
-    model = _model()
+    model = packing_model().to(torch.bfloat16)
     acceleration = accelerate(model, "decode", precision="bf16", memory_settings=False)
-    assert acceleration.packed == len(_linears(model))
+    assert acceleration.packed == len(linear_layers(model))
     packs = {m: m.pack for m in model.modules() if isinstance(m, CpuLinear)}
     for layer in packs:
         layer.pack = None
@@ -126,9 +100,9 @@ def test_translator_in_bf16_packs_for_onednn() -> None:
         def decode(self, ids: list[int]) -> str:
             return "".join(chr(97 + i % 26) for i in ids)
 
-    model = _model().float()
+    model = packing_model()
     translator = Translator(model, Letters(), precision="bf16")  # type: ignore[arg-type]
-    linears = _linears(model)
+    linears = linear_layers(model)
     assert all(isinstance(m, CpuLinear) and m.pack is not None for m in linears)
     assert all(m.weight.dtype == torch.bfloat16 for m in linears)
     assert len(translator.translate(["hello", "", "abc"])) == 3

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from aiayn.accel import CpuLinear, accelerate
+from aiayn.accel import accelerate
 from aiayn.accel import linear as linear_module
 from aiayn.accel.linear import (
     fp32_pack_library,
@@ -20,10 +20,13 @@ from aiayn.accel.linear import (
     pack,
     packing_available,
 )
-from aiayn.config import ModelConfig
-from aiayn.inference.search import beam_search, greedy_search
-from aiayn.model.transformer import Transformer
-from tests.helpers import step_log_probs
+from tests.helpers import (
+    linear_layers,
+    packed_flags,
+    packing_model,
+    search_tokens,
+    step_log_probs,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -36,34 +39,6 @@ pytestmark = [
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _model() -> Transformer:
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=2, dropout=0.0)
-    return Transformer(config).eval()
-
-
-def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, nn.Linear)]
-
-
-def _packed(model: nn.Module) -> list[bool]:
-    return [isinstance(m, CpuLinear) and m.pack_serves() for m in _linears(model)]
-
-
-@pytest.fixture
-def onednn_rows_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Row counts of the products that went through oneDNN's packed operator."""
-    calls: list[int] = []
-    real = linear_module._onednn_linear
-
-    def spy(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        calls.append(x.numel() // x.shape[-1])
-        return real(x, packed, bias)
-
-    monkeypatch.setattr(linear_module, "_onednn_linear", spy)
-    return calls
-
-
 def test_the_library_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fp32_pack_library() == "onednn"
     monkeypatch.setattr(linear_module, "cpu_vendor", lambda: "GenuineIntel")
@@ -73,15 +48,15 @@ def test_the_library_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_decoding_packs_every_float32_linear_by_default_and_not_when_told() -> None:
-    model = _model()
+    model = packing_model()
     acceleration = accelerate(model, "decode", memory_settings=False)
-    assert acceleration.packed == len(_linears(model)) and all(_packed(model))
+    assert acceleration.packed == len(linear_layers(model)) and all(packed_flags(model))
     assert any(lever.startswith("packed weights (oneDNN") for lever in acceleration.levers)
-    assert all(m.pack is not None and m.pack.onednn for m in _linears(model))  # type: ignore[attr-defined]
+    assert all(m.pack is not None and m.pack.onednn for m in linear_layers(model))  # type: ignore[attr-defined]
     acceleration.undo()
-    plain = _model()
+    plain = packing_model()
     assert accelerate(plain, "decode", pack_weights=False, memory_settings=False).packed == 0
-    assert accelerate(_model(), "train", memory_settings=False).packed == 0
+    assert accelerate(packing_model(), "train", memory_settings=False).packed == 0
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130, 1000])
@@ -108,40 +83,26 @@ def test_products_equal_the_plain_layer_through_the_pack_at_every_row_count(
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_decoder_steps_equal_the_plain_model(rows: int, onednn_rows_seen: list[int]) -> None:
-    plain, model = _model(), _model()
+    plain, model = packing_model(), packing_model()
     accelerate(model, "decode", memory_settings=False)
     onednn_rows_seen.clear()
     assert_close(step_log_probs(model, rows), step_log_probs(plain, rows), **FLOAT32)
     assert onednn_rows_seen
 
 
-def _hypotheses(model: Transformer, beam: bool) -> list:
-    torch.manual_seed(3)
-    src = torch.randint(4, 50, (6, 7))
-    src_pad = torch.zeros_like(src, dtype=torch.bool)
-    with torch.inference_mode():
-        memory = model.encode(src, src_pad)
-        if beam:
-            cache = model.init_cache(memory, src_pad, max_len=12, beam_size=4)
-            hyps = beam_search(model.log_probs_step, cache, 6, beam_size=4, max_len=11, alpha=0.6)
-            return [[h.tokens for h in sentence] for sentence in hyps]
-        cache = model.init_cache(memory, src_pad, max_len=12)
-        return [h.tokens for h in greedy_search(model.log_probs_step, cache, 6, max_len=11)]
-
-
 @pytest.mark.parametrize("beam", [True, False])
 def test_search_finds_the_same_hypotheses(beam: bool, onednn_rows_seen: list[int]) -> None:
-    plain, model = _model(), _model()
+    plain, model = packing_model(), packing_model()
     accelerate(model, "decode", memory_settings=False)
     onednn_rows_seen.clear()
-    assert _hypotheses(model, beam) == _hypotheses(plain, beam)
+    assert search_tokens(model, beam) == search_tokens(plain, beam)
     assert onednn_rows_seen
 
 
 def test_a_weight_changed_after_packing_is_never_multiplied_stale(
     onednn_rows_seen: list[int],
 ) -> None:
-    model = _model()
+    model = packing_model()
     plain = copy.deepcopy(model)
     accelerate(model, "decode", memory_settings=False)
     with torch.no_grad():
@@ -149,7 +110,7 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
         plain.decoder.layers[0].ffn.w1.weight.mul_(2.0)
     onednn_rows_seen.clear()
     got = step_log_probs(model, 6)
-    assert _packed(model).count(False) == 1 and onednn_rows_seen
+    assert packed_flags(model).count(False) == 1 and onednn_rows_seen
     assert_close(got, step_log_probs(plain, 6), **FLOAT32)
 
 
@@ -179,11 +140,11 @@ def test_translator_packs_by_default_and_not_with_pack_weights_false() -> None:
             return "".join(chr(97 + i % 26) for i in ids)
 
     texts = ["hello", "", "abc", "a longer line of text"]
-    model = _model()
+    model = packing_model()
     packed = Translator(model, Letters())  # type: ignore[arg-type]
-    assert all(_packed(model))
-    plain = Translator(_model(), Letters(), accelerated=False)  # type: ignore[arg-type]
+    assert all(packed_flags(model))
+    plain = Translator(packing_model(), Letters(), accelerated=False)  # type: ignore[arg-type]
     assert packed.translate(texts) == plain.translate(texts)
-    model = _model()
+    model = packing_model()
     Translator(model, Letters(), pack_weights=False)  # type: ignore[arg-type]
-    assert not any(_packed(model))
+    assert not any(packed_flags(model))

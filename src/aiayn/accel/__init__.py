@@ -187,8 +187,9 @@ def accelerate(
         )
     if pack_weights and mode != "decode":
         raise ValueError("pack_weights is for decoding: packed weights serve no gradient")
+    fp32_library = fp32_pack_library()
     if pack_weights is None:
-        pack_weights = mode == "decode" and fp32_pack_library() == "onednn"
+        pack_weights = mode == "decode" and fp32_library == "onednn"
     acceleration = Acceleration(mode, precision)
     first = next(model.parameters(), None)
     if first is not None and first.device.type != "cpu":
@@ -222,21 +223,20 @@ def accelerate(
             if unpadded:
                 acceleration.levers.append("padded bfloat16 rows")
         if mode == "decode":
-            made = 0
+            made: list[bool] = []  # for each new pack: whether it is oneDNN's
             for layer in linears:
                 if layer.pack_serves():
                     continue
-                new = pack(layer)
+                new = pack(layer, fp32_library)
                 if new is not None:
                     acceleration._set(layer, "pack", new)
-                    made += 1
+                    made.append(new.onednn)
             acceleration.packed = sum(layer.pack_serves() for layer in linears)
             if made:
                 watch_optimizer_steps()
                 acceleration._watching = True
-                onednn = bf16 or fp32_pack_library() == "onednn"
-                library = "oneDNN" if onednn else "MKL"
-                acceleration.levers.append(f"packed weights ({library}, {made})")
+                library = "oneDNN" if all(made) else "MKL"
+                acceleration.levers.append(f"packed weights ({library}, {len(made)})")
     if memory_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:

@@ -173,14 +173,14 @@ def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
         return None
     if weight.dtype == torch.bfloat16:
         # Both round their float32 sums to bfloat16: a step of 2^-8 apart at most.
-        return _onednn_pack(layer, _CHECK_ROWS_ONEDNN, tolerance=1e-2)
+        return _onednn_pack(layer, tolerance=1e-2)
     if weight.dtype != torch.float32:
         return None
     library = fp32_library or fp32_pack_library()
     if library not in FP32_LIBRARIES:
         return None
     if library == "onednn":
-        return _onednn_pack(layer, _CHECK_ROWS_ONEDNN, tolerance=1e-4)
+        return _onednn_pack(layer, tolerance=1e-4)
     if not packing_available():
         return None
     generator = torch.Generator().manual_seed(0)
@@ -194,16 +194,17 @@ def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
     return Pack(packed, layer.weight, onednn=False)
 
 
-def _onednn_pack(layer: nn.Linear, check_rows: tuple[int, ...], tolerance: float) -> Pack | None:
+def _onednn_pack(layer: nn.Linear, tolerance: float) -> Pack | None:
     """A pack of ``layer``'s weight for oneDNN (its own dtype), checked against ``F.linear``
-    at ``check_rows`` rows to ``tolerance`` (relative, and of the largest output)."""
+    at :data:`_CHECK_ROWS_ONEDNN` rows to ``tolerance`` (relative, and of the largest
+    output)."""
     if not onednn_packing_available():
         return None
     weight = layer.weight.detach()
     generator = torch.Generator().manual_seed(0)
     try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-        for rows in check_rows:
+        for rows in _CHECK_ROWS_ONEDNN:
             x = torch.randn(rows, weight.size(1), generator=generator).to(weight.dtype)
             got = _onednn_linear(x, packed, layer.bias).float()
             want = F.linear(x, weight, layer.bias).float()
