@@ -3,7 +3,9 @@
 64 random source sentences of 24 tokens; every system does exactly 24 decoder steps per
 sentence (end-of-sentence is suppressed until the last step), with beam 4 (length penalty 0.6)
 and greedy, once with all 64 sentences in one batch (sentences/s from the median of repeated
-runs) and once one sentence at a time (median latency per sentence). aiayn and the
+runs) and once one sentence at a time (median latency per sentence). ``aiayn`` is the default
+path once its decoder step is compiled on the machine (compiled here the first time, and how
+long that took reported); ``aiayn-eager`` is ``--no-compiled-step``. aiayn and the
 ``nn.Transformer`` peer are driven by ``aiayn.inference.search``; Hugging Face by ``generate``;
 CTranslate2 by ``translate_batch``.
 
@@ -18,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +43,7 @@ from benchmarks.peers import available
 
 SYSTEMS = (
     "aiayn",
+    "aiayn-eager",
     "aiayn-int8",
     "aiayn-packed",
     "aiayn-bf16",
@@ -73,8 +77,34 @@ def suppress_eos(step_fn: StepFn, steps: int) -> StepFn:
     return step
 
 
+# How the compiled decoder step came to be (aiayn's default system): compiled in this process
+# (``compile_s``, the first call on a machine) or loaded (``load_s``, every later process).
+STEP_TIMES: dict[str, float] = {}
+
+
+def use_compiled_step(model: Any) -> None:
+    """What ``Translator(compiled_step=None)`` finds once the step was compiled on this
+    machine (``translate --compiled-step`` compiles it): compiled here the first time."""
+    from aiayn.accel.compiled import compile_step, load_compiled_step, unsupported
+
+    if unsupported(model) is not None:
+        return
+    start = time.perf_counter()
+    step = load_compiled_step(model)
+    if step is not None:
+        STEP_TIMES["load_s"] = time.perf_counter() - start
+    else:
+        step = compile_step(model)
+        STEP_TIMES["compile_s"] = time.perf_counter() - start
+    model.compiled_step = step
+
+
 def aiayn_decoder(
-    dw: DecodeWorkload, int8: bool, packed: bool = False, bf16: bool = False
+    dw: DecodeWorkload,
+    int8: bool,
+    packed: bool = False,
+    bf16: bool = False,
+    compiled: bool = False,
 ) -> Decode:
     from aiayn.accel import accelerate
     from aiayn.config import ModelConfig
@@ -102,6 +132,8 @@ def aiayn_decoder(
     # for them is oneDNN; with ``packed`` (translate --pack-weights) also for MKL.
     precision = "bf16" if bf16 else "fp32"
     accelerate(model, "decode", precision=precision, pack_weights=True if packed else None)
+    if compiled:
+        use_compiled_step(model)
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:
@@ -214,6 +246,7 @@ def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
             int8=system == "aiayn-int8",
             packed=system == "aiayn-packed",
             bf16=system == "aiayn-bf16",
+            compiled=system == "aiayn",
         )
     if system == "torch":
         return torch_decoder(dw)
@@ -306,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             "workload": args.workload,
             "modes": results,
             "build_s": build_s,
+            **{f"step_{name}": value for name, value in STEP_TIMES.items()},
             "peak_rss_mb": peak_rss_mb(),
         }
     )

@@ -15,6 +15,7 @@ TRAIN_NAMES = {
 }
 DECODE_NAMES = {
     "aiayn": "aiayn (fp32)",
+    "aiayn-eager": "aiayn fp32, `--no-compiled-step`",
     "aiayn-int8": "aiayn int8 (opt-in)",
     "aiayn-packed": "aiayn fp32, `--pack-weights`",
     "aiayn-bf16": "aiayn bf16 (opt-in)",
@@ -170,6 +171,23 @@ def decoding_table(decode: dict[str, dict[str, Any]], workload: str = "SMALL") -
             + " | ".join(cells)
             + f" | {_fmt(r['peak_rss_mb'])} | {r.get('background_cpus', 0):.2f} |"
         )
+    step = decode.get("aiayn", {})
+    if "step_compile_s" in step or "step_load_s" in step:
+        made = [
+            f"compiled in {step[key]:.0f} s ({what})"
+            if key == "step_compile_s"
+            else f"loaded in {step[key]:.2f} s ({what})"
+            for key, what in (
+                ("step_compile_s", "the first process on this machine"),
+                ("step_load_s", "the processes after it"),
+            )
+            if key in step
+        ]
+        lines += [
+            "",
+            "aiayn (fp32) decodes up to 16 rows through its decoder step compiled ahead of "
+            f"time: {', '.join(made)}; the figures above are after that.",
+        ]
     lines += ["", "aiayn (fp32) against each peer (above 1: aiayn faster / leaner):", ""]
     lines += [
         "| peer | " + " | ".join(c[2].split(" (")[0] for c in DECODE_COLUMNS) + " | RSS |",

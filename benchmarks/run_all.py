@@ -53,7 +53,7 @@ DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # Every system each benchmark knows, in that order.
 TRAIN_SYSTEMS = list(train_bench.SYSTEMS)
 DECODE_SYSTEMS = list(decode_bench.SYSTEMS)
-BASE_DECODE_SYSTEMS = ["aiayn", "ct2-float32", "ct2-float32-1thread"]
+BASE_DECODE_SYSTEMS = ["aiayn", "aiayn-eager", "ct2-float32", "ct2-float32-1thread"]
 
 # (warm-up updates, timed updates) per round.
 TRAIN_STEPS = {
@@ -162,12 +162,17 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry["latency_ms"] = 1000 * m
             entry["rounds"] = [1000 * d["median_s"] for d in done]
         modes[mode] = entry
-    return {
+    merged = {
         "modes": modes,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "build_s": median([r["build_s"] for r in runs]),
         "background_cpus": max(r["background_cpus"] for r in runs),
     }
+    for key in ("step_compile_s", "step_load_s"):  # aiayn's compiled decoder step
+        values = [r[key] for r in runs if key in r]
+        if values:
+            merged[key] = median(values)
+    return merged
 
 
 def update_doc(markdown: str) -> None:

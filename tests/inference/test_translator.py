@@ -322,6 +322,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         warn: object = None,
         pack_weights: bool | None = None,
         precision: str = "fp32",
+        compiled_step: bool | None = None,
     ) -> tuple[Translator, None]:
         decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
         translator = cls(
@@ -331,6 +332,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
             nbest=nbest,
             device=device,
             pack_weights=pack_weights,
+            compiled_step=compiled_step,
         )
         translator.checkpoint = Path(path) / "averaged.pt"
         return translator, None

@@ -6,6 +6,9 @@ A step's (rows, V) logits and their log-softmax are the largest tensors of a dec
 ``mm(out=)`` and takes the log-softmax in place, so that no step allocates a vocabulary-sized
 matrix (figures: docs/performance.md). The result is valid until the next step on that cache,
 which is how search uses it.
+
+With a compiled step (:mod:`aiayn.accel.compiled`; ``Translator(compiled_step=...)`` sets it),
+decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows go through it instead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from aiayn.accel.compiled import MAX_ROWS, CompiledCache, CompiledStep
 from aiayn.accel.linear import CpuLinear
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
@@ -40,15 +44,26 @@ class BufferedDecoding(Transformer):
     """:class:`~aiayn.model.transformer.Transformer` whose ``log_probs_step`` writes into its
     cache's buffer: float32 logits with ``mm(out=)``, a bfloat16 or float16 model's in its
     dtype, then the log-softmax into the buffer. With autograd or autocast on, on an int8
-    model, or with a plain cache, the plain step."""
+    model, or with a plain cache, the plain step.
 
-    def init_cache(
+    ``compiled_step``: the model's compiled decoder step, which serves decodes of up to
+    :data:`~aiayn.accel.compiled.MAX_ROWS` rows without autograd."""
+
+    compiled_step: CompiledStep | None = None
+
+    def init_cache(  # type: ignore[override]
         self, memory: Tensor, src_pad: Tensor | None, max_len: int, beam_size: int = 1
-    ) -> DecoderCache:
+    ) -> DecoderCache | CompiledCache:
+        compiled = self.compiled_step
+        rows = memory.size(0) * beam_size
+        if compiled is not None and rows <= MAX_ROWS and not torch.is_grad_enabled():
+            return compiled.init_cache(self, memory, src_pad, max_len, beam_size)
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
 
-    def log_probs_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+    def log_probs_step(self, tokens: Tensor, cache: DecoderCache | CompiledCache) -> Tensor:
+        if isinstance(cache, CompiledCache):
+            return cache.step.log_probs_step(tokens, cache)
         out_proj = self.out_proj
         if (
             not isinstance(cache, BufferedCache)

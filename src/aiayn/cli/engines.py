@@ -13,8 +13,9 @@ ENGINES = ("torch", "ctranslate2")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--device``, ``--engine``, ``--threads``, ``--quantize``, ``--pack-weights`` and
-    ``--precision``, with the same meaning in every command that decodes translations."""
+    """``--device``, ``--engine``, ``--threads``, ``--quantize``, ``--pack-weights``,
+    ``--compiled-step`` and ``--precision``, with the same meaning in every command that
+    decodes translations."""
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument(
         "--engine",
@@ -49,6 +50,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "weights",
     )
     parser.add_argument(
+        "--compiled-step",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode up to 16 rows (sentences x beam) at a time through the decoder step "
+        "compiled ahead of time for this model and CPU (float32 Transformers on the CPU; "
+        "needs a C++ compiler): --compiled-step compiles it where it has not been (about a "
+        "minute for a small model; kept in aiayn's cache directory); by default it is used "
+        "where it has been compiled before; --no-compiled-step never uses it",
+    )
+    parser.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
@@ -61,15 +72,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_engine_options(args: argparse.Namespace) -> None:
     """Refuse, in one line, what the chosen engine does not take: ``--threads`` below 1;
-    with ``--engine ctranslate2``, ``--pack-weights``, ``--beam-rule paper`` (where the
-    command has it, and the beam is not 1) and a device CTranslate2 does not know."""
+    with ``--engine ctranslate2``, ``--pack-weights``, ``--compiled-step``, ``--beam-rule
+    paper`` (where the command has it, and the beam is not 1) and a device CTranslate2 does
+    not know."""
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be at least 1, got {args.threads}")
     if args.engine != "ctranslate2":
         return
-    if args.pack_weights is not None:
-        flag = "--pack-weights" if args.pack_weights else "--no-pack-weights"
-        raise CLIError(f"{flag} is an option of --engine torch")
+    for name in ("pack_weights", "compiled_step"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flag = "--" + ("" if value else "no-") + name.replace("_", "-")
+            raise CLIError(f"{flag} is an option of --engine torch")
     if getattr(args, "beam_rule", None) == "paper" and getattr(args, "beam", None) != 1:
         raise CLIError(
             "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "

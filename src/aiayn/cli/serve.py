@@ -133,6 +133,7 @@ def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[
         quantize=args.quantize,
         pack_weights=args.pack_weights,
         precision=args.precision,
+        compiled_step=args.compiled_step,
         threads=args.threads,
     )
     return engine, str(device)

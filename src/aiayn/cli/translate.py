@@ -135,6 +135,7 @@ def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
         quantize=args.quantize,
         pack_weights=args.pack_weights,
         precision=args.precision,
+        compiled_step=args.compiled_step,
     )
     return translator, str(device)
 

@@ -27,6 +27,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 from aiayn.accel import (
     PRECISION_DTYPES,
     Acceleration,
+    BufferedDecoding,
     CpuLinear,
     Precision,
     accelerate,
@@ -253,6 +254,11 @@ class Translator(TextTranslator):
     (None) where that is oneDNN (CPUs other than Intel's: faster decoder steps at every batch
     size), True also for MKL on an Intel CPU (faster steps over 4 to 128 rows), False never;
     a pack takes memory besides the weights (docs/translation.md).
+
+    ``compiled_step``: decodes of up to 16 rows (sentences × beam) through the model's decoder
+    step compiled ahead of time (:mod:`aiayn.accel.compiled`, float32 Transformers on the
+    CPU): by default (None) when it has been compiled on this machine before, True compiles
+    it first where it has not (about a minute for a small model), False never.
     """
 
     engine_name = "torch"
@@ -269,6 +275,7 @@ class Translator(TextTranslator):
         pack_weights: bool | None = None,
         precision: Precision = "fp32",
         accelerated: bool = True,
+        compiled_step: bool | None = None,
     ) -> None:
         super().__init__(
             tokenizer, decode, max_positions=model.config.max_positions, nbest=nbest, warn=warn
@@ -295,6 +302,37 @@ class Translator(TextTranslator):
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL or oneDNN); decoding without it"
             )
+        if compiled_step is not False:
+            self._use_compiled_step(bool(compiled_step))
+
+    def _use_compiled_step(self, build: bool) -> None:
+        """Decode small batches through the compiled decoder step: the one compiled on this
+        machine before, or (``build``) compiled now."""
+        from aiayn.accel.compiled import (
+            CompiledStep,
+            compile_step,
+            load_compiled_step,
+            unsupported,
+        )
+
+        model = self.model
+        reason = unsupported(model)
+        if reason is None and not isinstance(model, BufferedDecoding):
+            reason = "the compiled step serves the accelerated model (accelerated=False)"
+        if reason is not None:
+            if build:
+                self.warn(f"compiled step: {reason}; decoding without it")
+            return
+        assert isinstance(model, BufferedDecoding) and self.acceleration is not None
+        step: CompiledStep | None
+        if build:
+            self.warn("compiling the decoder step (once per model and machine)")
+            step = compile_step(model)
+        else:
+            step = load_compiled_step(model)
+        if step is not None:
+            self.acceleration._set(model, "compiled_step", step)
+            self.acceleration.levers.append("compiled decoder step")
 
     @classmethod
     def from_checkpoint(
@@ -308,6 +346,7 @@ class Translator(TextTranslator):
         warn: Callable[[str], None] | None = None,
         pack_weights: bool | None = None,
         precision: Precision = "fp32",
+        compiled_step: bool | None = None,
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
@@ -330,6 +369,7 @@ class Translator(TextTranslator):
             warn=warn,
             pack_weights=pack_weights,
             precision=precision,
+            compiled_step=compiled_step,
         )
         translator.checkpoint = loaded.path
         return translator, config

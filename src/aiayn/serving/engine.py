@@ -109,6 +109,7 @@ class Engine:
         pack_weights: bool | None = None,
         precision: Precision = "fp32",
         threads: int | None = None,
+        compiled_step: bool | None = None,
     ) -> Engine:
         """The PyTorch engine for a checkpoint file or run directory (the settings are
         :meth:`Translator.from_checkpoint`'s)."""
@@ -119,6 +120,7 @@ class Engine:
             quantize=quantize,
             pack_weights=pack_weights,
             precision=precision,
+            compiled_step=compiled_step,
         )
         return cls(translator, config, source=str(path), threads=threads)
 

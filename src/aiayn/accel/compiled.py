@@ -1,0 +1,314 @@
+"""The decoder step compiled ahead of time: one shared library per model and CPU.
+
+An eager decoder step runs some 150 PyTorch operations, each a Python call and a kernel
+launch, and its matrix products go through a general library (MKL, oneDNN) whose per-call
+overhead is larger than the product itself at one or a few rows. For one sentence at a time
+that overhead is most of the step (figures: docs/performance.md). Here the whole step of a
+:class:`~aiayn.model.transformer.Transformer` (embedding, every decoder layer, the
+pre-softmax projection and the log-softmax) is exported (``torch.export``) and compiled by
+AOTInductor into a shared library, with its weights frozen in and its matrix products
+generated for them (Inductor's C++ GEMM template, chosen over ATen's by measuring both at
+compile time). The step is the model's own: :class:`DecoderStep` calls the decoder layers'
+``step`` with a cache of static shape (:class:`StaticLayerCache`), so that the graph has no
+Python in it and one graph serves every row count, source length and output length.
+
+Compiling takes half a minute to a minute for a small model (longer for larger ones); the
+library is kept in the user's cache directory (:func:`compiled_dir`), named after a digest of
+the weights, the configuration, PyTorch's version, the thread count and the CPU's instruction
+sets, so that it is built once and found again by any later process
+(:func:`load_compiled_step`). It is native code: it is only ever loaded from that cache, never
+from a model's own directory. Its weights are mapped from the file, not copied (a bare shared
+library rather than a ``.pt2`` package, whose loader holds about twice the weights' size more).
+
+:class:`CompiledCache` is the incremental decoder's state for it, with the interface search
+uses (``reorder``, ``keep``): one row of keys and values per beam, gathered when beams are
+reordered, which is cheap at the row counts the compiled step serves (:data:`MAX_ROWS`);
+larger batches decode eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.model.attention import attention_mask
+from aiayn.model.transformer import Transformer, check_cache_size
+
+# Decodes over more rows than this (sentences × beam) run eagerly: there the eager step's
+# packed products are as fast or faster, and a beam reorder gathers every row's keys.
+MAX_ROWS = 16
+# The rows, source length and cache length the step is exported and tuned with.
+_EXAMPLE = (4, 24, 32)
+_INDUCTOR = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "aot_inductor.force_mmap_weights": True,
+    "aot_inductor.package": False,
+}
+
+
+def compiled_dir() -> Path:
+    """Where compiled steps are kept: ``compiled/`` in aiayn's cache directory
+    (``$AIAYN_CACHE``, else ``$XDG_CACHE_HOME/aiayn``, else ``~/.cache/aiayn``)."""
+    from aiayn.data.sources.download import default_cache_dir
+
+    return default_cache_dir() / "compiled"
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``model``'s decoder step cannot be compiled here, or None when it can."""
+    if not isinstance(model, Transformer):
+        return "only the Transformer's decoder step is compiled"
+    config = model.config
+    if config.decoder_attention != "full" or config.cross_attention != "full":
+        return "the compiled step has full attention only"
+    params = list(model.parameters())
+    if any(p.device.type != "cpu" for p in params):
+        return "the compiled step runs on the CPU"
+    if any(p.dtype is not torch.float32 for p in params if p.is_floating_point()):
+        return "the compiled step is float32"
+    if any(type(m).__module__.startswith("torch.ao") for m in model.modules()):
+        return "the compiled step is not for a quantized model"
+    if not hasattr(torch._C, "_aoti") or not hasattr(torch._C._aoti, "AOTIModelContainerRunnerCpu"):
+        return "this PyTorch has no AOTInductor"
+    return None
+
+
+class StaticLayerCache:
+    """One decoder layer's keys and values for :class:`DecoderStep`, in the shape of
+    :class:`~aiayn.model.cache.LayerCache` with one beam slot per row: ``write`` puts the
+    step's keys at ``position`` (a tensor, so that one graph serves every step) and
+    ``keys_values`` gives all ``max_len`` slots (the step's mask hides those not yet
+    written)."""
+
+    def __init__(
+        self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor, position: Tensor
+    ) -> None:
+        self.self_k, self.self_v = self_k, self_v  # (rows, H, max_len, Dh)
+        self.cross_k, self.cross_v = cross_k, cross_v  # (rows, H, S, Dh)
+        self.position = position  # (1,) int64
+
+    def write(self, slot: int, k: Tensor, v: Tensor) -> None:
+        self.self_k.index_copy_(2, self.position, k)  # k, v: (rows, H, 1, Dh)
+        self.self_v.index_copy_(2, self.position, v)
+
+    def keys_values(self, length: int) -> tuple[Tensor, Tensor]:
+        return self.self_k, self.self_v
+
+
+class DecoderStep(nn.Module):
+    """A Transformer's decoder step as a function of tensors only (what is exported): the
+    log-probabilities (rows, V) of the next token after ``tokens`` (rows,) at ``position``
+    (1,); writes their keys and values into ``self_k``/``self_v`` (a list per layer of
+    (rows, H, max_len, Dh)). ``cross_mask`` (rows, 1, 1, S) is True where the memory is
+    attended to."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.embed = model.tgt_embed
+        self.decoder = model.decoder
+        self.out_proj = model.out_proj
+
+    def forward(
+        self,
+        tokens: Tensor,
+        position: Tensor,
+        self_k: list[Tensor],
+        self_v: list[Tensor],
+        cross_k: list[Tensor],
+        cross_v: list[Tensor],
+        cross_mask: Tensor,
+    ) -> Tensor:
+        x = self.embed(tokens[:, None], offset=position)  # (rows, 1, d_model)
+        slots = self_k[0].size(2)
+        self_mask = (torch.arange(slots, device=position.device) <= position).view(1, 1, 1, -1)
+        caches = zip(self_k, self_v, cross_k, cross_v, strict=True)
+        for layer, (sk, sv, ck, cv) in zip(self.decoder.layers, caches, strict=True):
+            cache: Any = StaticLayerCache(sk, sv, ck, cv, position)
+            x = layer.step(x, cache, 0, 0, self_mask, cross_mask)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
+        logits = self.out_proj(x[:, 0])
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
+@dataclass
+class CompiledCache:
+    """The incremental state of a decode through a :class:`CompiledStep`: rows =
+    sentences × ``beam_size``, each with its own keys and values."""
+
+    step: CompiledStep
+    self_k: list[Tensor]  # per layer (rows, H, max_len, Dh)
+    self_v: list[Tensor]
+    cross_k: list[Tensor]  # per layer (rows, H, S, Dh)
+    cross_v: list[Tensor]
+    cross_mask: Tensor  # (rows, 1, 1, S) bool, True = attend
+    length: int
+    max_len: int
+    beam_size: int = 1
+
+    @property
+    def batch_size(self) -> int:
+        return self.self_k[0].size(0)
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays)."""
+        if rows.numel() != self.batch_size:
+            raise ValueError(
+                f"reorder expects {self.batch_size} row indices, got {rows.numel()}; "
+                "use keep() to change the batch size"
+            )
+        self.self_k = [k.index_select(0, rows) for k in self.self_k]
+        self.self_v = [v.index_select(0, rows) for v in self.self_v]
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only ``rows`` (in that order)."""
+        if rows.numel() > self.batch_size:
+            raise ValueError(f"keep got {rows.numel()} rows for a batch of {self.batch_size}")
+        for name in ("self_k", "self_v", "cross_k", "cross_v"):
+            setattr(self, name, [t.index_select(0, rows) for t in getattr(self, name)])
+        self.cross_mask = self.cross_mask.index_select(0, rows)
+
+
+class CompiledStep:
+    """A loaded compiled decoder step (:func:`load_compiled_step`, :func:`compile_step`) for
+    one model: :meth:`init_cache` and :meth:`log_probs_step` stand in for the model's."""
+
+    def __init__(self, path: Path) -> None:
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        self.path = path
+
+    def init_cache(
+        self, model: Transformer, memory: Tensor, src_pad: Tensor | None, max_len: int, beam: int
+    ) -> CompiledCache:
+        check_cache_size(model.config, max_len, beam)
+        rows = memory.size(0) * beam
+        cross_k, cross_v, self_k, self_v = [], [], [], []
+        for layer in model.decoder.layers:
+            assert layer.cross_attn is not None
+            k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
+            cross_k.append(k.repeat_interleave(beam, 0).contiguous())
+            cross_v.append(v.repeat_interleave(beam, 0).contiguous())
+            attn = layer.self_attn
+            self_k.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_k))
+            self_v.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_v))
+        mask = attention_mask(src_pad)
+        if mask is None:
+            mask = torch.ones(memory.size(0), 1, 1, memory.size(1), dtype=torch.bool)
+        mask = mask.repeat_interleave(beam, 0)
+        return CompiledCache(self, self_k, self_v, cross_k, cross_v, mask, 0, max_len, beam)
+
+    def log_probs_step(self, tokens: Tensor, cache: CompiledCache) -> Tensor:
+        if cache.length >= cache.max_len:
+            raise ValueError(f"cache is full ({cache.max_len} positions)")
+        position = torch.tensor([cache.length])
+        # DecoderStep's arguments, flattened in their order.
+        inputs = [tokens.contiguous(), position, *cache.self_k, *cache.self_v]
+        inputs += [*cache.cross_k, *cache.cross_v, cache.cross_mask]
+        (out,) = self.runner.run(inputs)
+        cache.length += 1
+        return out
+
+
+def step_key(model: Transformer) -> str:
+    """The digest that names a model's compiled step: its weights, configuration, PyTorch's
+    version, the thread count and the CPU's instruction sets."""
+    digest = hashlib.sha256()
+    config = {k: str(v) for k, v in vars(model.config).items()}
+    cpu_flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("flags"):
+                cpu_flags = line
+                break
+    head = [torch.__version__, str(torch.get_num_threads()), cpu_flags, json.dumps(config)]
+    digest.update("\n".join(head).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()[:32]
+
+
+def step_path(model: Transformer, directory: Path | None = None) -> Path:
+    return (directory or compiled_dir()) / f"decoder-step-{step_key(model)}.so"
+
+
+def load_compiled_step(model: Transformer, directory: Path | None = None) -> CompiledStep | None:
+    """The compiled step of ``model`` if one was compiled on this machine, else None."""
+    if unsupported(model) is not None:
+        return None
+    path = step_path(model, directory)
+    if not path.is_file():
+        return None
+    return CompiledStep(path)
+
+
+@torch.no_grad()
+def compile_step(model: Transformer, directory: Path | None = None) -> CompiledStep:
+    """Compile ``model``'s decoder step (about a minute for a small model) into the cache
+    directory, or load it if it is there already."""
+    reason = unsupported(model)
+    if reason is not None:
+        raise ValueError(f"cannot compile the decoder step: {reason}")
+    path = step_path(model, directory)
+    if not path.is_file():
+        _export_and_compile(model, path)
+    return CompiledStep(path)
+
+
+def _export_and_compile(model: Transformer, path: Path) -> None:
+    from torch.export import Dim
+
+    # A copy: the accelerated model's packed products are not what Inductor should see
+    # (a copied layer has no pack) and the step must not change the model.
+    plain = copy.deepcopy(model).eval()
+    step = DecoderStep(plain).eval()
+    rows, src, slots = _EXAMPLE
+    layers = len(plain.decoder.layers)
+    attn = plain.decoder.layers[0].self_attn
+    heads, dk, dv = attn.n_heads, attn.d_k, attn.d_v
+    args = (
+        torch.ones(rows, dtype=torch.long),
+        torch.tensor([3]),
+        [torch.zeros(rows, heads, slots, dk) for _ in range(layers)],
+        [torch.zeros(rows, heads, slots, dv) for _ in range(layers)],
+        [torch.randn(rows, heads, src, dk) for _ in range(layers)],
+        [torch.randn(rows, heads, src, dv) for _ in range(layers)],
+        torch.ones(rows, 1, 1, src, dtype=torch.bool),
+    )
+    positions = plain.config.max_positions
+    r = Dim("rows", min=1, max=4096)
+    s = Dim("source", min=1, max=positions)
+    t = Dim("slots", min=1, max=positions)
+    shapes = (
+        {0: r},
+        None,
+        [{0: r, 2: t}] * layers,
+        [{0: r, 2: t}] * layers,
+        [{0: r, 2: s}] * layers,
+        [{0: r, 2: s}] * layers,
+        {0: r, 3: s},
+    )
+    exported = torch.export.export(step, args, dynamic_shapes=shapes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # AOTInductor writes its sources beside the library: a directory of its own, then only
+    # the library is moved into place (atomically).
+    work = Path(tempfile.mkdtemp(prefix=path.stem + ".", dir=path.parent))
+    try:
+        options = dict(_INDUCTOR) | {"aot_inductor.output_path": str(work / path.name)}
+        built = torch._inductor.aot_compile(exported.module(), args, options=options)
+        os.replace(str(built), path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,215 @@
+"""The decoder step compiled ahead of time (aiayn.accel.compiled): the eager step's
+log-probabilities and hypotheses, the cache search drives, where it is found again, and where
+it does not serve. One compile for the module (AOTInductor, about half a minute here)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.accel import BufferedDecoding, accelerate
+from aiayn.accel.compiled import (
+    MAX_ROWS,
+    CompiledCache,
+    CompiledStep,
+    compile_step,
+    load_compiled_step,
+    step_path,
+    unsupported,
+)
+from aiayn.config import ModelConfig
+from aiayn.inference.search import beam_search, greedy_search
+from aiayn.model.cache import DecoderCache
+from aiayn.model.transformer import Transformer
+from tests.helpers import packing_model
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="compiling the decoder step needs a C++ compiler (apt-get install g++)",
+)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """aiayn's cache directory for the module: where compiled steps are kept."""
+    path = tmp_path_factory.mktemp("aiayn-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIAYN_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def model(cache_dir: Path) -> Transformer:
+    """An accelerated fp32 model (random weights: greedy sentences finish at different
+    steps, so search shrinks the batch)."""
+    plain = packing_model()
+    accelerate(plain, "decode", precision="fp32")
+    return plain
+
+
+@pytest.fixture(scope="module")
+def step(model: Transformer) -> CompiledStep:
+    return compile_step(model)
+
+
+def sources(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows * 100 + length)
+    src = torch.randint(4, 50, (rows, length), generator=generator)
+    src_pad = torch.zeros_like(src, dtype=torch.bool)
+    for i in range(1, rows, 2):  # every other source padded at its end
+        src_pad[i, length - 1 - i % length :] = True
+        src[i][src_pad[i]] = 0
+    return src, src_pad
+
+
+def decode(model: Transformer, step: CompiledStep | None, rows: int, beam: int) -> list:
+    src, src_pad = sources(rows, 9)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        if step is None:
+            cache = model.init_cache(memory, src_pad, 14, beam_size=beam)
+            fn = model.log_probs_step
+        else:
+            cache = step.init_cache(model, memory, src_pad, 14, beam)
+            fn = step.log_probs_step
+        if beam == 1:
+            return [h.tokens for h in greedy_search(fn, cache, rows, max_len=13)]
+        hyps = beam_search(fn, cache, rows, beam_size=beam, max_len=13, alpha=0.6, nbest=beam)
+        return [[(h.tokens, round(h.score, 4)) for h in sentence] for sentence in hyps]
+
+
+def test_the_step_is_the_eager_step(model: Transformer, step: CompiledStep) -> None:
+    src, src_pad = sources(3, 9)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        eager = model.init_cache(memory, src_pad, 6, beam_size=1)
+        compiled = step.init_cache(model, memory, src_pad, 6, 1)
+        tokens = torch.tensor([1, 1, 1])
+        for t in range(6):
+            want = model.log_probs_step(tokens, eager)
+            got = step.log_probs_step(tokens, compiled)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            tokens = torch.tensor([7 + t, 30 - t, 4])
+        assert compiled.length == 6
+        with pytest.raises(ValueError, match="cache is full"):
+            step.log_probs_step(tokens, compiled)
+
+
+@pytest.mark.parametrize(("rows", "beam"), [(1, 1), (5, 1), (1, 4), (3, 4)])
+def test_search_finds_the_eager_hypotheses(
+    model: Transformer, step: CompiledStep, rows: int, beam: int
+) -> None:
+    got = decode(model, step, rows, beam)
+    assert got == decode(model, None, rows, beam)
+    if beam == 1 and rows > 1:  # sentences of several lengths: the batch shrank
+        assert len({len(tokens) for tokens in got}) > 1
+
+
+def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep) -> None:
+    src, src_pad = sources(2, 9)
+    with torch.inference_mode():
+        cache = step.init_cache(model, model.encode(src, src_pad), src_pad, 5, 2)
+        step.log_probs_step(torch.ones(4, dtype=torch.long), cache)
+        before = [k.clone() for k in cache.self_k]
+        cache.reorder(torch.tensor([1, 1, 2, 3]))
+        assert torch.equal(cache.self_k[0][0], before[0][1])
+        with pytest.raises(ValueError, match="reorder expects 4"):
+            cache.reorder(torch.tensor([0, 1]))
+        cache.keep(torch.tensor([2, 3]))
+        assert cache.batch_size == 2 and cache.cross_mask.size(0) == 2
+        assert torch.equal(cache.self_k[1][0], before[1][2])
+
+
+def test_found_again_by_key_and_only_for_the_same_weights(
+    model: Transformer, step: CompiledStep, cache_dir: Path
+) -> None:
+    assert step.path.parent == cache_dir / "compiled" and step.path.is_file()
+    again = load_compiled_step(model)
+    assert again is not None and again.path == step.path
+    other = packing_model()
+    with torch.no_grad():
+        other.out_proj.weight[3, 0] += 1.0
+    assert step_path(other) != step.path
+    assert load_compiled_step(other) is None
+
+
+def test_the_model_uses_it_for_small_batches_only(model: Transformer, step: CompiledStep) -> None:
+    assert isinstance(model, BufferedDecoding)
+    memory = torch.zeros(MAX_ROWS // 4 + 1, 3, 32)
+    model.compiled_step = step
+    try:
+        with torch.inference_mode():
+            small = model.init_cache(memory[:4], None, 5, beam_size=4)
+            large = model.init_cache(memory, None, 5, beam_size=4)
+        with torch.no_grad(), torch.enable_grad():
+            training = model.init_cache(memory[:1], None, 5)
+    finally:
+        del model.compiled_step
+    assert isinstance(small, CompiledCache)
+    assert isinstance(large, DecoderCache) and isinstance(training, DecoderCache)
+
+
+def test_what_it_does_not_serve() -> None:
+    base = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=1)
+    assert unsupported(packing_model()) is None
+    assert "full attention" in str(
+        unsupported(Transformer(ModelConfig(**base, decoder_attention="local")))
+    )
+    assert "float32" in str(unsupported(packing_model().to(torch.bfloat16)))
+    assert "Transformer" in str(unsupported(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="cannot compile the decoder step"):
+        compile_step(packing_model().to(torch.bfloat16))
+
+
+def test_a_translator_finds_it_and_translates_as_without(step: CompiledStep) -> None:
+    from aiayn.config import DecodeConfig
+    from aiayn.inference.translator import Translator
+    from tests.inference.test_translator import CharTokenizer
+
+    lines = ["abc de", "fgh", "a b c d e f", ""]
+    for beam in (1, 4):
+        found = {}
+        for setting in (None, False):
+            decode = DecodeConfig(beam_size=beam, max_len_a=0, max_len_b=12)
+            translator = Translator(
+                packing_model(), CharTokenizer(), decode, nbest=beam, compiled_step=setting
+            )
+            assert translator.acceleration is not None
+            uses = "compiled decoder step" in translator.acceleration.levers
+            assert uses == (setting is None)  # found: the same weights as the module's model
+            found[setting] = translator.translate_nbest(lines)
+        for compiled, eager in zip(found[None], found[False], strict=True):
+            assert [h.tokens for h in compiled] == [h.tokens for h in eager]
+            assert [h.score for h in compiled] == pytest.approx([h.score for h in eager], abs=1e-4)
+        assert any(h.tokens for hyps in found[None] for h in hyps)
+    warnings: list[str] = []
+    plain = packing_model()
+    Translator(plain, CharTokenizer(), accelerated=False, compiled_step=True, warn=warnings.append)
+    assert len(warnings) == 1 and "accelerated=False" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "setting"), [([], None), (["--compiled-step"], True), (["--no-compiled-step"], False)]
+)
+def test_the_command_line_passes_the_setting(
+    flag: list[str], setting: bool | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from aiayn.cli import main
+    from aiayn.inference.translator import Translator
+
+    seen: dict[str, object] = {}
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(Translator, "from_checkpoint", spy)
+    source = tmp_path / "in.txt"
+    source.write_text("abc\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["translate", str(tmp_path / "m.pt"), "-i", str(source), "--device", "cpu", *flag])
+    assert seen["compiled_step"] is setting
