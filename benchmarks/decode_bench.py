@@ -4,8 +4,9 @@
 sentence (end-of-sentence is suppressed until the last step), with beam 4 (length penalty 0.6)
 and greedy, once with all 64 sentences in one batch (sentences/s from the median of repeated
 runs) and once one sentence at a time (median latency per sentence). ``aiayn`` is the default
-path once its decoder step is compiled on the machine (compiled here the first time, and how
-long that took reported); ``aiayn-eager`` is ``--no-compiled-step``. aiayn and the
+path once its decoder step is compiled on the machine (``--compile-only`` compiles it, in a
+process of its own, and reports how long that took; a timed process loads it);
+``aiayn-eager`` is ``--no-compiled-step``. aiayn and the
 ``nn.Transformer`` peer are driven by ``aiayn.inference.search``; Hugging Face by ``generate``;
 CTranslate2 by ``translate_batch``.
 
@@ -82,21 +83,19 @@ def suppress_eos(step_fn: StepFn, steps: int) -> StepFn:
 STEP_TIMES: dict[str, float] = {}
 
 
-def use_compiled_step(model: Any) -> None:
+def use_compiled_step(model: Any, acceleration: Any) -> None:
     """What ``Translator(compiled_step=None)`` finds once the step was compiled on this
     machine (``translate --compiled-step`` compiles it): compiled here the first time."""
-    from aiayn.accel.compiled import compile_step, load_compiled_step, unsupported
+    import sys
+
+    from aiayn.accel.compiled import compiled_dir, step_path, unsupported, use_compiled_step
 
     if unsupported(model) is not None:
         return
+    there = compiled_dir().is_dir() and step_path(model).is_file()
     start = time.perf_counter()
-    step = load_compiled_step(model)
-    if step is not None:
-        STEP_TIMES["load_s"] = time.perf_counter() - start
-    else:
-        step = compile_step(model)
-        STEP_TIMES["compile_s"] = time.perf_counter() - start
-    model.compiled_step = step
+    if use_compiled_step(model, acceleration, True, lambda m: print(m, file=sys.stderr)):
+        STEP_TIMES["load_s" if there else "compile_s"] = time.perf_counter() - start
 
 
 def aiayn_decoder(
@@ -131,9 +130,11 @@ def aiayn_decoder(
     # What aiayn's Translator does on the CPU: float32 weights packed where the CPU's library
     # for them is oneDNN; with ``packed`` (translate --pack-weights) also for MKL.
     precision = "bf16" if bf16 else "fp32"
-    accelerate(model, "decode", precision=precision, pack_weights=True if packed else None)
+    acceleration = accelerate(
+        model, "decode", precision=precision, pack_weights=True if packed else None
+    )
     if compiled:
-        use_compiled_step(model)
+        use_compiled_step(model, acceleration)
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:
@@ -282,7 +283,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", choices=sorted(DECODE_WORKLOADS), default="small")
     parser.add_argument("--ct2-dir", type=Path, help="converted CTranslate2 models")
     parser.add_argument("--convert-only", action="store_true", help="convert into --ct2-dir")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile aiayn's decoder step for the workload (where it is not in the cache yet)",
+    )
     args = parser.parse_args(argv)
+    if args.compile_only:
+        set_threads()
+        aiayn_decoder(DECODE_WORKLOADS[args.workload], int8=False, compiled=True)
+        emit(
+            {
+                "kind": "compile",
+                "system": "aiayn",
+                **{f"step_{k}": v for k, v in STEP_TIMES.items()},
+            }
+        )
+        return
     if args.convert_only:
         from benchmarks.peers import convert_to_ctranslate2
 
@@ -291,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         emit({"kind": "convert", "system": "ct2", "convert_s": time.perf_counter() - start})
         return
     if args.system is None:
-        parser.error("--system is required (unless --convert-only)")
+        parser.error("--system is required (unless --convert-only or --compile-only)")
     set_threads()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -30,7 +30,8 @@ LEVERS = {"pack": "pack_weights", "compiled": "compiled_step"}
 def translator(checkpoint: Path, lever: str, on: bool, beam: int) -> Any:
     from aiayn.inference.translator import Translator
 
-    settings = {LEVERS[lever]: on}
+    # The pack lever is measured on the eager step (the compiled one has its own products).
+    settings = {LEVERS[lever]: on} | ({"compiled_step": False} if lever == "pack" else {})
     made, _ = Translator.from_checkpoint(
         checkpoint, decode_overrides={"beam_size": beam}, **settings
     )

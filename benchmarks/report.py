@@ -178,8 +178,8 @@ def decoding_table(decode: dict[str, dict[str, Any]], workload: str = "SMALL") -
             if key == "step_compile_s"
             else f"loaded in {step[key]:.2f} s ({what})"
             for key, what in (
-                ("step_compile_s", "the first process on this machine"),
-                ("step_load_s", "the processes after it"),
+                ("step_compile_s", "once, in a process of its own before the rounds"),
+                ("step_load_s", "in each timed process"),
             )
             if key in step
         ]

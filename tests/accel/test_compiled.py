@@ -18,8 +18,11 @@ from aiayn.accel.compiled import (
     CompiledStep,
     compile_step,
     load_compiled_step,
+    step_key,
     step_path,
+    trusted,
     unsupported,
+    use_compiled_step,
 )
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
@@ -82,21 +85,57 @@ def decode(model: Transformer, step: CompiledStep | None, rows: int, beam: int) 
         return [[(h.tokens, round(h.score, 4)) for h in sentence] for sentence in hyps]
 
 
-def test_the_step_is_the_eager_step(model: Transformer, step: CompiledStep) -> None:
-    src, src_pad = sources(3, 9)
+def same_steps(model: Transformer, step: CompiledStep, rows: int, length: int, slots: int) -> None:
+    """The compiled step's log-probabilities are the eager step's at every position."""
+    src, src_pad = sources(rows, length)
+    generator = torch.Generator().manual_seed(slots)
     with torch.inference_mode():
         memory = model.encode(src, src_pad)
-        eager = model.init_cache(memory, src_pad, 6, beam_size=1)
-        compiled = step.init_cache(model, memory, src_pad, 6, 1)
-        tokens = torch.tensor([1, 1, 1])
-        for t in range(6):
+        eager = model.init_cache(memory, src_pad, slots, beam_size=1)
+        compiled = step.init_cache(model, memory, src_pad, slots, 1)
+        tokens = torch.ones(rows, dtype=torch.long)
+        for _ in range(slots):
             want = model.log_probs_step(tokens, eager)
             got = step.log_probs_step(tokens, compiled)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            tokens = torch.tensor([7 + t, 30 - t, 4])
-        assert compiled.length == 6
+            tokens = torch.randint(4, 50, (rows,), generator=generator)
+        assert compiled.length == slots
         with pytest.raises(ValueError, match="cache is full"):
             step.log_probs_step(tokens, compiled)
+
+
+@pytest.mark.parametrize(("rows", "length", "slots"), [(3, 9, 6), (1, 1, 1), (2, 70, 90)])
+def test_the_step_is_the_eager_step(
+    model: Transformer, step: CompiledStep, rows: int, length: int, slots: int
+) -> None:
+    """Sources and caches shorter and longer than those it was compiled with."""
+    same_steps(model, step, rows, length, slots)
+
+
+def test_the_models_own_variants_are_compiled(cache_dir: Path) -> None:
+    """Pre-norm with a final norm, learned positions, separate target embeddings and
+    vocabulary, a bias on the projection, GELU: the step is the model's own."""
+    torch.manual_seed(1)
+    config = ModelConfig(
+        vocab_size=50,
+        tgt_vocab_size=60,
+        share_embeddings=False,
+        d_model=32,
+        d_ff=64,
+        n_heads=4,
+        n_layers=2,
+        dropout=0.0,
+        pre_norm=True,
+        positional="learned",
+        final_logits_bias=True,
+        activation="gelu",
+        max_positions=128,
+    )
+    variant = Transformer(config).eval()
+    with torch.no_grad():
+        variant.out_proj.bias.uniform_(-1, 1)
+    accelerate(variant, "decode", precision="fp32")
+    same_steps(variant, compile_step(variant), 2, 11, 8)
 
 
 @pytest.mark.parametrize(("rows", "beam"), [(1, 1), (5, 1), (1, 4), (3, 4)])
@@ -128,6 +167,7 @@ def test_found_again_by_key_and_only_for_the_same_weights(
     model: Transformer, step: CompiledStep, cache_dir: Path
 ) -> None:
     assert step.path.parent == cache_dir / "compiled" and step.path.is_file()
+    assert trusted(step.path)
     again = load_compiled_step(model)
     assert again is not None and again.path == step.path
     other = packing_model()
@@ -135,22 +175,65 @@ def test_found_again_by_key_and_only_for_the_same_weights(
         other.out_proj.weight[3, 0] += 1.0
     assert step_path(other) != step.path
     assert load_compiled_step(other) is None
+    key = step_key(model)
+    assert key == step_key(packing_model())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:  # the library's kernels are built for a thread count
+        assert step_key(model) != key
+    finally:
+        torch.set_num_threads(threads)
+    longer = Transformer(ModelConfig(**{**vars(model.config), "max_positions": 512}))
+    longer.load_state_dict(packing_model().state_dict())
+    assert step_key(longer) != step_key(model)
 
 
-def test_the_model_uses_it_for_small_batches_only(model: Transformer, step: CompiledStep) -> None:
+def test_a_step_that_is_not_trusted_or_does_not_load_is_not_used(
+    model: Transformer, step: CompiledStep, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIAYN_CACHE", str(tmp_path))
+    fresh = packing_model()
+    acceleration = accelerate(fresh, "decode", precision="fp32")
+    (tmp_path / "compiled").mkdir(mode=0o700)
+    copied = step_path(fresh)
+    shutil.copy(step.path, copied)
+    copied.chmod(0o722)  # others may write it
+    warnings: list[str] = []
+    assert use_compiled_step(fresh, acceleration, False, warnings.append) is None
+    assert "not this user's alone" in warnings[-1]
+    copied.write_bytes(b"not a library")
+    copied.chmod(0o700)
+    assert use_compiled_step(fresh, acceleration, False, warnings.append) is None
+    assert len(warnings) == 2 and warnings[-1].startswith("compiled step: ")
+    assert "compiled decoder step" not in acceleration.levers
+    copied.unlink()
+    assert use_compiled_step(fresh, acceleration, False, warnings.append) is None
+    assert len(warnings) == 2  # nothing compiled: nothing to say
+
+
+def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledStep) -> None:
+    model = packing_model()
+    acceleration = accelerate(model, "decode", precision="fp32")
+    assert use_compiled_step(model, acceleration, False, print) is not None
     assert isinstance(model, BufferedDecoding)
     memory = torch.zeros(MAX_ROWS // 4 + 1, 3, 32)
-    model.compiled_step = step
-    try:
-        with torch.inference_mode():
-            small = model.init_cache(memory[:4], None, 5, beam_size=4)
-            large = model.init_cache(memory, None, 5, beam_size=4)
-        with torch.no_grad(), torch.enable_grad():
-            training = model.init_cache(memory[:1], None, 5)
-    finally:
-        del model.compiled_step
+    with torch.inference_mode():
+        small = model.init_cache(memory[:4], None, 5, beam_size=4)
+        large = model.init_cache(memory, None, 5, beam_size=4)
+    with torch.enable_grad():
+        training = model.init_cache(memory[:1], None, 5)
     assert isinstance(small, CompiledCache)
     assert isinstance(large, DecoderCache) and isinstance(training, DecoderCache)
+    step = model.compiled_step
+    assert step is not None and not step.serves(model, memory.bfloat16())
+    with pytest.raises(TypeError, match="log-probabilities only"):
+        model.decode_step(torch.ones(16, dtype=torch.long), small)
+    with torch.no_grad():
+        model.out_proj.weight[0, 0] += 1.0  # a weight that changed is not the library's
+    with torch.inference_mode():
+        assert isinstance(model.init_cache(memory[:1], None, 5), DecoderCache)
+    acceleration.undo()
+    assert "compiled_step" not in vars(model) and type(model) is Transformer
 
 
 def test_what_it_does_not_serve() -> None:
@@ -165,12 +248,23 @@ def test_what_it_does_not_serve() -> None:
         compile_step(packing_model().to(torch.bfloat16))
 
 
-def test_a_translator_finds_it_and_translates_as_without(step: CompiledStep) -> None:
+def test_a_translator_finds_it_and_translates_as_without(
+    step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from aiayn.config import DecodeConfig
     from aiayn.inference.translator import Translator
     from tests.inference.test_translator import CharTokenizer
 
     lines = ["abc de", "fgh", "a b c d e f", ""]
+    steps = 0
+    run = CompiledStep.log_probs_step
+
+    def counted(self: CompiledStep, *args: object) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return run(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CompiledStep, "log_probs_step", counted)
     for beam in (1, 4):
         found = {}
         for setting in (None, False):
@@ -186,10 +280,14 @@ def test_a_translator_finds_it_and_translates_as_without(step: CompiledStep) -> 
             assert [h.tokens for h in compiled] == [h.tokens for h in eager]
             assert [h.score for h in compiled] == pytest.approx([h.score for h in eager], abs=1e-4)
         assert any(h.tokens for hyps in found[None] for h in hyps)
+    assert steps > 12  # the decodes with the step went through it
     warnings: list[str] = []
     plain = packing_model()
     Translator(plain, CharTokenizer(), accelerated=False, compiled_step=True, warn=warnings.append)
     assert len(warnings) == 1 and "accelerated=False" in warnings[0]
+    warnings.clear()
+    Translator(packing_model(), CharTokenizer(), compiled_step=True, warn=warnings.append)
+    assert warnings == []  # found: nothing compiled, nothing to say
 
 
 @pytest.mark.parametrize(

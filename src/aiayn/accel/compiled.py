@@ -14,11 +14,14 @@ Python in it and one graph serves every row count, source length and output leng
 
 Compiling takes half a minute to a minute for a small model (longer for larger ones); the
 library is kept in the user's cache directory (:func:`compiled_dir`), named after a digest of
-the weights, the configuration, PyTorch's version, the thread count and the CPU's instruction
-sets, so that it is built once and found again by any later process
-(:func:`load_compiled_step`). It is native code: it is only ever loaded from that cache, never
-from a model's own directory. Its weights are mapped from the file, not copied (a bare shared
-library rather than a ``.pt2`` package, whose loader holds about twice the weights' size more).
+the weights, the configuration, the code that is compiled, aiayn's and PyTorch's versions,
+the thread count and the CPU (:func:`step_key`), so that it is built once and found again by
+any later process (:func:`load_compiled_step`). It is native code: it is only ever loaded from
+that cache, and only from a file and directory that belong to the user and that nobody else
+may write (:func:`trusted`). Its weights are mapped from the file, not copied (a bare shared
+library rather than a ``.pt2`` package, whose loader holds about twice the weights' size
+more). A library that fails to load or to compile leaves decoding eager, with a warning
+(:func:`use_compiled_step`).
 
 :class:`CompiledCache` is the incremental decoder's state for it, with the interface search
 uses (``reorder``, ``keep``): one row of keys and values per beam, gathered when beams are
@@ -33,22 +36,31 @@ import copy
 import hashlib
 import json
 import os
+import platform
 import shutil
+import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+import aiayn
 from aiayn.model.attention import attention_mask
 from aiayn.model.transformer import Transformer, check_cache_size
 
+if TYPE_CHECKING:
+    from aiayn.accel import Acceleration
+
 # Decodes over more rows than this (sentences × beam) run eagerly: there the eager step's
-# packed products are as fast or faster, and a beam reorder gathers every row's keys.
+# packed products are as fast or faster (docs/performance.md), and a beam reorder gathers
+# every row's keys.
 MAX_ROWS = 16
-# The rows, source length and cache length the step is exported and tuned with.
+# The rows, source length and cache length the step is exported and tuned with (at most the
+# model's positions).
 _EXAMPLE = (4, 24, 32)
 _INDUCTOR = {
     "freezing": True,
@@ -57,6 +69,11 @@ _INDUCTOR = {
     "aot_inductor.force_mmap_weights": True,
     "aot_inductor.package": False,
 }
+# What the library is compiled from: a change to any of these compiles it again.
+_SOURCES = (
+    *("accel/compiled.py", "model/attention.py", "model/layers.py", "model/embedding.py"),
+    *("model/feedforward.py", "model/transformer.py"),
+)
 
 
 def compiled_dir() -> Path:
@@ -81,7 +98,8 @@ def unsupported(model: nn.Module) -> str | None:
         return "the compiled step is float32"
     if any(type(m).__module__.startswith("torch.ao") for m in model.modules()):
         return "the compiled step is not for a quantized model"
-    if not hasattr(torch._C, "_aoti") or not hasattr(torch._C._aoti, "AOTIModelContainerRunnerCpu"):
+    aoti = getattr(torch._C, "_aoti", None)
+    if aoti is None or not hasattr(aoti, "AOTIModelContainerRunnerCpu"):
         return "this PyTorch has no AOTInductor"
     return None
 
@@ -89,9 +107,9 @@ def unsupported(model: nn.Module) -> str | None:
 class StaticLayerCache:
     """One decoder layer's keys and values for :class:`DecoderStep`, in the shape of
     :class:`~aiayn.model.cache.LayerCache` with one beam slot per row: ``write`` puts the
-    step's keys at ``position`` (a tensor, so that one graph serves every step) and
-    ``keys_values`` gives all ``max_len`` slots (the step's mask hides those not yet
-    written)."""
+    step's keys at ``position`` (a tensor, so that one graph serves every step; ``slot`` is
+    not used) and ``keys_values`` gives all ``max_len`` slots (the step's mask hides those not
+    yet written)."""
 
     def __init__(
         self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor, position: Tensor
@@ -113,7 +131,7 @@ class DecoderStep(nn.Module):
     log-probabilities (rows, V) of the next token after ``tokens`` (rows,) at ``position``
     (1,); writes their keys and values into ``self_k``/``self_v`` (a list per layer of
     (rows, H, max_len, Dh)). ``cross_mask`` (rows, 1, 1, S) is True where the memory is
-    attended to."""
+    attended to. The layers, norms and projection are the model's own modules."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
@@ -131,12 +149,17 @@ class DecoderStep(nn.Module):
         cross_v: list[Tensor],
         cross_mask: Tensor,
     ) -> Tensor:
-        x = self.embed(tokens[:, None], offset=position)  # (rows, 1, d_model)
+        # Embeddings.forward at a position given as a tensor (its dropout is off in eval).
+        embed, positions = self.embed, self.embed.positions
+        table = (
+            positions.learned if positions.learned is not None else positions.get_buffer("table")
+        )
+        x = embed.token(tokens[:, None]) * embed.scale + table.index_select(0, position)
         slots = self_k[0].size(2)
         self_mask = (torch.arange(slots, device=position.device) <= position).view(1, 1, 1, -1)
         caches = zip(self_k, self_v, cross_k, cross_v, strict=True)
         for layer, (sk, sv, ck, cv) in zip(self.decoder.layers, caches, strict=True):
-            cache: Any = StaticLayerCache(sk, sv, ck, cv, position)
+            cache: Any = StaticLayerCache(sk, sv, ck, cv, position)  # a LayerCache to .step
             x = layer.step(x, cache, 0, 0, self_mask, cross_mask)
         if self.decoder.final_norm is not None:
             x = self.decoder.final_norm(x)
@@ -144,7 +167,7 @@ class DecoderStep(nn.Module):
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
-@dataclass
+@dataclass(eq=False)
 class CompiledCache:
     """The incremental state of a decode through a :class:`CompiledStep`: rows =
     sentences × ``beam_size``, each with its own keys and values."""
@@ -161,17 +184,20 @@ class CompiledCache:
 
     @property
     def batch_size(self) -> int:
+        """Decoder rows (sentences × beam_size)."""
         return self.self_k[0].size(0)
 
     def reorder(self, rows: Tensor) -> None:
-        """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays)."""
+        """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays).
+        Only the positions decoded so far are moved, in place."""
         if rows.numel() != self.batch_size:
             raise ValueError(
                 f"reorder expects {self.batch_size} row indices, got {rows.numel()}; "
                 "use keep() to change the batch size"
             )
-        self.self_k = [k.index_select(0, rows) for k in self.self_k]
-        self.self_v = [v.index_select(0, rows) for v in self.self_v]
+        for buffer in (*self.self_k, *self.self_v):
+            filled = buffer[:, :, : self.length]
+            filled.copy_(filled.index_select(0, rows))
 
     def keep(self, rows: Tensor) -> None:
         """Keep only ``rows`` (in that order)."""
@@ -184,11 +210,22 @@ class CompiledCache:
 
 class CompiledStep:
     """A loaded compiled decoder step (:func:`load_compiled_step`, :func:`compile_step`) for
-    one model: :meth:`init_cache` and :meth:`log_probs_step` stand in for the model's."""
+    one model: :meth:`init_cache` and :meth:`log_probs_step` stand in for the model's while
+    the model's parameters are the ones it was made from (:meth:`serves`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, model: Transformer) -> None:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
+        self._parameters = _identity(model)
+
+    def serves(self, model: nn.Module, memory: Tensor) -> bool:
+        """Whether this step is ``model``'s as it is now (the same parameter tensors,
+        unchanged since) for a float32 ``memory`` on the CPU."""
+        return (
+            memory.device.type == "cpu"
+            and memory.dtype is torch.float32
+            and _identity(model) == self._parameters
+        )
 
     def init_cache(
         self, model: Transformer, memory: Tensor, src_pad: Tensor | None, max_len: int, beam: int
@@ -222,19 +259,30 @@ class CompiledStep:
         return out
 
 
+def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
+    """Each parameter's identity, storage and version: what changes when a weight does."""
+    return [(id(p), p.data_ptr(), p._version) for p in model.parameters()]
+
+
 def step_key(model: Transformer) -> str:
-    """The digest that names a model's compiled step: its weights, configuration, PyTorch's
-    version, the thread count and the CPU's instruction sets."""
+    """The digest that names a model's compiled step: its weights and configuration, the
+    sources and options it is compiled from, aiayn's and PyTorch's versions, the thread count
+    (the library's kernels are built for it) and the CPU (architecture, the instruction sets
+    PyTorch uses, /proc/cpuinfo's flags)."""
     digest = hashlib.sha256()
     config = {k: str(v) for k, v in vars(model.config).items()}
-    cpu_flags = ""
+    cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                cpu_flags = line
+            if line.startswith(("flags", "Features")):
+                cpu.append(line)
                 break
-    head = [torch.__version__, str(torch.get_num_threads()), cpu_flags, json.dumps(config)]
+    package = Path(aiayn.__file__).parent
+    head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
+    head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE)]
     digest.update("\n".join(head).encode())
+    for source in _SOURCES:
+        digest.update((package / source).read_bytes())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
@@ -245,27 +293,81 @@ def step_path(model: Transformer, directory: Path | None = None) -> Path:
     return (directory or compiled_dir()) / f"decoder-step-{step_key(model)}.so"
 
 
+def trusted(path: Path) -> bool:
+    """Whether ``path`` and its directory belong to this user and nobody else may write them
+    (native code is loaded from it)."""
+    getuid = getattr(os, "getuid", None)
+    for item in (path, path.parent):
+        info = item.stat()
+        if getuid is not None and info.st_uid != getuid():
+            return False
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
+
+
 def load_compiled_step(model: Transformer, directory: Path | None = None) -> CompiledStep | None:
-    """The compiled step of ``model`` if one was compiled on this machine, else None."""
-    if unsupported(model) is not None:
-        return None
-    path = step_path(model, directory)
+    """The compiled step of ``model`` if one was compiled on this machine, else None. Raises
+    ``PermissionError`` for a library that this user does not alone own (:func:`trusted`)."""
+    folder = directory or compiled_dir()
+    if unsupported(model) is not None or not any(folder.glob("decoder-step-*.so")):
+        return None  # (no digest of the weights where nothing was ever compiled)
+    path = step_path(model, folder)
     if not path.is_file():
         return None
-    return CompiledStep(path)
+    if not trusted(path):
+        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
+    return CompiledStep(path, model)
 
 
 @torch.no_grad()
 def compile_step(model: Transformer, directory: Path | None = None) -> CompiledStep:
-    """Compile ``model``'s decoder step (about a minute for a small model) into the cache
-    directory, or load it if it is there already."""
+    """Compile ``model``'s decoder step (half a minute to a minute for a small model) into the
+    cache directory, or load it if it is there already."""
     reason = unsupported(model)
     if reason is not None:
         raise ValueError(f"cannot compile the decoder step: {reason}")
+    step = load_compiled_step(model, directory)
+    if step is not None:
+        return step
     path = step_path(model, directory)
-    if not path.is_file():
-        _export_and_compile(model, path)
-    return CompiledStep(path)
+    _export_and_compile(model, path)
+    return CompiledStep(path, model)
+
+
+def use_compiled_step(
+    model: nn.Module,
+    acceleration: Acceleration,
+    build: bool,
+    warn: Callable[[str], None],
+) -> CompiledStep | None:
+    """Give the accelerated ``model`` (a :class:`~aiayn.accel.BufferedDecoding`) its compiled
+    step, the one compiled on this machine before or (``build``) compiled now; what goes wrong
+    is told to ``warn`` (a failed load or compile always; a model the step does not serve with
+    ``build``), and decoding stays eager. :meth:`Acceleration.undo` takes the step away."""
+    from aiayn.accel.decoding import BufferedDecoding
+
+    reason = unsupported(model)
+    if reason is None and not isinstance(model, BufferedDecoding):
+        reason = "the compiled step serves the accelerated model (accelerated=False)"
+    if reason is not None:
+        if build:
+            warn(f"compiled step: {reason}; decoding without it")
+        return None
+    assert isinstance(model, BufferedDecoding)
+    try:
+        step = load_compiled_step(model)
+        if step is None and build:
+            warn("compiling the decoder step (once for this model on this machine)")
+            step = compile_step(model)
+    except Exception as error:  # a library that does not load, a compiler that fails
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warn(f"compiled step: {first[:300]}; decoding without it")
+        return None
+    if step is not None:
+        acceleration._set(model, "compiled_step", step)
+        acceleration.levers.append("compiled decoder step")
+    return step
 
 
 def _export_and_compile(model: Transformer, path: Path) -> None:
@@ -275,20 +377,20 @@ def _export_and_compile(model: Transformer, path: Path) -> None:
     # (a copied layer has no pack) and the step must not change the model.
     plain = copy.deepcopy(model).eval()
     step = DecoderStep(plain).eval()
-    rows, src, slots = _EXAMPLE
+    positions = plain.config.max_positions
+    rows, src, slots = (min(n, positions) for n in _EXAMPLE)
     layers = len(plain.decoder.layers)
     attn = plain.decoder.layers[0].self_attn
     heads, dk, dv = attn.n_heads, attn.d_k, attn.d_v
     args = (
         torch.ones(rows, dtype=torch.long),
-        torch.tensor([3]),
+        torch.tensor([min(3, slots - 1)]),
         [torch.zeros(rows, heads, slots, dk) for _ in range(layers)],
         [torch.zeros(rows, heads, slots, dv) for _ in range(layers)],
         [torch.randn(rows, heads, src, dk) for _ in range(layers)],
         [torch.randn(rows, heads, src, dv) for _ in range(layers)],
         torch.ones(rows, 1, 1, src, dtype=torch.bool),
     )
-    positions = plain.config.max_positions
     r = Dim("rows", min=1, max=4096)
     s = Dim("source", min=1, max=positions)
     t = Dim("slots", min=1, max=positions)
@@ -302,13 +404,14 @@ def _export_and_compile(model: Transformer, path: Path) -> None:
         {0: r, 3: s},
     )
     exported = torch.export.export(step, args, dynamic_shapes=shapes)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # AOTInductor writes its sources beside the library: a directory of its own, then only
     # the library is moved into place (atomically).
     work = Path(tempfile.mkdtemp(prefix=path.stem + ".", dir=path.parent))
     try:
         options = dict(_INDUCTOR) | {"aot_inductor.output_path": str(work / path.name)}
         built = torch._inductor.aot_compile(exported.module(), args, options=options)
+        os.chmod(str(built), 0o700)
         os.replace(str(built), path)
     finally:
         shutil.rmtree(work, ignore_errors=True)

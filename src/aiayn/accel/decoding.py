@@ -7,7 +7,7 @@ A step's (rows, V) logits and their log-softmax are the largest tensors of a dec
 matrix (figures: docs/performance.md). The result is valid until the next step on that cache,
 which is how search uses it.
 
-With a compiled step (:mod:`aiayn.accel.compiled`; ``Translator(compiled_step=...)`` sets it),
+With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.compiled.use_compiled_step`),
 decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows go through it instead.
 """
 
@@ -47,7 +47,9 @@ class BufferedDecoding(Transformer):
     model, or with a plain cache, the plain step.
 
     ``compiled_step``: the model's compiled decoder step, which serves decodes of up to
-    :data:`~aiayn.accel.compiled.MAX_ROWS` rows without autograd."""
+    :data:`~aiayn.accel.compiled.MAX_ROWS` rows without autograd, while the model's
+    parameters are those it was compiled from (:func:`aiayn.accel.compiled.use_compiled_step`
+    sets it)."""
 
     compiled_step: CompiledStep | None = None
 
@@ -56,10 +58,23 @@ class BufferedDecoding(Transformer):
     ) -> DecoderCache | CompiledCache:
         compiled = self.compiled_step
         rows = memory.size(0) * beam_size
-        if compiled is not None and rows <= MAX_ROWS and not torch.is_grad_enabled():
+        if (
+            compiled is not None
+            and rows <= MAX_ROWS
+            and not torch.is_grad_enabled()
+            and compiled.serves(self, memory)
+        ):
             return compiled.init_cache(self, memory, src_pad, max_len, beam_size)
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
+
+    def step_hidden(self, tokens: Tensor, cache: DecoderCache | CompiledCache) -> Tensor:
+        if isinstance(cache, CompiledCache):
+            raise TypeError(
+                "a compiled decoder step's cache gives log-probabilities only "
+                "(log_probs_step); decode with compiled_step=None on the model for the rest"
+            )
+        return super().step_hidden(tokens, cache)
 
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache | CompiledCache) -> Tensor:
         if isinstance(cache, CompiledCache):

@@ -198,14 +198,16 @@ def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
 def _onednn_pack(layer: nn.Linear, tolerance: float) -> Pack | None:
     """A pack of ``layer``'s weight for oneDNN (its own dtype), checked against ``F.linear``
     at :data:`_CHECK_ROWS_ONEDNN` rows to ``tolerance`` (relative, and of the largest
-    output), on :data:`_CHECK_COLUMNS` output columns drawn at random: the reference product
-    of the whole weight would leave MKL's buffers for it in the process (65 MB for an
-    8000 × 256 projection), and a pack in the wrong layout is wrong in nearly every column."""
+    output), on :data:`_CHECK_COLUMNS` output columns drawn at random and the last 16: the
+    reference product of the whole weight would leave MKL's buffers for it in the process
+    (65 MB for an 8000 × 256 projection), and a pack in the wrong layout is wrong in nearly
+    every column."""
     if not onednn_packing_available():
         return None
     weight = layer.weight.detach()
     generator = torch.Generator().manual_seed(0)
-    columns = torch.randperm(weight.size(0), generator=generator)[:_CHECK_COLUMNS]
+    drawn = torch.randperm(weight.size(0), generator=generator)[:_CHECK_COLUMNS]
+    columns = torch.cat([drawn, torch.arange(weight.size(0))[-16:]]).unique()
     bias = None if layer.bias is None else layer.bias.detach()[columns]
     try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)

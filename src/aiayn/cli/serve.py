@@ -126,6 +126,12 @@ def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[
     from aiayn.serving.engine import Engine
 
     device = pick_device(args.device or "auto")
+    if args.threads is not None:
+        import torch
+
+        # Before the model is made: a compiled decoder step is compiled for, and looked up
+        # by, the thread count (the engine sets it again on its model thread).
+        torch.set_num_threads(args.threads)
     engine = Engine.from_checkpoint(
         args.checkpoint,
         device=device,

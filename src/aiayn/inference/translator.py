@@ -27,12 +27,12 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 from aiayn.accel import (
     PRECISION_DTYPES,
     Acceleration,
-    BufferedDecoding,
     CpuLinear,
     Precision,
     accelerate,
     cpu_has_bfloat16,
 )
+from aiayn.accel.compiled import use_compiled_step
 from aiayn.config import DecodeConfig, ModelConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.inference.loading import load_model
@@ -302,37 +302,13 @@ class Translator(TextTranslator):
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL or oneDNN); decoding without it"
             )
-        if compiled_step is not False:
-            self._use_compiled_step(bool(compiled_step))
-
-    def _use_compiled_step(self, build: bool) -> None:
-        """Decode small batches through the compiled decoder step: the one compiled on this
-        machine before, or (``build``) compiled now."""
-        from aiayn.accel.compiled import (
-            CompiledStep,
-            compile_step,
-            load_compiled_step,
-            unsupported,
-        )
-
-        model = self.model
-        reason = unsupported(model)
-        if reason is None and not isinstance(model, BufferedDecoding):
-            reason = "the compiled step serves the accelerated model (accelerated=False)"
-        if reason is not None:
-            if build:
-                self.warn(f"compiled step: {reason}; decoding without it")
-            return
-        assert isinstance(model, BufferedDecoding) and self.acceleration is not None
-        step: CompiledStep | None
-        if build:
-            self.warn("compiling the decoder step (once per model and machine)")
-            step = compile_step(model)
-        else:
-            step = load_compiled_step(model)
-        if step is not None:
-            self.acceleration._set(model, "compiled_step", step)
-            self.acceleration.levers.append("compiled decoder step")
+        if compiled_step is not False and self.acceleration is not None:
+            use_compiled_step(self.model, self.acceleration, bool(compiled_step), self.warn)
+        elif compiled_step:
+            self.warn(
+                "compiled step: it serves a model accelerated for the CPU (not with "
+                "accelerated=False); decoding without it"
+            )
 
     @classmethod
     def from_checkpoint(

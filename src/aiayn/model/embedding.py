@@ -47,19 +47,14 @@ class PositionalEncoding(nn.Module):
             table = sinusoid_table(max_positions, d_model, layout)
             self.register_buffer("table", table, persistent=False)
 
-    def forward(self, length: int, offset: int | Tensor = 0) -> Tensor:
-        """Encodings of positions offset .. offset+length-1: (length, d_model). ``offset`` may
-        be a one-element tensor (a compiled decoder step's position, :mod:`aiayn.accel.compiled`),
-        unchecked."""
-        table = self.learned if self.learned is not None else self.get_buffer("table")
-        if isinstance(offset, Tensor):
-            positions = offset + torch.arange(length, device=offset.device)
-            return table.index_select(0, positions)
+    def forward(self, length: int, offset: int = 0) -> Tensor:
+        """Encodings of positions offset .. offset+length-1: (length, d_model)."""
         if offset + length > self.max_positions:
             raise ValueError(
                 f"sequence of {offset + length} positions exceeds model.max_positions="
                 f"{self.max_positions}"
             )
+        table = self.learned if self.learned is not None else self.get_buffer("table")
         return table[offset : offset + length]
 
 
@@ -76,7 +71,7 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(token.embedding_dim)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
+    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
         x = self.token(ids) * self.scale  # (B, T, d_model)
         x = x + self.positions(ids.size(1), offset).to(x.dtype)
         return self.dropout(x)
