@@ -311,3 +311,24 @@ def test_the_command_line_passes_the_setting(
     with pytest.raises(SystemExit):
         main(["translate", str(tmp_path / "m.pt"), "-i", str(source), "--device", "cpu", *flag])
     assert seen["compiled_step"] is setting
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_file_pages_are_handed_back_and_read_again(tmp_path: Path) -> None:
+    """What the loader leaves mapped of a library is advised away; nothing is lost."""
+    import mmap
+
+    from aiayn.accel.compiled import release_file_pages
+
+    path = tmp_path / "blob.bin"
+    data = bytes(range(256)) * (8 << 12)  # 8 MiB
+    path.write_bytes(data)
+    with path.open("rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    try:
+        assert mapped[:] == data  # every page read in
+        assert release_file_pages(path) == len(data)
+        assert mapped[:] == data
+        assert release_file_pages(tmp_path / "other.bin") == 0
+    finally:
+        mapped.close()

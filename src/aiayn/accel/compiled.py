@@ -217,6 +217,7 @@ class CompiledStep:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
         self._parameters = _identity(model)
+        release_file_pages(path)
 
     def serves(self, model: nn.Module, memory: Tensor) -> bool:
         """Whether this step is ``model``'s as it is now (the same parameter tensors,
@@ -257,6 +258,38 @@ class CompiledStep:
         (out,) = self.runner.run(inputs)
         cache.length += 1
         return out
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
+
+
+def release_file_pages(path: Path) -> int:
+    """Hand back the pages this process holds of ``path``'s non-executable mappings over
+    1 MiB, and return how many bytes of mappings were advised: AOTInductor's loader maps the
+    library's weights from the file and copies them into memory of its own, and the mapping
+    stays (Linux; elsewhere nothing is done). Nothing is lost: a page still needed is read
+    from the file again, and a written page is kept."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    advised = 0
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5] != str(path) or "x" in fields[1]:
+            continue
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if (
+            end - start > 1 << 20
+            and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+            == 0
+        ):
+            advised += end - start
+    return advised
 
 
 def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
