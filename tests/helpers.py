@@ -189,6 +189,19 @@ def step_log_probs(model: Transformer, rows: int, vocab: int = 50) -> Tensor:
         return torch.stack([model.log_probs_step(tokens, cache).clone() for _ in range(3)])
 
 
+class LetterTokenizer:
+    """Text ↔ ids for a model of 50 tokens, for tests that only need a translator to run:
+    each character an id in 4..43, each id a letter."""
+
+    vocab_size = 50
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + (ord(c) % 40) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
 def packing_model(vocab: int = 50) -> Transformer:
     """The small fp32 model of the packed-weight tests (tests/accel/test_linear*.py)."""
     from aiayn.config import ModelConfig

@@ -29,6 +29,7 @@ from aiayn.inference.search import beam_search
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.layers import Residual
 from aiayn.model.transformer import Transformer
+from tests.helpers import LetterTokenizer
 
 needs_bf16 = pytest.mark.skipif(
     not (onednn_packing_available() and cpu_has_bfloat16()),
@@ -271,13 +272,6 @@ def test_trainer_and_translator_accelerate_on_the_cpu_unless_asked_not_to(tmp_pa
     from aiayn.inference.translator import Translator
     from aiayn.training.trainer import Trainer
 
-    class Letters:
-        def encode(self, text: str) -> list[int]:
-            return [4 + (ord(c) % 40) for c in text]
-
-        def decode(self, ids: list[int]) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
     config = load_config(None, ["preset=tiny", "model.vocab_size=50"])
     for accelerated in (True, False):
         model = Transformer(config.model)
@@ -296,7 +290,7 @@ def test_trainer_and_translator_accelerate_on_the_cpu_unless_asked_not_to(tmp_pa
             trainer.acceleration.undo()
         translator = Translator(
             _model().eval(),
-            Letters(),
+            LetterTokenizer(),
             accelerated=accelerated,  # type: ignore[arg-type]
         )
         assert (translator.acceleration is not None) is accelerated
@@ -307,19 +301,12 @@ def test_trainer_and_translator_accelerate_on_the_cpu_unless_asked_not_to(tmp_pa
 def test_a_translator_accelerates_the_precision_its_model_has() -> None:
     from aiayn.inference.translator import Translator
 
-    class Letters:
-        def encode(self, text: str) -> list[int]:
-            return [4 + (ord(c) % 40) for c in text]
-
-        def decode(self, ids: list[int]) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
     half = _model().eval().half()  # fp16 weights on the CPU: decoded plain, slowly, as given
-    translator = Translator(half, Letters())  # type: ignore[arg-type]
+    translator = Translator(half, LetterTokenizer())  # type: ignore[arg-type]
     assert translator.acceleration is None
     if cpu_has_bfloat16() and onednn_packing_available():
         model = _model().eval().to(torch.bfloat16)
-        translator = Translator(model, Letters())  # type: ignore[arg-type]  # default precision
+        translator = Translator(model, LetterTokenizer())  # type: ignore[arg-type]  # default precision
         assert translator.acceleration is not None
         assert "attention in float32" in translator.acceleration.levers
         assert len(translator.translate(["hello"])) == 1
@@ -351,6 +338,7 @@ from aiayn.accel import memory
 from aiayn.accel.linear import optimizer_hook_registered
 from aiayn.config import load_config
 from aiayn.model.transformer import Transformer
+from tests.helpers import LetterTokenizer
 model = Transformer(load_config(None, ["preset=tiny"]).model)
 model(torch.randint(4, 60, (2, 5)), None, torch.randint(4, 60, (2, 4)))
 classes = {type(m).__module__ for m in model.modules()}

@@ -28,7 +28,7 @@ from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
-from tests.helpers import packing_model
+from tests.helpers import LetterTokenizer, packing_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
@@ -253,7 +253,6 @@ def test_a_translator_finds_it_and_translates_as_without(
 ) -> None:
     from aiayn.config import DecodeConfig
     from aiayn.inference.translator import Translator
-    from tests.inference.test_translator import CharTokenizer
 
     lines = ["abc de", "fgh", "a b c d e f", ""]
     steps = 0
@@ -270,7 +269,7 @@ def test_a_translator_finds_it_and_translates_as_without(
         for setting in (None, False):
             decode = DecodeConfig(beam_size=beam, max_len_a=0, max_len_b=12)
             translator = Translator(
-                packing_model(), CharTokenizer(), decode, nbest=beam, compiled_step=setting
+                packing_model(), LetterTokenizer(), decode, nbest=beam, compiled_step=setting
             )
             assert translator.acceleration is not None
             uses = "compiled decoder step" in translator.acceleration.levers
@@ -282,11 +281,13 @@ def test_a_translator_finds_it_and_translates_as_without(
         assert any(h.tokens for hyps in found[None] for h in hyps)
     assert steps > 12  # the decodes with the step went through it
     warnings: list[str] = []
-    plain = packing_model()
-    Translator(plain, CharTokenizer(), accelerated=False, compiled_step=True, warn=warnings.append)
+    letters = LetterTokenizer()
+    Translator(
+        packing_model(), letters, accelerated=False, compiled_step=True, warn=warnings.append
+    )
     assert len(warnings) == 1 and "accelerated=False" in warnings[0]
     warnings.clear()
-    Translator(packing_model(), CharTokenizer(), compiled_step=True, warn=warnings.append)
+    Translator(packing_model(), LetterTokenizer(), compiled_step=True, warn=warnings.append)
     assert warnings == []  # found: nothing compiled, nothing to say
 
 

@@ -22,6 +22,7 @@ from aiayn.accel.linear import (
 )
 from aiayn.inference.search import beam_search, greedy_search
 from tests.helpers import (
+    LetterTokenizer,
     linear_layers,
     packed_flags,
     packing_model,
@@ -236,25 +237,16 @@ def test_a_pack_that_disagrees_with_the_plain_product_is_not_kept(
 def test_translator_packs_on_request_and_says_when_it_cannot() -> None:
     from aiayn.inference.translator import Translator
 
-    class Letters:
-        vocab_size = 50
-
-        def encode(self, text: str) -> list[int]:
-            return [4 + (ord(c) % 40) for c in text]
-
-        def decode(self, ids: list[int]) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
     warnings: list[str] = []
     model = packing_model()
-    Translator(model, Letters(), warn=warnings.append)  # type: ignore[arg-type]
+    Translator(model, LetterTokenizer(), warn=warnings.append)  # type: ignore[arg-type]
     assert not any(packed_flags(model))
     model = packing_model()
-    Translator(model, Letters(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
+    Translator(model, LetterTokenizer(), pack_weights=True, warn=warnings.append)  # type: ignore[arg-type]
     assert all(packed_flags(model)) and warnings == []
     Translator(
         packing_model().double(),
-        Letters(),
+        LetterTokenizer(),
         pack_weights=True,
         accelerated=False,
         warn=warnings.append,

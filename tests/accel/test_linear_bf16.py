@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from aiayn.accel import CpuLinear, accelerate, cpu_has_bfloat16
 from aiayn.accel import linear as linear_module
 from aiayn.accel.linear import onednn_packing_available, onednn_rows, pack
-from tests.helpers import linear_layers, packing_model, step_log_probs
+from tests.helpers import LetterTokenizer, linear_layers, packing_model, step_log_probs
 
 needs_bf16 = pytest.mark.skipif(
     not (onednn_packing_available() and cpu_has_bfloat16()),
@@ -93,15 +93,8 @@ def test_a_bf16_pack_that_disagrees_with_the_plain_product_is_not_kept(
 def test_translator_in_bf16_packs_for_onednn() -> None:
     from aiayn.inference.translator import Translator
 
-    class Letters:
-        def encode(self, text: str) -> list[int]:
-            return [4 + (ord(c) % 40) for c in text]
-
-        def decode(self, ids: list[int]) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
     model = packing_model()
-    translator = Translator(model, Letters(), precision="bf16")  # type: ignore[arg-type]
+    translator = Translator(model, LetterTokenizer(), precision="bf16")  # type: ignore[arg-type]
     linears = linear_layers(model)
     assert all(isinstance(m, CpuLinear) and m.pack is not None for m in linears)
     assert all(m.weight.dtype == torch.bfloat16 for m in linears)

@@ -21,6 +21,7 @@ from aiayn.accel.linear import (
     packing_available,
 )
 from tests.helpers import (
+    LetterTokenizer,
     linear_layers,
     packed_flags,
     packing_model,
@@ -130,21 +131,12 @@ def test_a_float32_pack_that_disagrees_with_the_plain_product_is_not_kept(
 def test_translator_packs_by_default_and_not_with_pack_weights_false() -> None:
     from aiayn.inference.translator import Translator
 
-    class Letters:
-        vocab_size = 50
-
-        def encode(self, text: str) -> list[int]:
-            return [4 + (ord(c) % 40) for c in text]
-
-        def decode(self, ids: list[int]) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
     texts = ["hello", "", "abc", "a longer line of text"]
     model = packing_model()
-    packed = Translator(model, Letters())  # type: ignore[arg-type]
+    packed = Translator(model, LetterTokenizer())  # type: ignore[arg-type]
     assert all(packed_flags(model))
-    plain = Translator(packing_model(), Letters(), accelerated=False)  # type: ignore[arg-type]
+    plain = Translator(packing_model(), LetterTokenizer(), accelerated=False)  # type: ignore[arg-type]
     assert packed.translate(texts) == plain.translate(texts)
     model = packing_model()
-    Translator(model, Letters(), pack_weights=False)  # type: ignore[arg-type]
+    Translator(model, LetterTokenizer(), pack_weights=False)  # type: ignore[arg-type]
     assert not any(packed_flags(model))

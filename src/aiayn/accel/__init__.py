@@ -27,8 +27,8 @@ packed weights               decode: bf16 (oneDNN);      ``nn.Linear`` → :clas
 one buffer per decode        decode                      ``Transformer`` →
                                                          :class:`BufferedDecoding`
 compiled decoder step        decode, fp32, up to 16      ``BufferedDecoding.compiled_step``
-                             rows, where compiled         (:mod:`.compiled`; the
-                             (``Translator``)             ``Translator`` sets it)
+                             rows, once compiled on       (set by
+                             the machine (``Translator``) :func:`.compiled.use_compiled_step`)
 fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
                                                          :func:`.loss.projected_label_smoothed_nll`
 malloc thresholds            train, decode               process-wide, see :mod:`.memory`

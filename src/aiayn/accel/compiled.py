@@ -345,7 +345,10 @@ def load_compiled_step(model: Transformer, directory: Path | None = None) -> Com
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not any(folder.glob("decoder-step-*.so")):
         return None  # (no digest of the weights where nothing was ever compiled)
-    path = step_path(model, folder)
+    return _load(step_path(model, folder), model)
+
+
+def _load(path: Path, model: Transformer) -> CompiledStep | None:
     if not path.is_file():
         return None
     if not trusted(path):
@@ -354,18 +357,24 @@ def load_compiled_step(model: Transformer, directory: Path | None = None) -> Com
 
 
 @torch.no_grad()
-def compile_step(model: Transformer, directory: Path | None = None) -> CompiledStep:
+def compile_step(
+    model: Transformer,
+    directory: Path | None = None,
+    on_compile: Callable[[], None] | None = None,
+) -> CompiledStep:
     """Compile ``model``'s decoder step (half a minute to a minute for a small model) into the
-    cache directory, or load it if it is there already."""
+    cache directory, calling ``on_compile`` first, or load it if it is there already."""
     reason = unsupported(model)
     if reason is not None:
         raise ValueError(f"cannot compile the decoder step: {reason}")
-    step = load_compiled_step(model, directory)
-    if step is not None:
-        return step
-    path = step_path(model, directory)
-    _export_and_compile(model, path)
-    return CompiledStep(path, model)
+    path = step_path(model, directory)  # the weights' digest, once
+    step = _load(path, model)
+    if step is None:
+        if on_compile is not None:
+            on_compile()
+        _export_and_compile(model, path)
+        step = CompiledStep(path, model)
+    return step
 
 
 def use_compiled_step(
@@ -388,11 +397,12 @@ def use_compiled_step(
             warn(f"compiled step: {reason}; decoding without it")
         return None
     assert isinstance(model, BufferedDecoding)
+
+    def say_compiling() -> None:
+        warn("compiling the decoder step (once for this model on this machine)")
+
     try:
-        step = load_compiled_step(model)
-        if step is None and build:
-            warn("compiling the decoder step (once for this model on this machine)")
-            step = compile_step(model)
+        step = compile_step(model, on_compile=say_compiling) if build else load_compiled_step(model)
     except Exception as error:  # a library that does not load, a compiler that fails
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warn(f"compiled step: {first[:300]}; decoding without it")
