@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         "load_end": load_average(),
         "wall_s": time.perf_counter() - start,
         "notes": [
-            "No GPU on this machine: the GPU benchmarks (bf16, flash attention, "
-            "compile) were not run.",
+            "These benchmarks measure the CPU; GPU figures are measured apart "
+            "(docs/performance.md, 'On a GPU').",
             "aiayn's training processes keep freed memory for reuse (aiayn.accel, as its "
             "Trainer does), its decoding processes freed blocks under 16 MiB (as its Translator "
             "does); the peers' processes ran "

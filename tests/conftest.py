@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from aiayn.data.sources.bible import write_bible_corpus
-from tests.helpers import make_reverse_data
+from tests.helpers import BIBLE_MISSING, make_reverse_data
 
 torch.set_num_threads(2)
 
@@ -29,6 +29,8 @@ def bible_cache(tmp_path_factory):
     """A cache directory holding the embedded Bible corpus text (``bible/``), built once from
     the SWORD modules that scripts/setup_env.sh installs."""
 
+    if BIBLE_MISSING:
+        pytest.skip(BIBLE_MISSING)
     root = tmp_path_factory.mktemp("bible")
     write_bible_corpus(root / "bible")
     return root

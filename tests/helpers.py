@@ -19,6 +19,21 @@ from aiayn.model.transformer import Transformer
 from aiayn.training.trainer import Trainer
 
 
+def _bible_missing() -> str:
+    """Why the Bible corpus cannot be built here ("" when it can)."""
+    from aiayn.data.sources.bible import DEBIAN_SWORD_DIR, sword_paths
+
+    if sword_paths(None) and (DEBIAN_SWORD_DIR / "mods.d").is_dir():
+        return ""
+    return (
+        "the Bible's SWORD modules are not installed (make test installs them: "
+        "apt-get install sword-text-web sword-text-sparv)"
+    )
+
+
+BIBLE_MISSING = _bible_missing()
+
+
 class ListCorpus:
     """Pairs of id lists (without BOS/EOS), batched with the project's collate."""
 

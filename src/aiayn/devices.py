@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -33,6 +34,21 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
         except (RuntimeError, AssertionError) as err:
             raise UserError(f"device {requested!r} is not available here: {err}") from None
     return device
+
+
+def inference_attention(device: torch.device | str) -> contextlib.AbstractContextManager[None]:
+    """The attention kernels for inference on ``device``. On CUDA: flash, memory-efficient
+    or math, never cuDNN's. PyTorch takes cuDNN's kernel for bf16 and fp16 where it can, and
+    cuDNN builds a plan for every new shape; decoding meets a new shape at every step and
+    batch (a longer cache, another source length). On an H200 that made the first bf16
+    translation of Multi30k `val` take 13.9 s, against 0.6 s once every shape had been seen
+    (docs/performance.md, "GPU")."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(backends)
 
 
 def _product_seconds(threads: int, size: int = 384, repeats: int = 8) -> float:

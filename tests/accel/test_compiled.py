@@ -14,8 +14,10 @@ import torch
 from aiayn.accel import BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
     MAX_ROWS,
+    MIN_TORCH,
     CompiledCache,
     CompiledStep,
+    _torch_release,
     compile_step,
     load_compiled_step,
     step_key,
@@ -30,10 +32,16 @@ from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
 from tests.helpers import LetterTokenizer, packing_model
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="compiling the decoder step needs a C++ compiler (apt-get install g++)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("g++") is None and shutil.which("c++") is None,
+        reason="compiling the decoder step needs a C++ compiler (apt-get install g++)",
+    ),
+    pytest.mark.skipif(
+        _torch_release() < MIN_TORCH,
+        reason=f"the compiled step needs PyTorch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -236,9 +244,14 @@ def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledSt
     assert "compiled_step" not in vars(model) and type(model) is Transformer
 
 
-def test_what_it_does_not_serve() -> None:
+def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     base = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=1)
     assert unsupported(packing_model()) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "2.11.0+cu130")
+        assert "needs PyTorch 2.13 or later (this is 2.11.0+cu130)" in str(
+            unsupported(packing_model())
+        )
     assert "full attention" in str(
         unsupported(Transformer(ModelConfig(**base, decoder_attention="local")))
     )

@@ -406,7 +406,7 @@ def test_a_busy_cpu_is_measured_and_said(data_dir, tmp_path, monkeypatch, capsys
 
     assert devices.busy_cpu_slowdown() == 0.0  # one thread (this test module's fixture)
     monkeypatch.setattr(launch, "busy_cpu_slowdown", lambda: 6.5)
-    args = ["train", "--config", TINY, "--data", str(data_dir), "--no-progress"]
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--no-progress", "--device", "cpu"]
     over = ["train.max_steps=1", "train.valid_interval=0"]
     assert main([*args, "--out", str(tmp_path / "a"), *over]) == 0
     err = capsys.readouterr().err

@@ -17,6 +17,7 @@ from aiayn.data.sources.multi30k import download_multi30k
 from aiayn.data.sources.wmt14 import download_wmt14, sgm_segments
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
+from tests.helpers import BIBLE_MISSING
 
 # -- markup -----------------------------------------------------------------------------------
 
@@ -175,6 +176,7 @@ def test_prepare_bible_corpus_end_to_end(bible_dir, tmp_path):
     assert tokenizer.decode(test.pair(0)[1].tolist()) == references[0]
 
 
+@pytest.mark.skipif(bool(BIBLE_MISSING), reason=BIBLE_MISSING)
 def test_bible_from_a_module_zip(tmp_path):
     archive = tmp_path / "modules.zip"
     root = bible.DEBIAN_SWORD_DIR

@@ -494,3 +494,17 @@ def test_translate_command_interactive(
     out = captured.out.split("\n")
     assert len(out) == 5 and out[1] == out[2] == "" and out[4] == ""
     assert "stdin line 2 is not valid UTF-8" in captured.err
+
+
+def test_inference_on_cuda_leaves_cudnn_attention_out() -> None:
+    """cuDNN's attention builds a plan per new shape: decoding on CUDA does without it."""
+    from aiayn.devices import inference_attention
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    with inference_attention("cuda:0"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == was
+    with inference_attention("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == was

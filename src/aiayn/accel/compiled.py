@@ -101,7 +101,22 @@ def unsupported(model: nn.Module) -> str | None:
     aoti = getattr(torch._C, "_aoti", None)
     if aoti is None or not hasattr(aoti, "AOTIModelContainerRunnerCpu"):
         return "this PyTorch has no AOTInductor"
+    if _torch_release() < MIN_TORCH:
+        return (
+            f"the compiled step needs PyTorch {'.'.join(map(str, MIN_TORCH))} or later "
+            f"(this is {torch.__version__})"
+        )
     return None
+
+
+# The compiled step is built and tested with this release and later. PyTorch 2.11 failed its
+# equality tests and crashed one test process (an Intel Xeon host, 16 threads).
+MIN_TORCH = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 class StaticLayerCache:

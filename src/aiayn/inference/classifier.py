@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, pad_sequences
+from aiayn.devices import inference_attention
 from aiayn.errors import UserError
 from aiayn.inference.loading import load_model
 from aiayn.inference.translator import TextTokenizer
@@ -79,7 +80,8 @@ class TextClassifier:
                 end += 1
             rows = order[start:end]
             ids = pad_sequences([encoded[i] for i in rows]).to(self.device)
-            logits = self.model(ids, ids == PAD_ID)
+            with inference_attention(self.device):
+                logits = self.model(ids, ids == PAD_ID)
             out[rows] = torch.softmax(logits.float(), dim=-1).cpu()
             start = end
         return out

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from aiayn.data.collate import BOS_ID, EOS_ID
+from aiayn.devices import inference_attention
 from aiayn.errors import UserError
 from aiayn.inference.loading import load_model
 from aiayn.inference.search import (
@@ -117,11 +118,12 @@ class TextGenerator:
         beams = options.beam_size if options.strategy == "beam" else 1
         cache = self.model.init_cache(beams, len(context) + new, beam_size=beams)
         prefix = torch.tensor([context[:-1]], device=self.device).expand(beams, -1)
-        self.model.prefill(prefix, cache)
         step = never_pad_or_bos(self.model.log_probs_step, self.model.config.bos_output)
         if on_text is not None and options.strategy != "beam":
             step = _Streamer(step, self.tokenizer, context[1:], on_text)
-        found = self._search(step, cache, context[-1], new, options)
+        with inference_attention(self.device):
+            self.model.prefill(prefix, cache)
+            found = self._search(step, cache, context[-1], new, options)
         text = _continuation(self.tokenizer, context[1:], found.tokens)
         if isinstance(step, _Streamer):
             step.finish(text)

@@ -35,6 +35,7 @@ from aiayn.accel import (
 from aiayn.accel.compiled import use_compiled_step
 from aiayn.config import DecodeConfig, ModelConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
+from aiayn.devices import inference_attention
 from aiayn.inference.loading import load_model
 from aiayn.inference.search import (
     Hypothesis,
@@ -243,9 +244,10 @@ class Translator(TextTranslator):
     :class:`~aiayn.model.transformer.Transformer` or an RNN baseline of ``model.arch``; the
     settings and the text side are :class:`TextTranslator`'s.
 
-    ``precision`` is the dtype of the weights and products: ``"fp32"`` (the default),
-    ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or CUDA) or
-    ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
+    ``device`` (default: where ``model``'s parameters are) is where it decodes; ``model`` is
+    moved there. ``precision`` is the dtype of the weights and products: ``"fp32"`` (the
+    default), ``"bf16"`` (on the CPU: one with bfloat16 instructions, AVX512-BF16 or AMX; or
+    CUDA) or ``"fp16"`` (CUDA only). Anything but fp32 converts ``model``'s parameters in place; the
     log-softmax and the beam scores stay in float32.
 
     On the CPU the model is accelerated for decoding (:func:`aiayn.accel.accelerate`: the
@@ -280,10 +282,10 @@ class Translator(TextTranslator):
         super().__init__(
             tokenizer, decode, max_positions=model.config.max_positions, nbest=nbest, warn=warn
         )
-        self.model = model.eval()
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
+        self.model = model.to(self.device).eval()  # as TextGenerator and TextClassifier do
         dtype = inference_dtype(precision, self.device, self.warn)
         if dtype is not torch.float32:
             if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
@@ -384,6 +386,13 @@ def search_batch(
     tokens (and ``model.config.max_positions - 1``), PAD and BOS never output, greedy search
     for ``beam_size`` 1, else beam search by ``decode.beam_rule``. One list of up to ``nbest``
     hypotheses per sentence, best first. Validation BLEU decodes with it too."""
+    with inference_attention(src_ids.device):
+        return _search_batch(model, src_ids, src_pad, decode, nbest)
+
+
+def _search_batch(
+    model: IncrementalModel, src_ids: Tensor, src_pad: Tensor, decode: DecodeConfig, nbest: int
+) -> list[list[Hypothesis]]:
     src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
     limit = model.config.max_positions - 1
     limits = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b, limit=limit)
