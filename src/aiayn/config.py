@@ -265,6 +265,10 @@ class TrainConfig:
     # a GPU with bf16), else fp32; the run says which it took.
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     compile: bool = False
+    # At the end of `aiayn train` on the CPU: compile the run's decoder step for `translate`
+    # and `serve` on this machine (aiayn.accel.compiled; a Transformer with full attention, a
+    # C++ compiler; about half a minute for the small model). They use it from then on.
+    compile_step: bool = True
     # Keep only each layer's input in the forward pass and recompute the layer in the
     # backward pass: less memory for long sequences and big models, about a third more time
     # (docs/long-sequences.md).

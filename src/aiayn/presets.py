@@ -144,7 +144,12 @@ PRESETS: dict[str, Preset] = {
             "n_layers": 2,
             "max_positions": 256,
         },
-        "train": {"warmup_steps": 100, "max_steps": 200, "average_last": 2},
+        "train": {
+            "warmup_steps": 100,
+            "max_steps": 200,
+            "average_last": 2,
+            "compile_step": False,  # smoke runs and tests: no half-minute compile at the end
+        },
     },
 }
 

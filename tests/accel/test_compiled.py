@@ -346,3 +346,30 @@ def test_file_pages_are_handed_back_and_read_again(tmp_path: Path) -> None:
         assert release_file_pages(tmp_path / "other.bin") == 0
     finally:
         mapped.close()
+
+
+def test_a_training_run_ends_with_the_step_that_translate_then_uses(
+    cache_dir: Path,
+    reverse_data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiayn.accel import compiled
+    from aiayn.cli import main
+
+    # Without autotuning the products: the same library otherwise, compiled in less time.
+    monkeypatch.setattr(compiled, "_INDUCTOR", compiled._INDUCTOR | {"max_autotune": False})
+    from aiayn.inference.translator import Translator
+    from tests.helpers import TINY
+
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--data", str(reverse_data_dir), "--out", str(run)]
+    quick = ["--no-progress", "--device", "cpu", "train.max_steps=2", "train.valid_interval=0"]
+    assert main([*args, *quick]) == 0  # the tiny recipe does not compile
+    assert "decoder step compiled" not in capsys.readouterr().out
+    assert main([*args, *quick, "train.max_steps=3", "train.compile_step=true"]) == 0
+    assert "decoder step compiled for translate on this machine" in capsys.readouterr().out
+    translator, _ = Translator.from_checkpoint(run)  # compiled_step=None: found, not built
+    assert translator.acceleration is not None
+    assert "compiled decoder step" in translator.acceleration.levers

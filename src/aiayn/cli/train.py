@@ -10,10 +10,14 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiayn.cli.paths import check_output_dir
 from aiayn.errors import CLIError
 from aiayn.recipes import recipe_names, resolve_recipe
+
+if TYPE_CHECKING:
+    from aiayn.config import RunConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -125,4 +129,40 @@ def run(args: argparse.Namespace) -> int:
     print(f"last checkpoint: {result.checkpoint}")
     if result.averaged is not None:
         print(f"averaged model: {result.averaged}")
+    if config.train.compile_step:
+        from aiayn.devices import pick_device
+
+        _compile_step(run_dir, config, pick_device(args.device).type)
     return 0
+
+
+def _compile_step(run_dir: Path, config: RunConfig, device: str) -> None:
+    """train.compile_step: the decoder step of the model ``translate RUN_DIR`` decodes with,
+    compiled for this machine, where it can be (quietly skipped where it cannot)."""
+    import shutil
+    import time
+
+    from aiayn.inference.translator import Translator
+
+    model = config.model
+    full = model.decoder_attention == "full" and model.cross_attention == "full"
+    transformer = model.task == "translation" and model.arch == "transformer"
+    if device != "cpu" or not (transformer and full):
+        return
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        print(
+            "train.compile_step: no C++ compiler here (apt-get install g++); translate decodes "
+            "without the compiled step",
+            file=sys.stderr,
+        )
+        return
+    start = time.perf_counter()
+    translator, _ = Translator.from_checkpoint(run_dir, compiled_step=True)
+    if translator.acceleration is not None and "compiled decoder step" in (
+        translator.acceleration.levers
+    ):
+        seconds = time.perf_counter() - start
+        print(
+            f"decoder step compiled for translate on this machine ({seconds:.0f} s; "
+            "train.compile_step = false skips this)"
+        )
