@@ -130,11 +130,14 @@ def aiayn_decoder(
     # What aiayn's Translator does on the CPU: float32 weights packed where the CPU's library
     # for them is oneDNN; with ``packed`` (translate --pack-weights) also for MKL.
     precision = "bf16" if bf16 else "fp32"
-    acceleration = accelerate(
-        model, "decode", precision=precision, pack_weights=True if packed else None
+    # The compiled step is loaded before the weights are packed, as the Translator does.
+    accelerate(
+        model,
+        "decode",
+        precision=precision,
+        pack_weights=True if packed else None,
+        before_packing=(lambda acc: use_compiled_step(model, acc)) if compiled else None,
     )
-    if compiled:
-        use_compiled_step(model, acceleration)
 
     @torch.inference_mode()
     def decode(src: Tensor, beam: int) -> list[int]:

@@ -302,6 +302,10 @@ def test_a_translator_finds_it_and_translates_as_without(
     warnings.clear()
     Translator(packing_model(), LetterTokenizer(), compiled_step=True, warn=warnings.append)
     assert warnings == []  # found: nothing compiled, nothing to say
+    # Loaded before the weights are packed: its loading transient does not meet the packs.
+    levers = Translator(packing_model(), letters, pack_weights=True).acceleration.levers
+    packed = [i for i, lever in enumerate(levers) if lever.startswith("packed weights")]
+    assert packed and levers.index("compiled decoder step") < packed[0], levers
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ docs/performance.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -170,6 +171,7 @@ def accelerate(
     precision: Precision = "fp32",
     pack_weights: bool | None = None,
     memory_settings: bool = True,
+    before_packing: Callable[[Acceleration], object] | None = None,
 ) -> Acceleration:
     """Make ``model`` faster on the CPU for ``mode`` (see the module docstring).
 
@@ -181,6 +183,11 @@ def accelerate(
     faster at every row count there; False packs no float32 weight. bfloat16 weights are
     always packed, for oneDNN. ``memory_settings`` raises the process's malloc thresholds while the
     acceleration lives. A model that is not on the CPU is left as it is.
+
+    ``before_packing`` is called with the acceleration once the modules are swapped and
+    before any weight is packed: what it loads does not meet the packs in memory
+    (:class:`~aiayn.inference.translator.Translator` loads the compiled decoder step there,
+    whose loading briefly holds two copies of the decoder's weights).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -215,6 +222,8 @@ def accelerate(
         acceleration._swap(model, [Transformer], "one buffer per decode")
     if bf16:
         acceleration._swap(model, [MultiHeadAttention], "attention in float32")
+    if before_packing is not None:
+        before_packing(acceleration)
     if bf16 or pack_weights:
         acceleration._swap(model, [nn.Linear])
         # Every CpuLinear, also those an earlier call swapped in: calls add up.

@@ -295,22 +295,36 @@ class Translator(TextTranslator):
             self.model.to(dtype)
         self.acceleration: Acceleration | None = None
         weights = _weights_precision(self.model)
+        tried = False
+
+        def step_first(acceleration: Acceleration) -> None:
+            # Before the packs: loading the step briefly holds two copies of its weights.
+            nonlocal tried
+            tried = True
+            if compiled_step is not False:
+                use_compiled_step(self.model, acceleration, bool(compiled_step), self.warn)
+
         if accelerated and weights in ("fp32", "bf16"):  # what the CPU levers serve
             self.acceleration = accelerate(
-                self.model, "decode", precision=weights, pack_weights=pack_weights
+                self.model,
+                "decode",
+                precision=weights,
+                pack_weights=pack_weights,
+                before_packing=step_first,
             )
         if pack_weights and (self.acceleration is None or not self.acceleration.packed):
             self.warn(
                 "pack weights: nothing to pack (it needs float32 linear layers on the CPU "
                 "and a PyTorch built with MKL or oneDNN); decoding without it"
             )
-        if compiled_step is not False and self.acceleration is not None:
-            use_compiled_step(self.model, self.acceleration, bool(compiled_step), self.warn)
-        elif compiled_step:
-            self.warn(
-                "compiled step: it serves a model accelerated for the CPU (not with "
-                "accelerated=False); decoding without it"
-            )
+        if compiled_step and not tried:
+            if self.acceleration is not None:  # a model not on the CPU: it says so
+                use_compiled_step(self.model, self.acceleration, True, self.warn)
+            else:
+                self.warn(
+                    "compiled step: it serves a model accelerated for the CPU (not with "
+                    "accelerated=False); decoding without it"
+                )
 
     @classmethod
     def from_checkpoint(
