@@ -1,6 +1,6 @@
 """The CUDA paths: training in fp32, bf16 and fp16 (GradScaler), ``compile = true``, resume,
-NCCL under torchrun, translation at each precision, and the other model families. Skipped,
-with the reason printed, on a machine without CUDA."""
+torchrun on ``cuda:LOCAL_RANK``, translation at each precision, and the other model families.
+Skipped, with the reason printed, on a machine without CUDA."""
 
 import json
 import os
@@ -73,25 +73,21 @@ def test_translation_on_cuda_at_lower_precision(fp32_run, reverse_data_dir, prec
     assert _exact_match(fp32_run, reverse_data_dir, device="cuda", precision=precision) >= 0.9
 
 
-def test_half_precision_decoding_meets_new_shapes_as_fast_as_fp32(fp32_run, reverse_data_dir):
-    """Every batch and step is a new shape at first; cuDNN's attention (left out) planned
-    each one and made bf16 decoding many times slower than fp32 on an H200."""
-    import time
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_decoding_never_runs_cudnn_attention(fp32_run, reverse_data_dir, precision):
+    """cuDNN's attention plans every new shape, and decoding meets one at every step: on an
+    H200 it made the first bf16 translation of Multi30k val 20 times slower than fp32."""
+    from torch.profiler import ProfilerActivity, profile
 
     from aiayn.inference.translator import Translator
 
-    sources = (reverse_data_dir / "valid.src").read_text().splitlines()
-    seconds = {}
-    for precision in ("fp32", "bf16", "fp16"):
-        translator, _ = Translator.from_checkpoint(
-            fp32_run, device="cuda", precision=precision, decode_overrides={"batch_tokens": 97}
-        )
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    sources = (reverse_data_dir / "valid.src").read_text().splitlines()[:20]
+    translator, _ = Translator.from_checkpoint(fp32_run, device="cuda", precision=precision)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         translator.translate(sources)
-        torch.cuda.synchronize()
-        seconds[precision] = time.perf_counter() - start
-    assert max(seconds["bf16"], seconds["fp16"]) < 2 * seconds["fp32"] + 0.5, seconds
+    names = {event.key for event in prof.key_averages()}
+    assert any("scaled_dot_product" in name for name in names), sorted(names)
+    assert not any("cudnn_attention" in name for name in names)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -136,7 +132,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_nccl_under_torchrun(reverse_data_dir, tmp_path):
+def test_torchrun_places_its_process_on_cuda(reverse_data_dir, tmp_path):
+    """One process: no process group, so not NCCL (two ranks need two GPUs)."""
     run = tmp_path / "run"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
@@ -150,15 +147,21 @@ def test_nccl_under_torchrun(reverse_data_dir, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "on 1 × cuda" in result.stderr + result.stdout
-    assert "nccl" in (result.stderr + result.stdout).lower()
     assert (run / "averaged.pt").is_file()
 
 
 @pytest.mark.parametrize("arch", ["bahdanau", "luong"])
 def test_rnn_baselines_train_and_translate_on_cuda(reverse_data_dir, tmp_path, arch):
     run = tmp_path / arch
-    _train(reverse_data_dir, run, f"model.arch={arch}", "train.max_steps=20")
-    assert 0.0 <= _exact_match(run, reverse_data_dir, device="cuda") <= 1.0
+    over = ["train.max_steps=60", "train.log_interval=10"]
+    records = _train(reverse_data_dir, run, f"model.arch={arch}", *over)
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    from aiayn.inference.translator import Translator
+
+    sources = (reverse_data_dir / "valid.src").read_text().splitlines()
+    out = [Translator.from_checkpoint(run, device=d)[0].translate(sources) for d in ("cpu", "cuda")]
+    assert sum(a == b for a, b in zip(*out, strict=True)) >= len(sources) - 1
 
 
 @pytest.mark.parametrize(

@@ -421,3 +421,17 @@ def test_a_busy_cpu_is_measured_and_said(data_dir, tmp_path, monkeypatch, capsys
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_machine_that_cannot_compile_the_step_is_told_in_one_line(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    from aiayn.accel import compiled
+
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    over = ["--no-progress", "--device", "cpu", "train.max_steps=2", "train.valid_interval=0"]
+    assert main([*args, *over, "train.compile_step=true"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("train.compile_step: no C++ compiler here") == 1
+    assert "decoder step compiled" not in captured.out

@@ -98,6 +98,11 @@ def unsupported(model: nn.Module) -> str | None:
         return "the compiled step is float32"
     if any(type(m).__module__.startswith("torch.ao") for m in model.modules()):
         return "the compiled step is not for a quantized model"
+    return _runtime_missing()
+
+
+def _runtime_missing() -> str | None:
+    """Why this PyTorch cannot run a compiled step, or None."""
     aoti = getattr(torch._C, "_aoti", None)
     if aoti is None or not hasattr(aoti, "AOTIModelContainerRunnerCpu"):
         return "this PyTorch has no AOTInductor"
@@ -107,6 +112,13 @@ def unsupported(model: nn.Module) -> str | None:
             f"(this is {torch.__version__})"
         )
     return None
+
+
+def cannot_build() -> str | None:
+    """Why a decoder step cannot be compiled on this machine (whatever the model), or None."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "no C++ compiler here (apt-get install g++)"
+    return _runtime_missing()
 
 
 # The compiled step is built and tested with this release and later. PyTorch 2.11 failed its

@@ -74,16 +74,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from aiayn.inference import loading
     from aiayn.training.launch import CONFIG_NAME, resolve_config, saved_run_info, train_run
 
     run_dir: Path = args.out
     check_output_dir(run_dir, "--out")
+    threads = torch.get_num_threads()  # what a plain translate runs with
     if args.threads is not None:
         if args.threads < 1:
             raise CLIError(f"--threads must be at least 1, got {args.threads}")
-        import torch
-
         torch.set_num_threads(args.threads)
     has_checkpoints = bool(loading.list_step_checkpoints(run_dir))
     started = (run_dir / CONFIG_NAME).is_file()  # a run killed before its first checkpoint
@@ -132,37 +133,49 @@ def run(args: argparse.Namespace) -> int:
     if config.train.compile_step:
         from aiayn.devices import pick_device
 
-        _compile_step(run_dir, config, pick_device(args.device).type)
+        _compile_step(run_dir, config, pick_device(args.device).type, threads)
     return 0
 
 
-def _compile_step(run_dir: Path, config: RunConfig, device: str) -> None:
+def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -> None:
     """train.compile_step: the decoder step of the model ``translate RUN_DIR`` decodes with,
-    compiled for this machine, where it can be (quietly skipped where it cannot)."""
-    import shutil
+    compiled for this machine and the thread count a plain ``translate`` takes (``threads``),
+    where it can be: skipped quietly for a model it does not serve and for a run on CUDA or
+    under torchrun (whose processes run on fewer threads), in one line where this machine
+    cannot compile it."""
+    import os
     import time
 
+    import torch
+
+    from aiayn.accel.compiled import cannot_build
     from aiayn.inference.translator import Translator
 
     model = config.model
     full = model.decoder_attention == "full" and model.cross_attention == "full"
     transformer = model.task == "translation" and model.arch == "transformer"
-    if device != "cpu" or not (transformer and full):
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device != "cpu" or not (transformer and full) or processes > 1:
         return
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        print(
-            "train.compile_step: no C++ compiler here (apt-get install g++); translate decodes "
-            "without the compiled step",
-            file=sys.stderr,
-        )
+    reason = cannot_build()
+    if reason is not None:
+        print(f"train.compile_step: {reason}; translate decodes without it", file=sys.stderr)
         return
     start = time.perf_counter()
-    translator, _ = Translator.from_checkpoint(run_dir, compiled_step=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        translator, _ = Translator.from_checkpoint(run_dir, compiled_step=True, pack_weights=False)
+    except Exception as error:  # the run is done and saved: a failure here only says so
+        print(f"train.compile_step: {error}; translate decodes without it", file=sys.stderr)
+        return
+    finally:
+        torch.set_num_threads(before)
     if translator.acceleration is not None and "compiled decoder step" in (
         translator.acceleration.levers
     ):
         seconds = time.perf_counter() - start
         print(
-            f"decoder step compiled for translate on this machine ({seconds:.0f} s; "
-            "train.compile_step = false skips this)"
+            f"decoder step compiled for translate on this machine ({threads} threads, "
+            f"{seconds:.0f} s; train.compile_step = false skips this)"
         )

@@ -401,10 +401,10 @@ def search_batch(
     for ``beam_size`` 1, else beam search by ``decode.beam_rule``. One list of up to ``nbest``
     hypotheses per sentence, best first. Validation BLEU decodes with it too."""
     with inference_attention(src_ids.device):
-        return _search_batch(model, src_ids, src_pad, decode, nbest)
+        return _search_collated(model, src_ids, src_pad, decode, nbest)
 
 
-def _search_batch(
+def _search_collated(
     model: IncrementalModel, src_ids: Tensor, src_pad: Tensor, decode: DecodeConfig, nbest: int
 ) -> list[list[Hypothesis]]:
     src_lengths = (~src_pad).sum(-1) - 1  # without the EOS that ends every source
