@@ -14,10 +14,9 @@ import torch
 from aiayn.accel import BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
     MAX_ROWS,
-    MIN_TORCH,
     CompiledCache,
     CompiledStep,
-    _torch_release,
+    cannot_build,
     compile_step,
     load_compiled_step,
     step_key,
@@ -32,16 +31,9 @@ from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
 from tests.helpers import LetterTokenizer, packing_model
 
-pytestmark = [
-    pytest.mark.skipif(
-        shutil.which("g++") is None and shutil.which("c++") is None,
-        reason="compiling the decoder step needs a C++ compiler (apt-get install g++)",
-    ),
-    pytest.mark.skipif(
-        _torch_release() < MIN_TORCH,
-        reason=f"the compiled step needs PyTorch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    cannot_build() is not None, reason=f"compiling the decoder step: {cannot_build()}"
+)
 
 
 @pytest.fixture(scope="module")

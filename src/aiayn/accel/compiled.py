@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 import aiayn
+from aiayn.config import ModelConfig
 from aiayn.model.attention import attention_mask
 from aiayn.model.transformer import Transformer, check_cache_size
 
@@ -69,6 +70,9 @@ _INDUCTOR = {
     "aot_inductor.force_mmap_weights": True,
     "aot_inductor.package": False,
 }
+# The compiled step is built and tested with this release and later. PyTorch 2.11 failed its
+# equality tests and crashed one test process (an Intel Xeon host, 16 threads).
+MIN_TORCH = (2, 13)
 # What the library is compiled from: a change to any of these compiles it again.
 _SOURCES = (
     *("accel/compiled.py", "model/attention.py", "model/layers.py", "model/embedding.py"),
@@ -87,10 +91,10 @@ def compiled_dir() -> Path:
 def unsupported(model: nn.Module) -> str | None:
     """Why ``model``'s decoder step cannot be compiled here, or None when it can."""
     if not isinstance(model, Transformer):
-        return "only the Transformer's decoder step is compiled"
-    config = model.config
-    if config.decoder_attention != "full" or config.cross_attention != "full":
-        return "the compiled step has full attention only"
+        return _NOT_THE_TRANSFORMER
+    reason = config_unsupported(model.config)
+    if reason is not None:
+        return reason
     params = list(model.parameters())
     if any(p.device.type != "cpu" for p in params):
         return "the compiled step runs on the CPU"
@@ -99,6 +103,19 @@ def unsupported(model: nn.Module) -> str | None:
     if any(type(m).__module__.startswith("torch.ao") for m in model.modules()):
         return "the compiled step is not for a quantized model"
     return _runtime_missing()
+
+
+_NOT_THE_TRANSFORMER = "only the Transformer's decoder step is compiled"
+
+
+def config_unsupported(config: ModelConfig) -> str | None:
+    """Why no model of ``config`` has a compiled decoder step, or None (before a model is
+    built: :func:`unsupported` checks the model itself)."""
+    if config.task != "translation" or config.arch != "transformer":
+        return _NOT_THE_TRANSFORMER
+    if config.decoder_attention != "full" or config.cross_attention != "full":
+        return "the compiled step has full attention only"
+    return None
 
 
 def _runtime_missing() -> str | None:
@@ -119,11 +136,6 @@ def cannot_build() -> str | None:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         return "no C++ compiler here (apt-get install g++)"
     return _runtime_missing()
-
-
-# The compiled step is built and tested with this release and later. PyTorch 2.11 failed its
-# equality tests and crashed one test process (an Intel Xeon host, 16 threads).
-MIN_TORCH = (2, 13)
 
 
 def _torch_release() -> tuple[int, int]:

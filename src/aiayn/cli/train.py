@@ -148,14 +148,11 @@ def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -
 
     import torch
 
-    from aiayn.accel.compiled import cannot_build
+    from aiayn.accel.compiled import cannot_build, config_unsupported
     from aiayn.inference.translator import Translator
 
-    model = config.model
-    full = model.decoder_attention == "full" and model.cross_attention == "full"
-    transformer = model.task == "translation" and model.arch == "transformer"
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if device != "cpu" or not (transformer and full) or processes > 1:
+    if device != "cpu" or config_unsupported(config.model) is not None or processes > 1:
         return
     reason = cannot_build()
     if reason is not None:
