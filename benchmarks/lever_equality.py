@@ -7,7 +7,10 @@ greedy, the run's α), with the lever on and off, and counts the lines that diff
   by default on a CPU other than Intel's, oneDNN) against none (``--no-pack-weights``);
 - ``--lever compiled``: the decoder step compiled ahead of time (``--compiled-step``, compiled
   first if it has not been: the time is reported) against the eager step
-  (``--no-compiled-step``), one sentence at a time (the compiled step serves up to 16 rows).
+  (``--no-compiled-step``), one sentence at a time (the compiled step serves up to 16 rows);
+- ``--lever attention``: beam steps over many sentences attended by two matrix products
+  (``aiayn.accel.attention.StepAttention``, the default) against PyTorch's attention kernel,
+  the file in batches (one sentence has too few (sentence, head) pairs for it).
 
 ::
 
@@ -24,27 +27,40 @@ import time
 from pathlib import Path
 from typing import Any
 
-LEVERS = {"pack": "pack_weights", "compiled": "compiled_step"}
+LEVERS = {"pack": "pack_weights", "compiled": "compiled_step", "attention": None}
 
 
 def translator(checkpoint: Path, lever: str, on: bool, beam: int) -> Any:
     from aiayn.inference.translator import Translator
 
-    # The pack lever is measured on the eager step (the compiled one has its own products).
-    settings = {LEVERS[lever]: on} | ({"compiled_step": False} if lever == "pack" else {})
+    # The pack lever is measured on the eager step (the compiled one has its own products);
+    # the attention lever is not a setting of the Translator (see translate).
+    setting = LEVERS[lever]
+    settings = {} if setting is None else {setting: on}
+    settings |= {"compiled_step": False} if lever == "pack" else {}
     made, _ = Translator.from_checkpoint(
         checkpoint, decode_overrides={"beam_size": beam}, **settings
     )
     return made
 
 
-def translate(model: Any, lines: list[str], one_at_a_time: bool) -> tuple[list[str], float]:
-    start = time.perf_counter()
-    if one_at_a_time:
-        out = [model.translate([line])[0] for line in lines]
-    else:
-        out = model.translate(lines)
-    return out, time.perf_counter() - start
+def translate(
+    model: Any, lines: list[str], one_at_a_time: bool, step_attention: bool = True
+) -> tuple[list[str], float]:
+    """``step_attention``: False raises StepAttention's threshold out of reach for the call."""
+    import aiayn.accel.attention as attention
+
+    pairs = attention.STEP_PAIRS
+    attention.STEP_PAIRS = pairs if step_attention else sys.maxsize
+    try:
+        start = time.perf_counter()
+        if one_at_a_time:
+            out = [model.translate([line])[0] for line in lines]
+        else:
+            out = model.translate(lines)
+        return out, time.perf_counter() - start
+    finally:
+        attention.STEP_PAIRS = pairs
 
 
 def compare(
@@ -54,10 +70,11 @@ def compare(
     on_model = translator(checkpoint, lever, True, beam)
     setup_s = time.perf_counter() - start
     off_model = translator(checkpoint, lever, False, beam)
-    for model in (on_model, off_model):  # warm-up: kernels, allocator, page cache
-        translate(model, lines[:16], one_at_a_time)
+    off_attention = lever != "attention"  # StepAttention in the "off" run but for its lever
+    for model, step_attention in ((on_model, True), (off_model, off_attention)):
+        translate(model, lines[:16], one_at_a_time, step_attention)  # warm-up
     on, on_s = translate(on_model, lines, one_at_a_time)
-    off, off_s = translate(off_model, lines, one_at_a_time)
+    off, off_s = translate(off_model, lines, one_at_a_time, off_attention)
     differ = [i for i, (a, b) in enumerate(zip(on, off, strict=True)) if a != b]
     return {
         "lever": lever,

@@ -482,7 +482,7 @@ def test_training_checkpoints_averaging_and_bf16_acceleration_keep_the_patterns(
     model = model.eval().to(torch.bfloat16)
     with accelerate(model, "decode", precision="bf16", memory_settings=False):
         attention = model.decoder.layers[0].cross_attn
-        assert type(attention) is Float32Attention and attention.pattern is not None
+        assert isinstance(attention, Float32Attention) and attention.pattern is not None
         src = torch.randint(4, 12, (2, 7))
         pad = torch.zeros(2, 7, dtype=torch.bool)
         pad[1, 5:] = True

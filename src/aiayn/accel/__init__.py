@@ -2,11 +2,11 @@
 
 The network in :mod:`aiayn.model` is the paper's, in plain PyTorch. On the CPU,
 :func:`accelerate` swaps some of its modules for faster ones with the same parameters, state
-dict and the plain model's results (bit for bit in fp32 without dropout or packed weights;
-the same dropout distribution from other draws; packed weights, which decoding uses by
-default on x86 CPUs other than Intel's, and bfloat16 to the tolerances that ``tests/accel``
-states), and raises the process's ``malloc`` thresholds;
-:meth:`Acceleration.undo` puts everything back::
+dict and the plain model's results (bit for bit in fp32 without dropout, packed weights or
+beam steps over many sentences; the same dropout distribution from other draws; packed
+weights, which decoding uses by default on x86 CPUs other than Intel's, attention by
+products and bfloat16 to the tolerances that ``tests/accel`` states), and raises the
+process's ``malloc`` thresholds; :meth:`Acceleration.undo` puts everything back::
 
     acceleration = accelerate(model, mode="train", precision="bf16")
     ...
@@ -18,7 +18,10 @@ lever                        applied in                  what changes
 grid dropout (one random    train and decode (where     ``nn.Dropout`` → :class:`GridDropout`,
 draw per four elements)      it is a cheaper identity)   ``Residual`` → :class:`GridResidual`
 attention in float32         bf16 (train and decode)     ``MultiHeadAttention`` →
-                                                         :class:`Float32Attention`
+                                                         :class:`Float32Attention` (decode:
+                                                         its subclass :class:`StepAttention`)
+beam steps attended by       decode, 32+ (sentence,      ``MultiHeadAttention`` →
+products                     head) pairs, 2-16 beams     :class:`StepAttention`
 padded bfloat16 rows         bf16 (train and decode)     ``nn.Linear`` → :class:`CpuLinear`
 packed weights               decode: bf16 (oneDNN);      ``nn.Linear`` → :class:`CpuLinear` with
                              fp32 where oneDNN packs     a pack of its weight
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 
 from aiayn.accel import memory
-from aiayn.accel.attention import Float32Attention
+from aiayn.accel.attention import Float32Attention, StepAttention
 from aiayn.accel.cpu import cpu_has_bfloat16
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
@@ -72,6 +75,7 @@ __all__ = [
     "GridDropout",
     "GridResidual",
     "Precision",
+    "StepAttention",
     "accelerate",
     "cpu_has_bfloat16",
 ]
@@ -108,7 +112,10 @@ class Acceleration:
     packed: int = 0  # linear layers whose weight is packed
     # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
     fused_loss: bool = False
-    _swapped: list[tuple[nn.Module, type[nn.Module]]] = field(default_factory=list, repr=False)
+    # (module, its plain class, the class it was given)
+    _swapped: list[tuple[nn.Module, type[nn.Module], type[nn.Module]]] = field(
+        default_factory=list, repr=False
+    )
     # (module, attribute, its value before, or _UNSET): what this call set on CpuLinear layers
     _attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list, repr=False)
     _memory: int | None = field(default=None, repr=False)
@@ -124,8 +131,8 @@ class Acceleration:
             else:
                 setattr(module, name, before)
         self._attributes.clear()
-        for module, plain in reversed(self._swapped):
-            if type(module) is _SWAPS[plain]:
+        for module, plain, fast in reversed(self._swapped):
+            if type(module) is fast:
                 for name in ("pack", "pad_bf16_rows"):
                     module.__dict__.pop(name, None)
                 module.__class__ = plain
@@ -149,13 +156,20 @@ class Acceleration:
     def __exit__(self, *_: Any) -> None:
         self.undo()
 
-    def _swap(self, model: nn.Module, plain: list[type[nn.Module]], lever: str = "") -> None:
-        """Swap every module of exactly a ``plain`` class for its faster subclass; ``lever``
-        is recorded if any was."""
+    def _swap(
+        self,
+        model: nn.Module,
+        plain: list[type[nn.Module]],
+        lever: str = "",
+        to: type[nn.Module] | None = None,
+    ) -> None:
+        """Swap every module of exactly a ``plain`` class for its faster subclass (``to``, or
+        the one :data:`_SWAPS` names); ``lever`` is recorded if any was."""
         swapped = [m for m in model.modules() if type(m) in plain]
         for module in swapped:
-            self._swapped.append((module, type(module)))
-            module.__class__ = _SWAPS[type(module)]
+            fast = to or _SWAPS[type(module)]
+            self._swapped.append((module, type(module), fast))
+            module.__class__ = fast
         if swapped and lever:
             self.levers.append(lever)
 
@@ -220,10 +234,17 @@ def accelerate(
         acceleration.levers.append("fused projection + loss")
     if mode == "decode":
         acceleration._swap(model, [Transformer], "one buffer per decode")
-    if bf16:
+    if bf16 and mode == "train":
         acceleration._swap(model, [MultiHeadAttention], "attention in float32")
     if before_packing is not None:
         before_packing(acceleration)
+    if mode == "decode":
+        # After before_packing, though the compiled step is exported from plain attention.
+        acceleration._swap(
+            model, [MultiHeadAttention], "beam steps attended by products", StepAttention
+        )
+        if bf16 and "beam steps attended by products" in acceleration.levers:
+            acceleration.levers.append("attention in float32")
     if bf16 or pack_weights:
         acceleration._swap(model, [nn.Linear])
         # Every CpuLinear, also those an earlier call swapped in: calls add up.

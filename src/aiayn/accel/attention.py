@@ -36,3 +36,47 @@ class Float32Attention(MultiHeadAttention):
         if k.dtype is torch.bfloat16 and k.device.type == "cpu":
             return k.float(), v.float()
         return k, v
+
+
+# Beam search's decoder steps attend by two matrix products where at least this many
+# (sentence, head) pairs attend with 2 to STEP_QUERIES queries each (the beams of a sentence);
+# fewer pairs (one sentence), one query (greedy) and longer queries (the encoder, training)
+# take PyTorch's kernel, which was as fast or faster there (docs/performance.md).
+STEP_PAIRS = 32
+STEP_QUERIES = 16
+
+
+class StepAttention(Float32Attention):
+    """:class:`Float32Attention` whose decoder steps over many sentences attend by two matrix
+    products and a softmax rather than ``F.scaled_dot_product_attention``: PyTorch's CPU
+    kernel splits the work into one task per sentence and head, each only a few queries long,
+    and was 1.2-2.7× slower than the plain products on decoding shapes (SMALL and BASE, AMD
+    EPYC; docs/performance.md). The same function: the sums run in another order (float32
+    rounding). Inference on the CPU only (no autograd, no dropout); elsewhere the parent's
+    path."""
+
+    def scaled_dot_product(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
+    ) -> Tensor:
+        b, h, queries, _ = q.shape
+        if (
+            causal
+            or not 2 <= queries <= STEP_QUERIES
+            or b * h < STEP_PAIRS
+            or q.device.type != "cpu"
+            or q.dtype not in (torch.float32, torch.bfloat16)
+            or (self.training and self.dropout > 0)
+            or torch.is_grad_enabled()
+        ):
+            return super().scaled_dot_product(q, k, v, mask, causal)
+        half = q.dtype is torch.bfloat16
+        if half:
+            q, k, v = q.float(), k.float(), v.float()
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)
+        if mask is not None:
+            if mask.dtype is torch.bool:
+                scores.masked_fill_(mask.logical_not(), float("-inf"))
+            else:
+                scores.add_(mask)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return out.to(torch.bfloat16) if half else out

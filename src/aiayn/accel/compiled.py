@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 import aiayn
 from aiayn.config import ModelConfig
-from aiayn.model.attention import attention_mask
+from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.transformer import Transformer, check_cache_size
 
 if TYPE_CHECKING:
@@ -167,21 +167,26 @@ class StaticLayerCache:
 
 class DecoderStep(nn.Module):
     """A Transformer's decoder step as a function of tensors only (what is exported): the
-    log-probabilities (rows, V) of the next token after ``tokens`` (rows,) at ``position``
-    (1,); writes their keys and values into ``self_k``/``self_v`` (a list per layer of
-    (rows, H, max_len, Dh)). ``cross_mask`` (rows, 1, 1, S) is True where the memory is
-    attended to. The layers, norms and projection are the model's own modules."""
+    decoder's output (rows, d_model) for ``tokens`` (rows,) at ``position`` (1,), embedded
+    from ``token_table`` (the target embedding's weight, an input rather than a frozen
+    constant, so the library holds no copy of it); writes their keys and values into
+    ``self_k``/``self_v`` (a list per layer of (rows, H, max_len, Dh)). ``cross_mask``
+    (rows, 1, 1, S) is True where the memory is attended to. The layers and norms are the
+    model's own modules. The pre-softmax projection is not in it: :class:`CompiledStep` runs
+    the model's own (its packed weight, where it has one), so that the library holds no copy
+    of that matrix either, the largest of the model (figures: docs/performance.md)."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
-        self.embed = model.tgt_embed
+        self.scale = model.tgt_embed.scale
+        self.positions = model.tgt_embed.positions
         self.decoder = model.decoder
-        self.out_proj = model.out_proj
 
     def forward(
         self,
         tokens: Tensor,
         position: Tensor,
+        token_table: Tensor,
         self_k: list[Tensor],
         self_v: list[Tensor],
         cross_k: list[Tensor],
@@ -189,11 +194,11 @@ class DecoderStep(nn.Module):
         cross_mask: Tensor,
     ) -> Tensor:
         # Embeddings.forward at a position given as a tensor (its dropout is off in eval).
-        embed, positions = self.embed, self.embed.positions
+        positions = self.positions
         table = (
             positions.learned if positions.learned is not None else positions.get_buffer("table")
         )
-        x = embed.token(tokens[:, None]) * embed.scale + table.index_select(0, position)
+        x = token_table[tokens[:, None]] * self.scale + table.index_select(0, position)
         slots = self_k[0].size(2)
         self_mask = (torch.arange(slots, device=position.device) <= position).view(1, 1, 1, -1)
         caches = zip(self_k, self_v, cross_k, cross_v, strict=True)
@@ -202,8 +207,7 @@ class DecoderStep(nn.Module):
             x = layer.step(x, cache, 0, 0, self_mask, cross_mask)
         if self.decoder.final_norm is not None:
             x = self.decoder.final_norm(x)
-        logits = self.out_proj(x[:, 0])
-        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return x[:, 0]
 
 
 @dataclass(eq=False)
@@ -256,6 +260,9 @@ class CompiledStep:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
         self._parameters = _identity(model)
+        # What the step takes from the model rather than holding a copy (DecoderStep).
+        self.token_table = model.tgt_embed.token.weight
+        self.out_proj = model.out_proj
         release_file_pages(path)
 
     def serves(self, model: nn.Module, memory: Tensor) -> bool:
@@ -292,11 +299,13 @@ class CompiledStep:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
         position = torch.tensor([cache.length])
         # DecoderStep's arguments, flattened in their order.
-        inputs = [tokens.contiguous(), position, *cache.self_k, *cache.self_v]
-        inputs += [*cache.cross_k, *cache.cross_v, cache.cross_mask]
-        (out,) = self.runner.run(inputs)
+        inputs = [tokens.contiguous(), position, self.token_table.detach()]
+        inputs += [*cache.self_k, *cache.self_v, *cache.cross_k, *cache.cross_v, cache.cross_mask]
+        (hidden,) = self.runner.run(inputs)
         cache.length += 1
-        return out
+        with torch.no_grad():
+            logits = self.out_proj(hidden)
+            return torch.log_softmax(logits, dim=-1, out=logits)
 
 
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
@@ -458,6 +467,9 @@ def _export_and_compile(model: Transformer, path: Path) -> None:
     # A copy: the accelerated model's packed products are not what Inductor should see
     # (a copied layer has no pack) and the step must not change the model.
     plain = copy.deepcopy(model).eval()
+    for module in plain.modules():  # the plain attention: the accelerated one is not traced
+        if isinstance(module, MultiHeadAttention):
+            module.__class__ = MultiHeadAttention
     step = DecoderStep(plain).eval()
     positions = plain.config.max_positions
     rows, src, slots = (min(n, positions) for n in _EXAMPLE)
@@ -467,6 +479,7 @@ def _export_and_compile(model: Transformer, path: Path) -> None:
     args = (
         torch.ones(rows, dtype=torch.long),
         torch.tensor([min(3, slots - 1)]),
+        plain.tgt_embed.token.weight.detach(),
         [torch.zeros(rows, heads, slots, dk) for _ in range(layers)],
         [torch.zeros(rows, heads, slots, dv) for _ in range(layers)],
         [torch.randn(rows, heads, src, dk) for _ in range(layers)],
@@ -478,6 +491,7 @@ def _export_and_compile(model: Transformer, path: Path) -> None:
     t = Dim("slots", min=1, max=positions)
     shapes = (
         {0: r},
+        None,
         None,
         [{0: r, 2: t}] * layers,
         [{0: r, 2: t}] * layers,
