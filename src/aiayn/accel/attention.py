@@ -1,10 +1,13 @@
-"""bfloat16 attention on the CPU, computed in float32.
+"""Attention on the CPU: bfloat16 computed in float32; beam steps by matrix products.
 
 PyTorch's CPU attention kernels are several times slower in bfloat16 than in float32, while
 attention is a small part of the arithmetic (docs/performance.md): :class:`Float32Attention`
 attends over float32 heads and returns bfloat16, and gives the cross-attention keys and
 values in float32, so that an incremental decoder keeps its whole cache in float32 and converts
 only each step's new keys and values, once.
+
+:class:`StepAttention`, the decoder's attention when decoding on the CPUs where it was measured
+to pay, attends a beam search's steps over many sentences by two matrix products.
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ STEP_QUERIES = 16
 
 
 class StepAttention(Float32Attention):
-    """:class:`Float32Attention` whose decoder steps over many sentences attend by two matrix
+    """:class:`Float32Attention` whose beam steps over many sentences attend by two matrix
     products and a softmax rather than ``F.scaled_dot_product_attention``: PyTorch's CPU
     kernel splits the work into one task per sentence and head, each only a few queries long,
     and was 1.2-2.7× slower than the plain products on decoding shapes (SMALL and BASE, AMD
     EPYC; docs/performance.md). The same function: the sums run in another order (float32
-    rounding). Inference on the CPU only (no autograd, no dropout); elsewhere the parent's
-    path."""
+    rounding), and a row whose every key is masked gives NaN where the kernel gives zeros (a
+    translation has none: every source has its end-of-sentence token). Inference on the CPU
+    only (no autograd, autocast or dropout); elsewhere the parent's path. Its cross-attention
+    keys and values are kept contiguous, so that no step copies them for the products."""
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
@@ -67,6 +72,7 @@ class StepAttention(Float32Attention):
             or q.dtype not in (torch.float32, torch.bfloat16)
             or (self.training and self.dropout > 0)
             or torch.is_grad_enabled()
+            or torch.is_autocast_enabled("cpu")
         ):
             return super().scaled_dot_product(q, k, v, mask, causal)
         half = q.dtype is torch.bfloat16
@@ -80,3 +86,11 @@ class StepAttention(Float32Attention):
                 scores.add_(mask)
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
         return out.to(torch.bfloat16) if half else out
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        # (B, H, S, Dh) views of one projection cannot be merged into B × H matrices:
+        # matmul would copy them at every step.
+        k, v = super().project_kv(memory)
+        if k.device.type == "cpu" and not torch.is_grad_enabled():
+            return k.contiguous(), v.contiguous()
+        return k, v

@@ -3,12 +3,14 @@
 An eager decoder step runs some 150 PyTorch operations, each a Python call and a kernel
 launch, and its matrix products go through a general library (MKL, oneDNN) whose per-call
 overhead is larger than the product itself at one or a few rows. For one sentence at a time
-that overhead is most of the step (figures: docs/performance.md). Here the whole step of a
-:class:`~aiayn.model.transformer.Transformer` (embedding, every decoder layer, the
-pre-softmax projection and the log-softmax) is exported (``torch.export``) and compiled by
-AOTInductor into a shared library, with its weights frozen in and its matrix products
-generated for them (Inductor's C++ GEMM template, chosen over ATen's by measuring both at
-compile time). The step is the model's own: :class:`DecoderStep` calls the decoder layers'
+that overhead is most of the step (figures: docs/performance.md). Here the step of a
+:class:`~aiayn.model.transformer.Transformer` (the target embedding, every decoder layer and
+the final norm) is exported (``torch.export``) and compiled by AOTInductor into a shared
+library, with the decoder layers' weights frozen in and their matrix products generated for
+them (Inductor's C++ GEMM template, chosen over ATen's by measuring both at compile time).
+The embedding table is an input and the pre-softmax projection and log-softmax run outside,
+through the model's own modules, so that the library holds no copy of the model's largest
+matrix. The step is the model's own: :class:`DecoderStep` calls the decoder layers'
 ``step`` with a cache of static shape (:class:`StaticLayerCache`), so that the graph has no
 Python in it and one graph serves every row count, source length and output length.
 
@@ -277,6 +279,8 @@ class CompiledStep:
     def init_cache(
         self, model: Transformer, memory: Tensor, src_pad: Tensor | None, max_len: int, beam: int
     ) -> CompiledCache:
+        if model.out_proj is not self.out_proj:
+            raise ValueError("a compiled step decodes for the model it was loaded for")
         check_cache_size(model.config, max_len, beam)
         rows = memory.size(0) * beam
         cross_k, cross_v, self_k, self_v = [], [], [], []
