@@ -241,7 +241,7 @@ def accelerate(
         acceleration._swap(decoder, [MultiHeadAttention], lever, StepAttention)
     if bf16:  # the rest (StepAttention is a Float32Attention)
         acceleration._swap(model, [MultiHeadAttention])
-        if any(isinstance(m, Float32Attention) for m in model.modules()):
+        if any(issubclass(fast, Float32Attention) for _, _, fast in acceleration._swapped):
             acceleration.levers.append("attention in float32")
     if before_packing is not None:
         before_packing(acceleration)

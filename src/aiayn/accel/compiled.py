@@ -263,7 +263,7 @@ class CompiledStep:
         self.path = path
         self._parameters = _identity(model)
         # What the step takes from the model rather than holding a copy (DecoderStep).
-        self.token_table = model.tgt_embed.token.weight
+        self.token_table = model.tgt_embed.token.weight.detach()  # its storage, once
         self.out_proj = model.out_proj
         release_file_pages(path)
 
@@ -303,7 +303,7 @@ class CompiledStep:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
         position = torch.tensor([cache.length])
         # DecoderStep's arguments, flattened in their order.
-        inputs = [tokens.contiguous(), position, self.token_table.detach()]
+        inputs = [tokens.contiguous(), position, self.token_table]
         inputs += [*cache.self_k, *cache.self_v, *cache.cross_k, *cache.cross_v, cache.cross_mask]
         (hidden,) = self.runner.run(inputs)
         cache.length += 1
