@@ -154,13 +154,18 @@ def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep
         cache = step.init_cache(model, model.encode(src, src_pad), src_pad, 5, 2)
         step.log_probs_step(torch.ones(4, dtype=torch.long), cache)
         before = [k.clone() for k in cache.self_k]
+        before_v = [v.clone() for v in cache.self_v]
         cache.reorder(torch.tensor([1, 1, 2, 3]))
         assert torch.equal(cache.self_k[0][0], before[0][1])
+        for layer, v in enumerate(cache.self_v):  # every layer's keys and values moved
+            assert torch.equal(v, before_v[layer][[1, 1, 2, 3]])
+            assert torch.equal(cache.self_k[layer], before[layer][[1, 1, 2, 3]])
         with pytest.raises(ValueError, match="reorder expects 4"):
             cache.reorder(torch.tensor([0, 1]))
         cache.keep(torch.tensor([2, 3]))
         assert cache.batch_size == 2 and cache.cross_mask.size(0) == 2
         assert torch.equal(cache.self_k[1][0], before[1][2])
+        assert torch.equal(cache.self_v[1][1], before_v[1][3])
 
 
 def test_found_again_by_key_and_only_for_the_same_weights(

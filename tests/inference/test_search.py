@@ -279,6 +279,32 @@ def test_batched_beam_matches_reference(k: int, alpha: float, nbest: int, rule: 
 
 
 @pytest.mark.parametrize("rule", BEAM_RULES)
+def test_one_transfer_per_step_gives_the_same_search(
+    rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The search as on a GPU (the merge every step, one transfer) against the CPU's (the
+    # merge only where a candidate finished).
+    table = random_table(seed=5)
+
+    def logp(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        row = table(sentence, prefix)
+        return [NEG if v == EOS and len(prefix) < 3 else x for v, x in enumerate(row)]
+
+    # No EOS in the first three steps: nothing finishes there, which the CPU skips.
+    limits = torch.tensor([4, 9, 3, 12, 7, 3, 12, 5])
+    args = dict(alpha=0.6, max_len=limits, nbest=2, rule=rule)
+    calls = []
+    topk = Tensor.topk
+    monkeypatch.setattr(Tensor, "topk", lambda t, *a, **kw: calls.append(1) or topk(t, *a, **kw))
+    host, _ = run_beam(logp, 8, 3, **args)
+    host_calls = len(calls)
+    monkeypatch.setattr(search, "SYNC_FREE_DEVICES", frozenset())
+    transfer, _ = run_beam(logp, 8, 3, **args)
+    assert transfer == host
+    assert len(calls) - host_calls > host_calls  # the merge's top-k ran on more steps
+
+
+@pytest.mark.parametrize("rule", BEAM_RULES)
 def test_results_do_not_depend_on_batch_composition(rule: str) -> None:
     logp = random_table(seed=7)
     limits = torch.tensor([6, 2, 11, 8, 3])

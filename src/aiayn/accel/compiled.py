@@ -226,6 +226,9 @@ class CompiledCache:
     length: int
     max_len: int
     beam_size: int = 1
+    # (2, layers, rows, H, max_len, Dh): the storage of every self_k and self_v, where the
+    # key and value widths agree, so that a beam's reorder is one gather, not one per tensor.
+    self_kv: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -240,6 +243,10 @@ class CompiledCache:
                 f"reorder expects {self.batch_size} row indices, got {rows.numel()}; "
                 "use keep() to change the batch size"
             )
+        if self.self_kv is not None:
+            filled = self.self_kv[..., : self.length, :]
+            filled.copy_(filled.index_select(2, rows))
+            return
         for buffer in (*self.self_k, *self.self_v):
             filled = buffer[:, :, : self.length]
             filled.copy_(filled.index_select(0, rows))
@@ -248,7 +255,13 @@ class CompiledCache:
         """Keep only ``rows`` (in that order)."""
         if rows.numel() > self.batch_size:
             raise ValueError(f"keep got {rows.numel()} rows for a batch of {self.batch_size}")
-        for name in ("self_k", "self_v", "cross_k", "cross_v"):
+        names = ["cross_k", "cross_v"]
+        if self.self_kv is not None:
+            self.self_kv = self.self_kv.index_select(2, rows)
+            self.self_k, self.self_v = list(self.self_kv[0]), list(self.self_kv[1])
+        else:
+            names += ["self_k", "self_v"]
+        for name in names:
             setattr(self, name, [t.index_select(0, rows) for t in getattr(self, name)])
         self.cross_mask = self.cross_mask.index_select(0, rows)
 
@@ -284,19 +297,29 @@ class CompiledStep:
         check_cache_size(model.config, max_len, beam)
         rows = memory.size(0) * beam
         cross_k, cross_v, self_k, self_v = [], [], [], []
-        for layer in model.decoder.layers:
+        layers = model.decoder.layers
+        for layer in layers:
             assert layer.cross_attn is not None
             k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
             cross_k.append(k.repeat_interleave(beam, 0).contiguous())
             cross_v.append(v.repeat_interleave(beam, 0).contiguous())
-            attn = layer.self_attn
-            self_k.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_k))
-            self_v.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_v))
+        shapes = {(a.n_heads, a.d_k, a.d_v) for a in (layer.self_attn for layer in layers)}
+        self_kv = None
+        if len(shapes) == 1 and (shape := shapes.pop())[1] == shape[2]:
+            self_kv = memory.new_zeros(2, len(layers), rows, shape[0], max_len, shape[1])
+            self_k, self_v = list(self_kv[0]), list(self_kv[1])
+        else:
+            for layer in layers:
+                attn = layer.self_attn
+                self_k.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_k))
+                self_v.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_v))
         mask = attention_mask(src_pad)
         if mask is None:
             mask = torch.ones(memory.size(0), 1, 1, memory.size(1), dtype=torch.bool)
         mask = mask.repeat_interleave(beam, 0)
-        return CompiledCache(self, self_k, self_v, cross_k, cross_v, mask, 0, max_len, beam)
+        return CompiledCache(
+            self, self_k, self_v, cross_k, cross_v, mask, 0, max_len, beam, self_kv=self_kv
+        )
 
     def log_probs_step(self, tokens: Tensor, cache: CompiledCache) -> Tensor:
         if cache.length >= cache.max_len:

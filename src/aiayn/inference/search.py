@@ -41,6 +41,7 @@ a first EOS, to a longer hypothesis with a better score.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,8 +163,29 @@ def _force_eos(log_probs: Tensor, forced: Tensor, eos_id: int) -> Tensor:
     return log_probs.masked_fill(forced.view(shape) & others, float("-inf"))
 
 
+# Devices whose tensors the host reads at no cost (beam search checks each step's finished
+# candidates before merging them, instead of one transfer per step).
+SYNC_FREE_DEVICES = frozenset({"cpu"})
 # Two-stage top-k: blocks of this many consecutive tokens of one beam.
 TOPK_BLOCK = 32
+
+
+@functools.lru_cache(maxsize=8)
+def _block_candidates(
+    k: int, vocab: int, width: int, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """For :func:`top_candidates`: the candidate indices ``j * V + v`` of each block, (K × nb,
+    width), block ``j * nb + i`` being tokens ``i * width ..`` of beam j; and those of the
+    tokens after the last whole block of every beam, (1, K × rest), or None."""
+    n_blocks = vocab // width
+    whole = n_blocks * width
+    beams = torch.arange(k, device=device)[:, None] * vocab  # (K, 1)
+    starts = torch.arange(0, whole, width, device=device)  # (nb,)
+    offsets = torch.arange(width, device=device)
+    blocks = ((beams + starts).view(-1, 1) + offsets).contiguous()
+    if whole == vocab:
+        return blocks, None
+    return blocks, (beams + torch.arange(whole, vocab, device=device)).view(1, -1)
 
 
 def top_candidates(log_probs: Tensor, live_scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
@@ -188,13 +210,10 @@ def top_candidates(log_probs: Tensor, live_scores: Tensor, m: int) -> tuple[Tens
     block_max = log_probs[:, :, :whole].reshape(b, k, n_blocks, width).amax(-1)  # (b, K, nb)
     block_max += live_scores[:, :, None]
     best = block_max.view(b, k * n_blocks).topk(m, dim=1).indices  # (b, m)
-    start = (best // n_blocks) * vocab + (best % n_blocks) * width  # first candidate index
-    offsets = torch.arange(width, device=log_probs.device)
-    index = (start[:, :, None] + offsets).view(b, m * width)
-    if whole < vocab:  # the tokens after the last whole block, of every beam
-        rest = torch.arange(whole, vocab, device=log_probs.device)
-        beams = torch.arange(k, device=log_probs.device)[:, None] * vocab
-        index = torch.cat([index, (beams + rest).view(1, -1).expand(b, -1)], dim=1)
+    blocks, rest = _block_candidates(k, vocab, width, log_probs.device)
+    index = blocks[best].view(b, m * width)
+    if rest is not None:  # the tokens after the last whole block, of every beam
+        index = torch.cat([index, rest.expand(b, -1)], dim=1)
     scores = log_probs.reshape(b, k * vocab).gather(1, index)
     scores += live_scores.gather(1, index // vocab)
     top_score, pick = scores.topk(m, dim=1)
@@ -266,6 +285,12 @@ def beam_search(
     # The nearest length limit of the active sentences, on the host: until a sentence reaches
     # its limit no step needs the EOS-forcing mask (a (b, K, V) pass saved on most steps).
     nearest_limit = int(limits.min())
+    # Loop invariants, cut down with the batch when sentences leave it: the length penalty
+    # at each sentence's limit, and the first cache row of each sentence.
+    lp_limit = gnmt_length_penalty(limits + 1.0, alpha)
+    row_base = torch.arange(batch_size, device=dev)[:, None] * k
+    # Where a host sync costs nothing, steps where no candidate finishes skip the merge.
+    host = dev.type in SYNC_FREE_DEVICES
     t = 0
     while True:
         b = ids.numel()
@@ -285,28 +310,30 @@ def beam_search(
 
         # Finished: EOS among the best n_fin candidates (2K: paper, K: fairseq).
         finished = top_eos[:, :n_fin] & (top_score[:, :n_fin] > inf)  # (b, n_fin)
-        fin_logp = top_score[:, :n_fin].masked_fill(~finished, inf)
-        fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
         # Next live beam: the best K candidates without EOS (stable sort keeps score order).
         order = torch.sort(top_eos.to(torch.uint8), dim=1, stable=True).indices[:, :k]
         live_scores = top_score.gather(1, order)  # (b, K)
         live_tok = top_tok.gather(1, order)
-        row_base = torch.arange(b, device=dev)[:, None] * k
         parents = row_base + top_beam.gather(1, order)  # (b, K) cache rows they extend
 
         # Merge the newly finished hypotheses into the n-best lists (scores only, for now).
-        merged_score, pick = torch.cat([pool_score, fin_score], 1).topk(n_keep, dim=1)
+        merged_score = pool_score
+        if not host or bool(finished.any()):
+            fin_logp = top_score[:, :n_fin].masked_fill(~finished, inf)
+            fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
+            merged_score, pick = torch.cat([pool_score, fin_score], 1).topk(n_keep, dim=1)
         # The best a live hypothesis can still reach: divide by the largest length penalty.
         # A live hypothesis will hold between t + 2 and limit + 1 positions (EOS included).
-        lp_best = gnmt_length_penalty(limits + 1.0, alpha).clamp(
-            min=gnmt_length_penalty(t + 2.0, alpha)
-        )
+        lp_best = lp_limit.clamp(min=gnmt_length_penalty(t + 2.0, alpha))
         bound = live_scores[:, 0] / lp_best
         done = forced | (merged_score[:, -1] >= bound)  # (b,)
         if fairseq:
             n_finished += finished.sum(1)
             done |= n_finished >= k
-        any_finished, any_done = torch.stack([finished.any(), done.any()]).tolist()
+        if host:
+            any_finished, any_done = merged_score is not pool_score, bool(done.any())
+        else:  # one transfer
+            any_finished, any_done = torch.stack([finished.any(), done.any()]).tolist()
 
         if any_finished:
             fin_parents = (row_base + top_beam[:, :n_fin]).view(-1)  # (b * n_fin,)
@@ -334,6 +361,7 @@ def beam_search(
             rows = parents[stay].view(-1)
             cache.keep(rows)
             ids, limits, n_finished = ids[stay], limits[stay], n_finished[stay]
+            lp_limit, row_base = lp_limit[stay], row_base[: stay.numel()]
             nearest_limit = int(limits.min())
             pool_score, pool_logp = pool_score[stay], pool_logp[stay]
             pool_len, pool_tok = pool_len[stay], pool_tok[stay]
