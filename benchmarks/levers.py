@@ -3,6 +3,7 @@
 gave; this script reproduces those figures.
 
     .venv/bin/python -m benchmarks.levers loss adam dropout cache mask attention [--repeats N]
+    .venv/bin/python -m benchmarks.levers search
     .venv/bin/python -m benchmarks.levers compile-train compile-decode   # minutes: compiles
 """
 
@@ -277,6 +278,59 @@ def lever_attention(repeats: int) -> None:
         )
 
 
+class _Replay:
+    """The cache protocol of search, for log-probabilities made beforehand."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def reorder(self, rows: Tensor) -> None:
+        pass
+
+    def keep(self, rows: Tensor) -> None:
+        pass
+
+
+def _search_run(tables: list[Tensor], n: int, sync_free: frozenset[str]) -> Callable[[], None]:
+    from aiayn.inference import search
+
+    def step(tokens: Tensor, cache: _Replay) -> Tensor:
+        cache.t += 1
+        return tables[cache.t - 1][: tokens.numel()]
+
+    def run() -> None:
+        saved = search.SYNC_FREE_DEVICES
+        search.SYNC_FREE_DEVICES = sync_free
+        try:
+            search.beam_search(step, _Replay(), n, beam_size=4, max_len=len(tables) - 1)
+        finally:
+            search.SYNC_FREE_DEVICES = saved
+
+    return run
+
+
+def lever_search(repeats: int) -> None:
+    """Beam search alone, over log-probabilities made beforehand: the n-best merge at every
+    step (one transfer a step, as on a GPU) against only where a candidate finished (the
+    CPU's, which reads the finished mask on the host)."""
+    gen = torch.Generator().manual_seed(0)
+    steps, vocab = DECODE.steps, SMALL.vocab_size
+    for n in (1, 64):
+        tables = [
+            torch.randn(n * 4, vocab, generator=gen).mul_(3.0).log_softmax(-1) for _ in range(steps)
+        ]
+        show(
+            f"beam search alone, beam 4, {n} sentence(s), {vocab} tokens, {steps} steps",
+            interleaved(
+                {
+                    "merge every step (one transfer a step)": _search_run(tables, n, frozenset()),
+                    "merge where a candidate finished": _search_run(tables, n, frozenset({"cpu"})),
+                },
+                repeats * 5,
+            ),
+        )
+
+
 def lever_compile_train(repeats: int) -> None:
     from aiayn.training.loss import label_smoothed_nll
 
@@ -342,6 +396,7 @@ LEVERS: dict[str, Callable[[int], None]] = {
     "cache": lever_cache,
     "mask": lever_mask,
     "attention": lever_attention,
+    "search": lever_search,
     "compile-train": lever_compile_train,
     "compile-decode": lever_compile_decode,
 }
