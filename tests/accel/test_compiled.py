@@ -168,6 +168,54 @@ def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep
         assert torch.equal(cache.self_v[1][1], before_v[1][3])
 
 
+def test_one_buffer_and_a_buffer_per_layer_move_alike() -> None:
+    # Where keys and values differ in width the cache keeps a tensor per layer: the same
+    # reorders and keeps leave both layouts equal (no library is involved).
+    gen = torch.Generator().manual_seed(0)
+    layers, rows, heads, slots, dk = 3, 6, 2, 5, 4
+    kv = torch.randn(2, layers, rows, heads, slots, dk, generator=gen)
+    cross = [torch.randn(rows, heads, 7, dk, generator=gen) for _ in range(2 * layers)]
+    mask = torch.ones(rows, 1, 1, 7, dtype=torch.bool)
+
+    def cache(one_buffer: bool) -> CompiledCache:
+        own = kv.clone()
+        parts = (
+            [list(own[0]), list(own[1])]
+            if one_buffer
+            else [
+                [t.clone() for t in kv[0]],
+                [t.clone() for t in kv[1]],
+            ]
+        )
+        return CompiledCache(
+            None,  # type: ignore[arg-type]  # the step is not used by reorder and keep
+            *parts,
+            cross[:layers],
+            cross[layers:],
+            mask,
+            3,
+            slots,
+            2,
+            self_kv=own if one_buffer else None,
+        )
+
+    one, apart = cache(True), cache(False)
+    for move in ("reorder", [1, 1, 0, 3, 5, 4]), ("keep", [5, 2, 3, 0]), ("reorder", [1, 0, 3, 3]):
+        for c in (one, apart):
+            getattr(c, move[0])(torch.tensor(move[1]))
+        assert one.batch_size == apart.batch_size == len(move[1])
+        for a, b in zip([*one.self_k, *one.self_v], [*apart.self_k, *apart.self_v], strict=True):
+            assert torch.equal(a, b)
+        assert one.self_kv is not None
+        assert all(
+            t.untyped_storage().data_ptr() == one.self_kv.untyped_storage().data_ptr()
+            for t in one.self_k
+        )  # the layers' tensors are views of the one buffer
+    # The decoded positions followed every move; the ones after them only the keep.
+    assert torch.equal(one.self_k[0][:, :, :3], kv[0, 0][[0, 4, 1, 1]][:, :, :3])
+    assert torch.equal(one.self_v[2][:, :, 3:], kv[1, 2][[5, 2, 3, 0]][:, :, 3:])
+
+
 def test_found_again_by_key_and_only_for_the_same_weights(
     model: Transformer, step: CompiledStep, cache_dir: Path
 ) -> None:

@@ -170,7 +170,8 @@ SYNC_FREE_DEVICES = frozenset({"cpu"})
 TOPK_BLOCK = 32
 
 
-@functools.lru_cache(maxsize=8)
+# A few tables (K × V int64 each, on the device they were made for) stay cached.
+@functools.lru_cache(maxsize=4)
 def _block_candidates(
     k: int, vocab: int, width: int, device: torch.device
 ) -> tuple[Tensor, Tensor | None]:
