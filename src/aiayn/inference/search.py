@@ -319,7 +319,9 @@ def beam_search(
 
         # Merge the newly finished hypotheses into the n-best lists (scores only, for now).
         merged_score = pool_score
-        if not host or bool(finished.any()):
+        if host:
+            any_finished = bool(finished.any())
+        if not host or any_finished:
             fin_logp = top_score[:, :n_fin].masked_fill(~finished, inf)
             fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
             merged_score, pick = torch.cat([pool_score, fin_score], 1).topk(n_keep, dim=1)
@@ -332,7 +334,7 @@ def beam_search(
             n_finished += finished.sum(1)
             done |= n_finished >= k
         if host:
-            any_finished, any_done = merged_score is not pool_score, bool(done.any())
+            any_done = bool(done.any())
         else:  # one transfer
             any_finished, any_done = torch.stack([finished.any(), done.any()]).tolist()
 
