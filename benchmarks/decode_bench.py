@@ -6,7 +6,9 @@ and greedy, once with all 64 sentences in one batch (sentences/s from the median
 runs) and once one sentence at a time (median latency per sentence). ``aiayn`` is the default
 path once its decoder step is compiled on the machine (``--compile-only`` compiles it, in a
 process of its own, and reports how long that took; a timed process loads it);
-``aiayn-eager`` is ``--no-compiled-step``. aiayn and the
+``aiayn-eager`` is ``--no-compiled-step``. With ``--ct2-dir``, ``--compile-only`` also writes
+the model's weights there and aiayn's timed processes map them from that file, as aiayn's
+Translator maps a checkpoint. aiayn and the
 ``nn.Transformer`` peer are driven by ``aiayn.inference.search``; Hugging Face by ``generate``;
 CTranslate2 by ``translate_batch``.
 
@@ -16,6 +18,7 @@ CTranslate2 by ``translate_batch``.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import warnings
@@ -55,6 +58,8 @@ SYSTEMS = (
     "ct2-float32-1thread",
 )
 MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
+# In the models' directory (--ct2-dir): aiayn's weights, written by --compile-only.
+AIAYN_WEIGHTS = "aiayn-weights.pt"
 ALPHA = 0.6
 
 # decode(sources (n, S), beam_size) decodes n sentences with exactly DECODE.steps steps each
@@ -104,7 +109,10 @@ def aiayn_decoder(
     packed: bool = False,
     bf16: bool = False,
     compiled: bool = False,
+    weights: Path | None = None,
 ) -> Decode:
+    """aiayn's decode; ``weights``: the file of the model's weights, mapped where it exists
+    (written where not)."""
     from aiayn.accel import accelerate
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
@@ -121,6 +129,16 @@ def aiayn_decoder(
     )
     torch.manual_seed(0)
     model = build_model(config).eval()
+    if weights is not None:
+        if weights.is_file():  # mapped, as aiayn's Translator loads a checkpoint
+            from aiayn.inference.loading import assign_weights
+
+            assign_weights(model, torch.load(weights, mmap=True, weights_only=True))
+        else:  # the models' directory of run_all: written once, mapped by every timed run
+            with weights.open("wb") as file:
+                torch.save(model.state_dict(), file)
+                file.flush()
+                os.fsync(file.fileno())  # on disk, as a checkpoint that training wrote
     if int8:
         from aiayn.inference.translator import quantize_int8
 
@@ -251,6 +269,7 @@ def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
             packed=system == "aiayn-packed",
             bf16=system == "aiayn-bf16",
             compiled=system == "aiayn",
+            weights=None if ct2_dir is None else ct2_dir / AIAYN_WEIGHTS,
         )
     if system == "torch":
         return torch_decoder(dw)
@@ -284,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         "--single", type=int, default=DECODE.n_sentences, help="sentences decoded one at a time"
     )
     parser.add_argument("--workload", choices=sorted(DECODE_WORKLOADS), default="small")
-    parser.add_argument("--ct2-dir", type=Path, help="converted CTranslate2 models")
+    parser.add_argument(
+        "--ct2-dir", type=Path, help="the models: CTranslate2's converted ones, aiayn's weights"
+    )
     parser.add_argument("--convert-only", action="store_true", help="convert into --ct2-dir")
     parser.add_argument(
         "--compile-only",
@@ -294,7 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.compile_only:
         set_threads()
-        aiayn_decoder(DECODE_WORKLOADS[args.workload], int8=False, compiled=True)
+        weights = None
+        if args.ct2_dir is not None:
+            args.ct2_dir.mkdir(parents=True, exist_ok=True)
+            weights = args.ct2_dir / AIAYN_WEIGHTS
+        aiayn_decoder(DECODE_WORKLOADS[args.workload], int8=False, compiled=True, weights=weights)
         emit(
             {
                 "kind": "compile",

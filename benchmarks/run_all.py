@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
             step_build: dict[str, Any] = {}
             if "aiayn" in systems:  # its decoder step compiled (or found) before the rounds
                 (step_build,) = run_child(
-                    "decode_bench", ["--compile-only", "--workload", workload]
+                    "decode_bench",
+                    ["--compile-only", "--workload", workload, "--ct2-dir", str(ct2_dir)],
                 )
             decode_runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
             for r in range(rounds):

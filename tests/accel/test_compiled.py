@@ -381,7 +381,7 @@ def test_file_pages_are_handed_back_and_read_again(tmp_path: Path) -> None:
     """What the loader leaves mapped of a library is advised away; nothing is lost."""
     import mmap
 
-    from aiayn.accel.compiled import release_file_pages
+    from aiayn.accel.memory import release_file_pages
 
     path = tmp_path / "blob.bin"
     data = bytes(range(256)) * (8 << 12)  # 8 MiB

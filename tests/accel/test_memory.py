@@ -119,3 +119,20 @@ def test_opt_out_leaves_malloc_alone() -> None:
     system = _probe("system", "train", "decode")
     assert system["held"] == [False, False] and system["in_force"] is None
     assert _faults(system, "40") > 50_000
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_only_pages_mapped_from_a_file_are_handed_back(tmp_path):
+    import torch
+
+    from aiayn.accel import memory
+
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, path)  # 4 MiB
+    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
+    assert memory.read_by_rows(mapped)
+    assert 4 << 20 >= memory.page_out(mapped) >= (4 << 20) - 8192  # its whole pages
+    assert torch.equal(mapped, torch.arange(1 << 20, dtype=torch.float32))  # read again
+    own = torch.ones(1 << 20)
+    assert memory.page_out(own) == 0 and not memory.read_by_rows(own)
+    assert memory.page_out(mapped[::2]) == 0  # not contiguous: left alone

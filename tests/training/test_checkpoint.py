@@ -231,3 +231,41 @@ def test_a_checkpoint_that_cannot_be_read_now_is_not_called_corrupt(tmp_path, mo
     assert not isinstance(err.value, loading.CheckpointCorrupt)
     assert ckpt.resume_point(tmp_path) is None
     assert newest.is_file()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_inference_maps_the_checkpoint_instead_of_reading_it(tmp_path):
+    """load_model's parameters are the checkpoint file's pages (no copy of the weights in
+    the process), the tied embedding stays one parameter, and the values are the saved ones."""
+    from aiayn.accel.memory import file_mappings
+    from aiayn.data.corpus import tokenizer_path
+
+    data = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
+    config = tiny_config("model.vocab_size=13")
+    path = tmp_path / "model.pt"
+    saved = _model_file(path, config, 5, tokenizer_path(data).read_bytes())
+    model = loading.load_model(path).model
+    spans = [(start, end) for start, end, name in file_mappings() if name == str(path)]
+    for name, parameter in model.named_parameters():
+        start = parameter.data_ptr()
+        assert any(lo <= start < hi for lo, hi in spans), f"{name} is not mapped"
+        assert torch.equal(parameter, saved.get_parameter(name))
+    assert model.out_proj.weight is model.tgt_embed.token.weight is model.src_embed.token.weight
+    assert len(list(model.parameters())) == len(list(saved.parameters()))
+
+
+def test_assigned_weights_take_the_models_dtypes_and_every_name():
+    config = tiny_config("model.vocab_size=13")
+    torch.manual_seed(0)
+    saved = Transformer(config.model)
+    state = {name: t.double() for name, t in saved.state_dict().items()}
+    model = Transformer(config.model)
+    loading.assign_weights(model, state)
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == torch.float32
+        assert torch.equal(parameter, saved.get_parameter(name))
+    assert model.out_proj.weight is model.tgt_embed.token.weight
+    missing = next(name for name in state if name.startswith("decoder.layers.0."))
+    del state[missing]
+    with pytest.raises(RuntimeError, match=missing):
+        loading.assign_weights(Transformer(config.model), state)

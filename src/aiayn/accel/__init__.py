@@ -110,6 +110,9 @@ class Acceleration:
     precision: Precision
     levers: list[str] = field(default_factory=list)
     packed: int = 0  # linear layers whose weight is packed
+    # Bytes of weights mapped from a file whose pages were handed back (decode): those a
+    # oneDNN pack replaced, and embedding tables read a row at a time.
+    handed_back: int = 0
     # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
     fused_loss: bool = False
     # (module, its plain class, the class it was given)
@@ -143,6 +146,7 @@ class Acceleration:
             self._watching = False
         self.levers.clear()
         self.packed = 0
+        self.handed_back = 0
         self.fused_loss = False
 
     def release_memory(self) -> None:
@@ -245,6 +249,7 @@ def accelerate(
             acceleration.levers.append("attention in float32")
     if before_packing is not None:
         before_packing(acceleration)
+    handed: set[int] = set()  # weights whose pages were handed back
     if bf16 or pack_weights:
         acceleration._swap(model, [nn.Linear])
         # Every CpuLinear, also those an earlier call swapped in: calls add up.
@@ -257,6 +262,7 @@ def accelerate(
                 acceleration.levers.append("padded bfloat16 rows")
         if mode == "decode":
             made: list[bool] = []  # for each new pack: whether it is oneDNN's
+            mappings = memory.file_mappings()
             for layer in linears:
                 if layer.pack_serves():
                     continue
@@ -264,14 +270,41 @@ def accelerate(
                 if new is not None:
                     acceleration._set(layer, "pack", new)
                     made.append(new.onednn)
+                    if new.onednn and id(layer.weight) not in handed:
+                        # Every product goes through the pack from now on: the pages of a
+                        # weight mapped from a file go back one layer at a time.
+                        handed.add(id(layer.weight))
+                        acceleration.handed_back += memory.page_out(layer.weight, mappings)
             acceleration.packed = sum(layer.pack_serves() for layer in linears)
             if made:
                 watch_optimizer_steps()
                 acceleration._watching = True
                 library = "oneDNN" if all(made) else "MKL"
                 acceleration.levers.append(f"packed weights ({library}, {len(made)})")
+    if mode == "decode":
+        _tables_by_rows(model, acceleration, handed)
     if memory_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
             acceleration.levers.append(f"malloc thresholds ({mode})")
     return acceleration
+
+
+def _tables_by_rows(model: nn.Module, acceleration: Acceleration, handed: set[int]) -> None:
+    """Embedding tables mapped from a file (:func:`aiayn.inference.loading.load_model`) that
+    no product reads whole (an unpacked tied projection would): the kernel is to read only the
+    pages of the rows looked up, and the pages read so far (all of them: the compiled step's
+    digest, the packs) are handed back, where ``handed`` (weight ids) has not had them yet."""
+    products = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and not (isinstance(m, CpuLinear) and m.onednn_packed())
+    }
+    mappings = memory.file_mappings()
+    tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+    for key, table in tables.items():
+        if key not in products and memory.read_by_rows(table, mappings) and key not in handed:
+            acceleration.handed_back += memory.page_out(table, mappings)
+    if acceleration.handed_back:
+        megabytes = acceleration.handed_back / (1 << 20)
+        acceleration.levers.append(f"mapped weights' pages handed back ({megabytes:.1f} MB)")

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 import aiayn
+from aiayn.accel.memory import release_file_pages
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.transformer import Transformer, check_cache_size
@@ -333,38 +334,6 @@ class CompiledStep:
         with torch.no_grad():
             logits = self.out_proj(hidden)
             return torch.log_softmax(logits, dim=-1, out=logits)
-
-
-_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
-
-
-def release_file_pages(path: Path) -> int:
-    """Hand back the pages this process holds of ``path``'s non-executable mappings over
-    1 MiB, and return how many bytes of mappings were advised: AOTInductor's loader maps the
-    library's weights from the file and copies them into memory of its own, and the mapping
-    stays (Linux; elsewhere nothing is done). Nothing is lost: a page still needed is read
-    from the file again, and a written page is kept."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return 0
-    advised = 0
-    for line in maps:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or fields[5] != str(path) or "x" in fields[1]:
-            continue
-        start, end = (int(a, 16) for a in fields[0].split("-"))
-        if (
-            end - start > 1 << 20
-            and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
-            == 0
-        ):
-            advised += end - start
-    return advised
 
 
 def _identity(model: nn.Module) -> list[tuple[int, int, int]]:

@@ -298,6 +298,11 @@ class CpuLinear(nn.Linear):
         """Whether the layer has a pack of its current weight."""
         return self.pack is not None and self.pack.matches(self.weight)
 
+    def onednn_packed(self) -> bool:
+        """Whether every product of the layer goes through a oneDNN pack of its current
+        weight (an MKL pack serves some row counts only)."""
+        return self.pack is not None and self.pack.onednn and self.pack.matches(self.weight)
+
     def packed_product(self, x: Tensor) -> Tensor | None:
         """The product through :attr:`pack`, or None where the pack does not serve ``x``."""
         pack = self.pack

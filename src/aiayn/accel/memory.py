@@ -18,6 +18,11 @@ The thresholds are the process's: while several holders are alive the largest ap
 the last is released, glibc's defaults (128 KiB each) are set again, without glibc's automatic
 raising of the mmap threshold, which an explicit setting switches off for good.
 ``AIAYN_MALLOC=system`` leaves ``malloc`` alone.
+
+Weights mapped from a file (a checkpoint that :func:`aiayn.inference.loading.load_model`
+maps, a compiled library) are the kernel's to page in and out: :func:`page_out` hands back
+the pages of one that a packed copy has replaced, :func:`read_by_rows` has the kernel read
+only the pages of a table that are used (Linux; elsewhere both do nothing).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import itertools
 import os
 import platform
 from collections.abc import Callable
+from pathlib import Path
+
+from torch import Tensor
 
 ENV_VAR = "AIAYN_MALLOC"
 # (mmap threshold, trim threshold) in bytes
@@ -88,17 +96,116 @@ def _apply(mallopt: Callable[[int, int], int]) -> bool:
     return ok
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's mallopt, or None where this module leaves malloc alone."""
+def trim() -> bool:
+    """Give the kernel back the free memory inside malloc's heaps (glibc's ``malloc_trim``):
+    what a large structure freed all at once leaves there, such as the weights a model was
+    built with before a checkpoint's replaced them. False where nothing was done."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(ctypes.c_size_t(0)))
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, or None where this module leaves malloc alone."""
     if os.environ.get(ENV_VAR, "").strip().lower() == "system":
         return None
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    name = ctypes.util.find_library("c") or "libc.so.6"
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, or None where this module leaves malloc alone."""
+    libc = _glibc()
+    try:
+        mallopt = None if libc is None else libc.mallopt
+    except AttributeError:
+        return None
+    if mallopt is None:
         return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt
+
+
+# -- pages of mapped files ---------------------------------------------------------------------
+
+_MADV_RANDOM = 1  # read only the page that is touched, not the ones around it
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
+_PAGE = 4096
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings of files that are not executable code,
+    adjacent parts of one file's mapping as one; empty where /proc/self/maps cannot be read."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    found: list[tuple[int, int, str]] = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or "x" in fields[1] or not fields[5].startswith("/"):
+            continue
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if found and found[-1][1] == start and found[-1][2] == fields[5]:
+            # One mapping that advice split in parts (madvise gives a range flags of its own).
+            found[-1] = (found[-1][0], end, fields[5])
+        else:
+            found.append((start, end, fields[5]))
+    return found
+
+
+def _madvise(start: int, end: int, advice: int) -> bool:
+    """madvise(2) over the whole pages of [start, end); False where nothing was advised."""
+    start, end = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if end <= start or platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
+
+
+def _mapped_span(tensor: Tensor, mappings: list[tuple[int, int, str]]) -> tuple[int, int] | None:
+    """The bytes of ``tensor`` (contiguous, on the CPU) where they lie in a file mapping."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if any(lo <= start and end <= hi for lo, hi, _ in mappings):
+        return start, end
+    return None
+
+
+def page_out(tensor: Tensor, mappings: list[tuple[int, int, str]] | None = None) -> int:
+    """Hand back the pages of ``tensor`` if its bytes are mapped from a file, and return how
+    many bytes were advised (0 for a tensor in memory of the process's own). Nothing is lost:
+    a page read again comes back from the file."""
+    span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
+    if span is None or not _madvise(*span, _MADV_PAGEOUT):
+        return 0
+    return span[1] // _PAGE * _PAGE - -(-span[0] // _PAGE) * _PAGE
+
+
+def read_by_rows(tensor: Tensor, mappings: list[tuple[int, int, str]] | None = None) -> bool:
+    """Have the kernel read only the touched pages of ``tensor`` if it is mapped from a file
+    (an embedding table, of which a decode reads the rows of its tokens: read ahead, a few
+    hundred random tokens would bring in the whole table)."""
+    span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
+    return span is not None and _madvise(*span, _MADV_RANDOM)
+
+
+def release_file_pages(path: Path) -> int:
+    """Hand back the pages this process holds of ``path``'s non-executable mappings over
+    1 MiB, and return how many bytes of mappings were advised (AOTInductor's loader maps a
+    compiled library's weights from the file and copies them into memory of its own, and
+    the mapping stays)."""
+    advised = 0
+    for start, end, name in file_mappings():
+        if name == str(path) and end - start > 1 << 20 and _madvise(start, end, _MADV_PAGEOUT):
+            advised += end - start
+    return advised

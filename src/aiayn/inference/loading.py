@@ -28,6 +28,13 @@ key                 value
                     seen), ``skipped`` (non-finite updates skipped)      (train only)
 ==================  ======================================================================
 
+For inference (:func:`load_model`) the checkpoint is mapped, not read
+(``torch.load(mmap=True)``): the model's parameters are the file's pages, read when used,
+so that loading holds no second copy, and where a packed copy replaces a weight
+(:func:`aiayn.accel.accelerate`) its pages are handed back. aiayn writes checkpoints to a
+new file renamed over the old one, which leaves a mapped file as it was; a checkpoint that a
+running process translates with is not to be written over in place.
+
 Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newest
 ``keep_last`` kept), ``best.pt`` (model kind, best validation score) and ``averaged.pt``
 (model kind, the average of the last ``average_last``).
@@ -38,7 +45,7 @@ from __future__ import annotations
 import pickle
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from aiayn.accel import memory
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError, UserError
@@ -92,8 +100,11 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read and check one checkpoint with ``weights_only=True``; CheckpointError if unusable."""
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", *, mmap: bool = False
+) -> dict[str, Any]:
+    """Read and check one checkpoint with ``weights_only=True``; CheckpointError if unusable.
+    With ``mmap`` its tensors are mapped from the file (on the CPU) instead of read."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -105,7 +116,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> dic
         if head != _ZIP_MAGIC:  # torch.save writes a zip archive
             # Bytes that are no zip archive at all never load: corrupt, like a truncated one.
             raise CheckpointCorrupt(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
-        state = torch.load(path, map_location=device, weights_only=True)
+        if mmap:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            state = torch.load(path, map_location=device, weights_only=True)
     except CheckpointError:
         raise
     except OSError as err:  # the file, not its bytes: permissions, I/O errors
@@ -144,12 +158,14 @@ def latest_valid_checkpoint(
     device: str | torch.device = "cpu",
     warn: bool = True,
     failed: dict[Path, CheckpointError] | None = None,
+    mmap: bool = False,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest step checkpoint that loads, falling back past broken ones (with a message);
-    ``failed``, when given, receives each newer one passed over and why."""
+    """The newest step checkpoint that loads (``mmap``: see :func:`load_checkpoint`), falling
+    back past broken ones (with a message); ``failed``, when given, receives each newer one
+    passed over and why."""
     for path in reversed(list_step_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path, device)
+            return path, load_checkpoint(path, device, mmap=mmap)
         except CheckpointError as err:
             if failed is not None:
                 failed[path] = err
@@ -171,17 +187,38 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return resolve_and_load(path)[0]
 
 
-def resolve_and_load(path: str | Path) -> tuple[Path, dict[str, Any]]:
-    """:func:`resolve_checkpoint` and the checkpoint read from it."""
+def resolve_and_load(path: str | Path, *, mmap: bool = False) -> tuple[Path, dict[str, Any]]:
+    """:func:`resolve_checkpoint` and the checkpoint read (``mmap``: mapped) from it."""
     path = Path(path)
     if path.is_dir():
         if (path / AVERAGED_NAME).is_file():
-            return path / AVERAGED_NAME, load_checkpoint(path / AVERAGED_NAME)
-        found = latest_valid_checkpoint(path)
+            return path / AVERAGED_NAME, load_checkpoint(path / AVERAGED_NAME, mmap=mmap)
+        found = latest_valid_checkpoint(path, mmap=mmap)
         if found is None:
             raise CheckpointError(f"{path} holds no {AVERAGED_NAME} and no readable checkpoint")
         return found
-    return path, load_checkpoint(path)
+    return path, load_checkpoint(path, mmap=mmap)
+
+
+def assign_weights(model: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """``model.load_state_dict(state)`` (strict) without a copy: ``state``'s tensors become the
+    parameters and buffers (those of a mapped checkpoint stay mapped), in the model's dtypes.
+    A parameter the model holds under several names (the tied embedding and projection) stays
+    one parameter."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    dtypes = {name: t.dtype for name, t in model.state_dict(keep_vars=True).items()}
+    model.load_state_dict(state, assign=True)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.dtype != dtypes[name]:  # a checkpoint of other dtypes: a converted copy
+            tensor.data = tensor.data.to(dtypes[name])
+    for shared in names.values():
+        first = model.get_parameter(shared[0])
+        for name in shared[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, first)
+    memory.trim()  # the weights the model was built with, freed
 
 
 @dataclass
@@ -212,7 +249,7 @@ def load_model(
     checkpoint file or a run directory (see :func:`resolve_checkpoint`). With ``tasks``, a
     checkpoint of another task is refused with a :class:`CheckpointError` naming the command
     that serves it."""
-    path, state = resolve_and_load(path)
+    path, state = resolve_and_load(path, mmap=True)
     try:
         config = config_from_dict(state["config"], stored=True)
     except ConfigError as err:
@@ -224,7 +261,7 @@ def load_model(
             f"{TASK_COMMANDS[task]}"
         )
     model = build_model(config.model)
-    model.load_state_dict(state["model"])
+    assign_weights(model, state["model"])
     model.to(device).eval()
     if "tokenizer" not in state or state["tokenizer"].numel() == 0:
         raise CheckpointError(f"{path} carries no tokenizer")
