@@ -34,6 +34,9 @@ compiled decoder step        decode, fp32, up to 16      ``BufferedDecoding.comp
                              the machine (``Translator``) :func:`.compiled.use_compiled_step`)
 fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
                                                          :func:`.loss.projected_label_smoothed_nll`
+mapped weights handed back   decode (weights mapped      the pages of each weight a oneDNN
+                             from a checkpoint)          pack replaces, and of embedding
+                                                         tables (then read a row at a time)
 malloc thresholds            train, decode               process-wide, see :mod:`.memory`
 ===========================  ==========================  =======================================
 
