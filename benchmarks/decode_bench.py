@@ -6,9 +6,9 @@ and greedy, once with all 64 sentences in one batch (sentences/s from the median
 runs) and once one sentence at a time (median latency per sentence). ``aiayn`` is the default
 path once its decoder step is compiled on the machine (``--compile-only`` compiles it, in a
 process of its own, and reports how long that took; a timed process loads it);
-``aiayn-eager`` is ``--no-compiled-step``. With ``--ct2-dir``, ``--compile-only`` also writes
-the model's weights there and aiayn's timed processes map them from that file, as aiayn's
-Translator maps a checkpoint. aiayn and the
+``aiayn-eager`` is ``--no-compiled-step``. With ``--ct2-dir``, aiayn's processes map the
+model's weights from a file there (the first one writes it), as aiayn's Translator maps a
+checkpoint. aiayn and the
 ``nn.Transformer`` peer are driven by ``aiayn.inference.search``; Hugging Face by ``generate``;
 CTranslate2 by ``translate_batch``.
 
@@ -111,8 +111,8 @@ def aiayn_decoder(
     compiled: bool = False,
     weights: Path | None = None,
 ) -> Decode:
-    """aiayn's decode; ``weights``: the file of the model's weights, mapped where it exists
-    (written where not)."""
+    """aiayn's decode; ``weights``: the file of the model's weights (written by the first
+    process that needs it), mapped from it."""
     from aiayn.accel import accelerate
     from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
@@ -129,16 +129,17 @@ def aiayn_decoder(
     )
     torch.manual_seed(0)
     model = build_model(config).eval()
-    if weights is not None:
-        if weights.is_file():  # mapped, as aiayn's Translator loads a checkpoint
-            from aiayn.inference.loading import assign_weights
+    if weights is not None:  # mapped, as aiayn's Translator maps a checkpoint
+        from aiayn.inference.loading import assign_weights
 
-            assign_weights(model, torch.load(weights, mmap=True, weights_only=True))
-        else:  # the models' directory of run_all: written once, mapped by every timed run
-            with weights.open("wb") as file:
+        if not weights.is_file():  # the first process writes it (on disk, then renamed)
+            part = weights.with_name(f"{weights.name}.{os.getpid()}.part")
+            with part.open("wb") as file:
                 torch.save(model.state_dict(), file)
                 file.flush()
-                os.fsync(file.fileno())  # on disk, as a checkpoint that training wrote
+                os.fsync(file.fileno())
+            os.replace(part, weights)
+        assign_weights(model, torch.load(weights, mmap=True, weights_only=True))
     if int8:
         from aiayn.inference.translator import quantize_int8
 

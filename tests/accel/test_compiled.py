@@ -374,6 +374,11 @@ def test_the_command_line_passes_the_setting(
     with pytest.raises(SystemExit):
         main(["translate", str(tmp_path / "m.pt"), "-i", str(source), "--device", "cpu", *flag])
     assert seen["compiled_step"] is setting
+    assert seen["mmap"] is True  # the checkpoint mapped unless --no-mmap
+    seen.clear()
+    with pytest.raises(SystemExit):
+        main(["translate", str(tmp_path / "m.pt"), "-i", str(source), "--no-mmap", *flag])
+    assert seen["mmap"] is False
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")

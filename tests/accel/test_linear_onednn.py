@@ -5,7 +5,6 @@ row count, the same hypotheses, and never a stale weight."""
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,11 @@ from tests.helpers import (
     linear_layers,
     packed_flags,
     packing_model,
+    pages_stay,
+    resident_bytes,
     search_tokens,
     step_log_probs,
+    write_to_disk,
 )
 
 pytestmark = [
@@ -144,19 +146,6 @@ def test_translator_packs_by_default_and_not_with_pack_weights_false() -> None:
     assert not any(packed_flags(model))
 
 
-def _resident(path: Path) -> int:
-    """Bytes of ``path``'s mappings that are in this process's memory (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            inside = fields[-1] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1]) << 10
-    return total
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
 def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> None:
     """A model whose weights are mapped from a file (as a checkpoint is for inference) keeps
     none of the packed weights' pages, nor those of the embedding table that lookups read a
@@ -170,12 +159,12 @@ def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> No
         config = ModelConfig(vocab_size=3000, d_model=128, d_ff=512, n_heads=4, n_layers=1)
         return Transformer(config).eval()
 
+    reason = pages_stay(tmp_path)
+    if reason is not None:
+        pytest.skip(reason)
     path = tmp_path / "weights.pt"
     plain = build()
-    torch.save(plain.state_dict(), path)
-    descriptor = os.open(path, os.O_RDONLY)
-    os.fsync(descriptor)  # on disk, as a checkpoint is: a page handed back is read again
-    os.close(descriptor)
+    write_to_disk(path, plain.state_dict())
     model = build()
     assign_weights(model, torch.load(path, mmap=True, weights_only=True))
     assert model.out_proj.weight is model.tgt_embed.token.weight
@@ -184,14 +173,15 @@ def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> No
         parameter.sum()  # every page read, as the compiled step's digest reads them
     table = model.tgt_embed.token.weight
     weights = sum(m.weight.numel() * 4 for m in linear_layers(model) if m.weight is not table)
-    before = _resident(path)
+    before = resident_bytes(path)
     assert before >= weights + table.numel() * 4
     acceleration = accelerate(model, "decode", memory_settings=False)
     assert acceleration.packed == len(linear_layers(model))
     assert acceleration.handed_back > 0.9 * before
     assert any(lever.startswith("mapped weights' pages") for lever in acceleration.levers)
-    assert _resident(path) < 0.1 * before
+    assert [id(t) for t in acceleration._tables] == [id(table)]
+    assert resident_bytes(path) < 0.1 * before
     accelerate(plain, "decode", memory_settings=False)
     assert_close(step_log_probs(model, 5, 3000), step_log_probs(plain, 5, 3000), **FLOAT32)
     # The lookups of those steps read the rows of their tokens, not the whole table.
-    assert _resident(path) < 0.5 * table.numel() * 4
+    assert resident_bytes(path) < 0.5 * table.numel() * 4

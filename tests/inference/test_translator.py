@@ -323,6 +323,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         pack_weights: bool | None = None,
         precision: str = "fp32",
         compiled_step: bool | None = None,
+        mmap: bool = True,
     ) -> tuple[Translator, None]:
         decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
         translator = cls(

@@ -360,6 +360,7 @@ def test_translate_engine_refusals(
         (["--no-pack-weights"], "--no-pack-weights is an option of --engine torch"),
         (["--compiled-step"], "--compiled-step is an option of --engine torch"),
         (["--no-compiled-step"], "--no-compiled-step is an option of --engine torch"),
+        (["--no-mmap"], "--no-mmap is an option of --engine torch"),
         (["--beam-rule", "paper"], "use --beam-rule fairseq, or --engine torch"),
         (["--device", "tpu"], "unknown device 'tpu' for CTranslate2"),
         (["--threads", "0"], "--threads must be at least 1"),

@@ -252,6 +252,16 @@ def test_inference_maps_the_checkpoint_instead_of_reading_it(tmp_path):
         assert torch.equal(parameter, saved.get_parameter(name))
     assert model.out_proj.weight is model.tgt_embed.token.weight is model.src_embed.token.weight
     assert len(list(model.parameters())) == len(list(saved.parameters()))
+    read = loading.load_model(path, mmap=False).model  # --no-mmap: in memory of its own
+    spans = [(start, end) for start, end, name in file_mappings() if name == str(path)]
+    for name, parameter in read.named_parameters():
+        assert not any(lo <= parameter.data_ptr() < hi for lo, hi in spans), name
+        assert torch.equal(parameter, saved.get_parameter(name))
+    # A file cut short fails as it does when read: named, and called corrupt.
+    short = tmp_path / "short.pt"
+    short.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(loading.CheckpointCorrupt, match="truncated or corrupt"):
+        loading.load_model(short)
 
 
 def test_assigned_weights_take_the_models_dtypes_and_every_name():

@@ -113,8 +113,9 @@ class Acceleration:
     precision: Precision
     levers: list[str] = field(default_factory=list)
     packed: int = 0  # linear layers whose weight is packed
-    # Bytes of weights mapped from a file whose pages were handed back (decode): those a
-    # oneDNN pack replaced, and embedding tables read a row at a time.
+    # Bytes of weights mapped from a file whose pages were advised out (decode; what the
+    # kernel does with them: accel.memory.page_out): those a oneDNN pack replaced, and
+    # embedding tables read a row at a time.
     handed_back: int = 0
     # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
     fused_loss: bool = False
@@ -126,6 +127,8 @@ class Acceleration:
     _attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list, repr=False)
     _memory: int | None = field(default=None, repr=False)
     _watching: bool = field(default=False, repr=False)
+    # Mapped embedding tables advised to be read a page at a time.
+    _tables: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def undo(self) -> None:
         """Put back what this call changed: the attributes it set, the plain classes of the
@@ -143,6 +146,9 @@ class Acceleration:
                     module.__dict__.pop(name, None)
                 module.__class__ = plain
         self._swapped.clear()
+        for table in self._tables:  # read ahead again, as products that read it whole do
+            memory.read_by_rows(table, undo=True)
+        self._tables.clear()
         self.release_memory()
         if self._watching:
             unwatch_optimizer_steps()
@@ -306,8 +312,12 @@ def _tables_by_rows(model: nn.Module, acceleration: Acceleration, handed: set[in
     mappings = memory.file_mappings()
     tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
     for key, table in tables.items():
-        if key not in products and memory.read_by_rows(table, mappings) and key not in handed:
-            acceleration.handed_back += memory.page_out(table, mappings)
+        if key not in products and memory.read_by_rows(table, mappings):
+            acceleration._tables.append(table)
+            if key not in handed:
+                acceleration.handed_back += memory.page_out(table, mappings)
     if acceleration.handed_back:
         megabytes = acceleration.handed_back / (1 << 20)
-        acceleration.levers.append(f"mapped weights' pages handed back ({megabytes:.1f} MB)")
+        acceleration.levers.append(
+            f"mapped weights' pages handed back ({megabytes:.1f} MB advised)"
+        )

@@ -30,9 +30,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
+import mmap
 import os
 import platform
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 from torch import Tensor
@@ -108,12 +110,9 @@ def _glibc() -> ctypes.CDLL | None:
     """glibc, or None where this module leaves malloc alone."""
     if os.environ.get(ENV_VAR, "").strip().lower() == "system":
         return None
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":
         return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
+    return _libc()
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
@@ -132,19 +131,23 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 # -- pages of mapped files ---------------------------------------------------------------------
 
+_MADV_NORMAL = 0
 _MADV_RANDOM = 1  # read only the page that is touched, not the ones around it
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
+
+# (start, end, path) of a mapping of a file
+Mapping = tuple[int, int, str]
 
 
-def file_mappings() -> list[tuple[int, int, str]]:
+def file_mappings() -> list[Mapping]:
     """(start, end, path) of this process's mappings of files that are not executable code,
     adjacent parts of one file's mapping as one; empty where /proc/self/maps cannot be read."""
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return []
-    found: list[tuple[int, int, str]] = []
+    found: list[Mapping] = []
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) < 6 or "x" in fields[1] or not fields[5].startswith("/"):
@@ -158,45 +161,69 @@ def file_mappings() -> list[tuple[int, int, str]]:
     return found
 
 
-def _madvise(start: int, end: int, advice: int) -> bool:
-    """madvise(2) over the whole pages of [start, end); False where nothing was advised."""
-    start, end = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    if end <= start or platform.system() != "Linux":
-        return False
+@cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (Linux), or None."""
+    if platform.system() != "Linux":
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
+        return None
+
+
+def _madvise(start: int, end: int, advice: int) -> int:
+    """madvise(2) over the whole pages of [start, end): the bytes advised (0 where none)."""
+    start, end = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    libc = _libc()
+    if end <= start or libc is None:
+        return 0
+    ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
+    return end - start if ok else 0
+
+
+def _pages_can_go(path: str) -> bool:
+    """Whether Linux hands back this process's pages of the file ``path``: only to its owner
+    or to a process that may write it (``MADV_PAGEOUT`` skips a file's pages otherwise)."""
+    try:
+        return os.stat(path).st_uid == os.geteuid() or os.access(path, os.W_OK)
+    except (OSError, AttributeError):
         return False
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
 
 
-def _mapped_span(tensor: Tensor, mappings: list[tuple[int, int, str]]) -> tuple[int, int] | None:
-    """The bytes of ``tensor`` (contiguous, on the CPU) where they lie in a file mapping."""
+def _mapped_span(tensor: Tensor, mappings: list[Mapping]) -> tuple[int, int, str] | None:
+    """The bytes of ``tensor`` (contiguous, on the CPU) and the file, where they lie in a
+    mapping of one."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
         return None
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    if any(lo <= start and end <= hi for lo, hi, _ in mappings):
-        return start, end
+    for lo, hi, path in mappings:
+        if lo <= start and end <= hi:
+            return start, end, path
     return None
 
 
-def page_out(tensor: Tensor, mappings: list[tuple[int, int, str]] | None = None) -> int:
-    """Hand back the pages of ``tensor`` if its bytes are mapped from a file, and return how
-    many bytes were advised (0 for a tensor in memory of the process's own). Nothing is lost:
-    a page read again comes back from the file."""
+def page_out(tensor: Tensor, mappings: list[Mapping] | None = None) -> int:
+    """Hand back the pages of ``tensor`` if its bytes are mapped from a file whose pages Linux
+    hands back for this process, and return how many bytes were advised (0 for memory of the
+    process's own). Nothing is lost: a page read again comes back from the file (a file on a
+    disk; tmpfs keeps its pages in memory, where they stay)."""
     span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
-    if span is None or not _madvise(*span, _MADV_PAGEOUT):
+    if span is None or not _pages_can_go(span[2]):
         return 0
-    return span[1] // _PAGE * _PAGE - -(-span[0] // _PAGE) * _PAGE
+    return _madvise(span[0], span[1], _MADV_PAGEOUT)
 
 
-def read_by_rows(tensor: Tensor, mappings: list[tuple[int, int, str]] | None = None) -> bool:
+def read_by_rows(
+    tensor: Tensor, mappings: list[Mapping] | None = None, *, undo: bool = False
+) -> bool:
     """Have the kernel read only the touched pages of ``tensor`` if it is mapped from a file
     (an embedding table, of which a decode reads the rows of its tokens: read ahead, a few
-    hundred random tokens would bring in the whole table)."""
+    hundred random tokens would bring in the whole table); ``undo``: read ahead again."""
     span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
-    return span is not None and _madvise(*span, _MADV_RANDOM)
+    advice = _MADV_NORMAL if undo else _MADV_RANDOM
+    return span is not None and _madvise(span[0], span[1], advice) > 0
 
 
 def release_file_pages(path: Path) -> int:
@@ -206,6 +233,6 @@ def release_file_pages(path: Path) -> int:
     the mapping stays)."""
     advised = 0
     for start, end, name in file_mappings():
-        if name == str(path) and end - start > 1 << 20 and _madvise(start, end, _MADV_PAGEOUT):
-            advised += end - start
+        if name == str(path) and end - start > 1 << 20 and _pages_can_go(name):
+            advised += _madvise(start, end, _MADV_PAGEOUT)
     return advised

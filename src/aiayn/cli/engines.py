@@ -14,7 +14,7 @@ ENGINES = ("torch", "ctranslate2")
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """``--device``, ``--engine``, ``--threads``, ``--quantize``, ``--pack-weights``,
-    ``--compiled-step`` and ``--precision``, with the same meaning in every command that
+    ``--compiled-step``, ``--mmap`` and ``--precision``, with the same meaning in every command that
     decodes translations."""
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument(
@@ -60,6 +60,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "where it has been compiled before; --no-compiled-step never uses it",
     )
     parser.add_argument(
+        "--mmap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="map the checkpoint's weights from its file rather than read them (the default): "
+        "pages are read as they are used, and those of weights packed for oneDNN are given "
+        "back; --no-mmap reads the file, for a checkpoint that may be written over in place "
+        "(not replaced by a rename) while it is loaded",
+    )
+    parser.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
@@ -72,14 +81,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_engine_options(args: argparse.Namespace) -> None:
     """Refuse, in one line, what the chosen engine does not take: ``--threads`` below 1;
-    with ``--engine ctranslate2``, ``--pack-weights``, ``--compiled-step``, ``--beam-rule
-    paper`` (where the command has it, and the beam is not 1) and a device CTranslate2 does
-    not know."""
+    with ``--engine ctranslate2``, ``--pack-weights``, ``--compiled-step``, ``--mmap``,
+    ``--beam-rule paper`` (where the command has it, and the beam is not 1) and a device
+    CTranslate2 does not know."""
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be at least 1, got {args.threads}")
     if args.engine != "ctranslate2":
         return
-    for name in ("pack_weights", "compiled_step"):
+    for name in ("pack_weights", "compiled_step", "mmap"):
         value = getattr(args, name, None)
         if value is not None:
             flag = "--" + ("" if value else "no-") + name.replace("_", "-")

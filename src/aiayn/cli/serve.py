@@ -140,6 +140,7 @@ def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[
         pack_weights=args.pack_weights,
         precision=args.precision,
         compiled_step=args.compiled_step,
+        mmap=args.mmap is not False,
         threads=args.threads,
     )
     return engine, str(device)

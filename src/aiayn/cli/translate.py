@@ -136,6 +136,7 @@ def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
         pack_weights=args.pack_weights,
         precision=args.precision,
         compiled_step=args.compiled_step,
+        mmap=args.mmap is not False,
     )
     return translator, str(device)
 

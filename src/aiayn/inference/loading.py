@@ -29,11 +29,11 @@ key                 value
 ==================  ======================================================================
 
 For inference (:func:`load_model`) the checkpoint is mapped, not read
-(``torch.load(mmap=True)``): the model's parameters are the file's pages, read when used,
-so that loading holds no second copy, and where a packed copy replaces a weight
-(:func:`aiayn.accel.accelerate`) its pages are handed back. aiayn writes checkpoints to a
-new file renamed over the old one, which leaves a mapped file as it was; a checkpoint that a
-running process translates with is not to be written over in place.
+(``torch.load(mmap=True)``, privately): the model's parameters are the file's pages, read
+when used, and where a oneDNN pack replaces a weight (:func:`aiayn.accel.accelerate`) its
+pages are handed back. aiayn writes checkpoints to a new file renamed over the old one,
+which leaves a mapped file as it was; a checkpoint that a running process translates with is
+not to be written over in place (``mmap=False`` reads it instead).
 
 Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newest
 ``keep_last`` kept), ``best.pt`` (model kind, best validation score) and ``averaged.pt``
@@ -42,6 +42,7 @@ Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newe
 
 from __future__ import annotations
 
+import mmap as mmap_module
 import pickle
 import re
 import sys
@@ -116,9 +117,8 @@ def load_checkpoint(
         if head != _ZIP_MAGIC:  # torch.save writes a zip archive
             # Bytes that are no zip archive at all never load: corrupt, like a truncated one.
             raise CheckpointCorrupt(f"{path} is not an aiayn checkpoint (not a PyTorch file)")
-        if mmap:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        else:
+        state = _mapped(path) if mmap else None
+        if state is None:
             state = torch.load(path, map_location=device, weights_only=True)
     except CheckpointError:
         raise
@@ -151,6 +151,22 @@ def load_checkpoint(
         if key not in state:
             raise CheckpointError(f"checkpoint {path} lacks {key!r}")
     return state
+
+
+def _mapped(path: Path) -> Any:
+    """The checkpoint at ``path`` with its tensors mapped from the file (privately: a write to
+    a tensor never reaches the file), or None where the file cannot be mapped (a file system
+    without mappings, an address-space limit) or does not load so (read, it is judged)."""
+    private = getattr(mmap_module, "MAP_PRIVATE", None)
+    try:
+        if private is None:  # Windows: torch.load maps files as it can there
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.set_default_mmap_options(private):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except MemoryError:
+        raise
+    except Exception:
+        return None
 
 
 def latest_valid_checkpoint(
@@ -243,13 +259,18 @@ TASK_COMMANDS = {
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", *, tasks: Sequence[str] | None = None
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    tasks: Sequence[str] | None = None,
+    mmap: bool = True,
 ) -> LoadedModel:
     """The model (eval mode, on ``device``), config, tokenizer and class names from a
     checkpoint file or a run directory (see :func:`resolve_checkpoint`). With ``tasks``, a
     checkpoint of another task is refused with a :class:`CheckpointError` naming the command
-    that serves it."""
-    path, state = resolve_and_load(path, mmap=True)
+    that serves it. ``mmap``: the weights mapped from the file (the module docstring), else
+    read into memory."""
+    path, state = resolve_and_load(path, mmap=mmap)
     try:
         config = config_from_dict(state["config"], stored=True)
     except ConfigError as err:

@@ -339,11 +339,13 @@ class Translator(TextTranslator):
         pack_weights: bool | None = None,
         precision: Precision = "fp32",
         compiled_step: bool | None = None,
+        mmap: bool = True,
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
-        config."""
-        loaded = load_model(path, device, tasks=("translation",))
+        config. ``mmap``: the weights mapped from the file, else read
+        (:func:`~aiayn.inference.loading.load_model`)."""
+        loaded = load_model(path, device, tasks=("translation",), mmap=mmap)
         model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
         assert isinstance(model, TranslationModel)
         if quantize is not None:

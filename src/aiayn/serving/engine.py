@@ -110,6 +110,7 @@ class Engine:
         precision: Precision = "fp32",
         threads: int | None = None,
         compiled_step: bool | None = None,
+        mmap: bool = True,
     ) -> Engine:
         """The PyTorch engine for a checkpoint file or run directory (the settings are
         :meth:`Translator.from_checkpoint`'s)."""
@@ -121,6 +122,7 @@ class Engine:
             pack_weights=pack_weights,
             precision=precision,
             compiled_step=compiled_step,
+            mmap=mmap,
         )
         return cls(translator, config, source=str(path), threads=threads)
 
