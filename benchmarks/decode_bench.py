@@ -58,7 +58,7 @@ SYSTEMS = (
     "ct2-float32-1thread",
 )
 MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
-# In the models' directory (--ct2-dir): aiayn's weights, written by --compile-only.
+# In the models' directory (--ct2-dir): aiayn's weights, written by the first aiayn process.
 AIAYN_WEIGHTS = "aiayn-weights.pt"
 ALPHA = 0.6
 
@@ -134,11 +134,14 @@ def aiayn_decoder(
 
         if not weights.is_file():  # the first process writes it (on disk, then renamed)
             part = weights.with_name(f"{weights.name}.{os.getpid()}.part")
-            with part.open("wb") as file:
-                torch.save(model.state_dict(), file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(part, weights)
+            try:
+                with part.open("wb") as file:
+                    torch.save(model.state_dict(), file)
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(part, weights)
+            finally:
+                part.unlink(missing_ok=True)
         assign_weights(model, torch.load(weights, mmap=True, weights_only=True))
     if int8:
         from aiayn.inference.translator import quantize_int8

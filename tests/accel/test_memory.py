@@ -137,7 +137,7 @@ def test_only_pages_mapped_from_a_file_are_handed_back(tmp_path):
     float(mapped.sum())
     assert resident_bytes(path) >= 4 << 20
     assert 4 << 20 >= memory.page_out(mapped) >= (4 << 20) - 2 * memory._PAGE
-    assert resident_bytes(path) < 64 << 10  # its whole pages went (the file's head may stay)
+    assert resident_bytes(path) <= 2 * memory._PAGE  # its whole pages went, not its ends
     assert torch.equal(mapped, torch.arange(1 << 20, dtype=torch.float32))  # read again
     assert memory.read_by_rows(mapped, undo=True)
     own = torch.ones(1 << 20)

@@ -163,6 +163,7 @@ def test_serve_refuses_what_the_engine_does_not_take(
     for extra, message in (
         (["--pack-weights"], "--pack-weights is an option of --engine torch"),
         (["--compiled-step"], "--compiled-step is an option of --engine torch"),
+        (["--no-mmap"], "--no-mmap is an option of --engine torch"),
         (["--device", "tpu"], "unknown device 'tpu' for CTranslate2"),
         (["--threads", "0"], "--threads must be at least 1"),
     ):

@@ -76,3 +76,21 @@ def test_serve_errors_are_one_line(reverse_checkpoint: Path, tmp_path: Path, cap
         assert main(["serve", str(reverse_checkpoint), "--port", port]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flag", "mapped"), [([], True), (["--no-mmap"], False)])
+def test_serve_maps_the_checkpoint_unless_told(
+    flag: list[str], mapped: bool, reverse_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiayn.serving.engine import Engine
+
+    seen: dict[str, object] = {}
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(Engine, "from_checkpoint", spy)
+    with pytest.raises(SystemExit):
+        main(["serve", str(reverse_checkpoint), "--port", "0", "--device", "cpu", *flag])
+    assert seen["mmap"] is mapped

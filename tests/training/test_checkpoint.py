@@ -68,9 +68,12 @@ def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys
         loading.load_checkpoint(tmp_path / "other.pt")
     # A pickled module is refused without running it, and without pointing at unsafe loading.
     torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
-    with pytest.raises(loading.CheckpointError, match="holds Python objects") as refused:
-        loading.load_checkpoint(tmp_path / "module.pt")
-    assert "weights_only" not in str(refused.value)
+    for mmap in (False, True):  # read, or mapped as inference loads: judged alike
+        with pytest.raises(loading.CheckpointError, match="holds Python objects") as refused:
+            loading.load_checkpoint(tmp_path / "module.pt", mmap=mmap)
+        assert "weights_only" not in str(refused.value)
+        with pytest.raises(loading.CheckpointError, match="not an aiayn checkpoint"):
+            loading.load_checkpoint(tmp_path / "other.pt", mmap=mmap)
 
 
 def test_averaging_identity_and_mean(tmp_path):

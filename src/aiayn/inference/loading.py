@@ -163,8 +163,8 @@ def _mapped(path: Path) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         with torch.serialization.set_default_mmap_options(private):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except MemoryError:
-        raise
+    except (MemoryError, pickle.UnpicklingError):
+        raise  # a refused or unreadable pickle: judged as the read would judge it
     except Exception:
         return None
 
