@@ -299,3 +299,23 @@ def pages_stay(folder: Path) -> str | None:
     if after >= before:
         return f"pages of a file in {folder} stay in memory when handed back (tmpfs?)"
     return None
+
+
+def loader_settings(monkeypatch: Any, owner: type, argv: list[str]) -> dict[str, object]:
+    """The keyword arguments ``aiayn argv`` passes to ``owner.from_checkpoint`` (which is
+    stopped there: nothing is loaded)."""
+    from aiayn.cli import main
+
+    seen: dict[str, object] = {}
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(owner, "from_checkpoint", spy)
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+    assert seen, f"aiayn {' '.join(argv)} did not reach {owner.__name__}.from_checkpoint"
+    return seen

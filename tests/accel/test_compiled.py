@@ -359,26 +359,16 @@ def test_a_translator_finds_it_and_translates_as_without(
 def test_the_command_line_passes_the_setting(
     flag: list[str], setting: bool | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from aiayn.cli import main
     from aiayn.inference.translator import Translator
+    from tests.helpers import loader_settings
 
-    seen: dict[str, object] = {}
-
-    def spy(*args: object, **kwargs: object) -> object:
-        seen.update(kwargs)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(Translator, "from_checkpoint", spy)
     source = tmp_path / "in.txt"
     source.write_text("abc\n", encoding="utf-8")
-    with pytest.raises(SystemExit):
-        main(["translate", str(tmp_path / "m.pt"), "-i", str(source), "--device", "cpu", *flag])
+    command = ["translate", str(tmp_path / "m.pt"), "-i", str(source), "--device", "cpu", *flag]
+    seen = loader_settings(monkeypatch, Translator, command)
     assert seen["compiled_step"] is setting
     assert seen["mmap"] is True  # the checkpoint mapped unless --no-mmap
-    seen.clear()
-    with pytest.raises(SystemExit):
-        main(["translate", str(tmp_path / "m.pt"), "-i", str(source), "--no-mmap", *flag])
-    assert seen["mmap"] is False
+    assert loader_settings(monkeypatch, Translator, [*command, "--no-mmap"])["mmap"] is False
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")

@@ -83,14 +83,7 @@ def test_serve_maps_the_checkpoint_unless_told(
     flag: list[str], mapped: bool, reverse_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aiayn.serving.engine import Engine
+    from tests.helpers import loader_settings
 
-    seen: dict[str, object] = {}
-
-    def spy(*args: object, **kwargs: object) -> object:
-        seen.update(kwargs)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(Engine, "from_checkpoint", spy)
-    with pytest.raises(SystemExit):
-        main(["serve", str(reverse_checkpoint), "--port", "0", "--device", "cpu", *flag])
-    assert seen["mmap"] is mapped
+    command = ["serve", str(reverse_checkpoint), "--port", "0", "--device", "cpu", *flag]
+    assert loader_settings(monkeypatch, Engine, command)["mmap"] is mapped

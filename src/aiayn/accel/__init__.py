@@ -258,7 +258,6 @@ def accelerate(
             acceleration.levers.append("attention in float32")
     if before_packing is not None:
         before_packing(acceleration)
-    handed: set[int] = set()  # weights whose pages were handed back
     if bf16 or pack_weights:
         acceleration._swap(model, [nn.Linear])
         # Every CpuLinear, also those an earlier call swapped in: calls add up.
@@ -272,6 +271,7 @@ def accelerate(
         if mode == "decode":
             made: list[bool] = []  # for each new pack: whether it is oneDNN's
             mappings = memory.file_mappings()
+            handed: set[int] = set()  # weights whose pages were handed back
             for layer in linears:
                 if layer.pack_serves():
                     continue
@@ -291,7 +291,7 @@ def accelerate(
                 library = "oneDNN" if all(made) else "MKL"
                 acceleration.levers.append(f"packed weights ({library}, {len(made)})")
     if mode == "decode":
-        _tables_by_rows(model, acceleration, handed)
+        _tables_by_rows(model, acceleration)
     if memory_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
@@ -299,22 +299,24 @@ def accelerate(
     return acceleration
 
 
-def _tables_by_rows(model: nn.Module, acceleration: Acceleration, handed: set[int]) -> None:
+def _tables_by_rows(model: nn.Module, acceleration: Acceleration) -> None:
     """Embedding tables mapped from a file (:func:`aiayn.inference.loading.load_model`) that
     no product reads whole (an unpacked tied projection would): the kernel is to read only the
     pages of the rows looked up, and the pages read so far (all of them: the compiled step's
-    digest, the packs) are handed back, where ``handed`` (weight ids) has not had them yet."""
-    products = {
-        id(m.weight)
-        for m in model.modules()
-        if isinstance(m, nn.Linear) and not (isinstance(m, CpuLinear) and m.onednn_packed())
-    }
+    digest, the packs) are handed back, unless a oneDNN pack of the table (the tied
+    projection's) had them handed back when it was made."""
+    packed: set[int] = set()  # weights of oneDNN packs, handed back when packed
+    products: set[int] = set()  # weights some product reads whole
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            onednn = isinstance(m, CpuLinear) and m.onednn_packed()
+            (packed if onednn else products).add(id(m.weight))
     mappings = memory.file_mappings()
     tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
     for key, table in tables.items():
         if key not in products and memory.read_by_rows(table, mappings):
             acceleration._tables.append(table)
-            if key not in handed:
+            if key not in packed:
                 acceleration.handed_back += memory.page_out(table, mappings)
     if acceleration.handed_back:
         megabytes = acceleration.handed_back / (1 << 20)

@@ -42,6 +42,7 @@ Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newe
 
 from __future__ import annotations
 
+import contextlib
 import mmap as mmap_module
 import pickle
 import re
@@ -157,11 +158,14 @@ def _mapped(path: Path) -> Any:
     """The checkpoint at ``path`` with its tensors mapped from the file (privately: a write to
     a tensor never reaches the file), or None where the file cannot be mapped (a file system
     without mappings, an address-space limit) or does not load so (read, it is judged)."""
-    private = getattr(mmap_module, "MAP_PRIVATE", None)
+    private = getattr(mmap_module, "MAP_PRIVATE", None)  # None on Windows: torch's own way
+    options = (
+        contextlib.nullcontext()
+        if private is None
+        else torch.serialization.set_default_mmap_options(private)
+    )
     try:
-        if private is None:  # Windows: torch.load maps files as it can there
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        with torch.serialization.set_default_mmap_options(private):
+        with options:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (MemoryError, pickle.UnpicklingError):
         raise  # a refused or unreadable pickle: judged as the read would judge it
