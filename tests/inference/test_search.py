@@ -580,3 +580,68 @@ def test_beam_with_one_token_blocks_matches_reference(
     )
     test_batched_beam_matches_reference(k, 0.6, nbest, rule)
     assert calls  # the block maxima were taken
+
+
+# -- greedy's choice by blocks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab"), [(8, 8000), (64, 8000), (9, 1037), (8, 2 * search.ARGMAX_BLOCK), (33, 200)]
+)
+def test_first_argmax_is_the_first_maximum_as_max_gives_it(rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    scores = torch.randint(-3, 3, (rows, vocab), generator=gen).float()  # ties in every row
+    scores[0] = NEG  # a row with nothing allowed but the first token's -inf
+    scores[1, -1] = 100.0  # the maximum after the last whole block
+    scores[2, :] = 7.0  # the maximum everywhere: the first index
+    scores[3, 5] = scores[3, vocab - 1] = float("nan")  # NaN counts as the maximum
+    scores[4, vocab - 1] = float("nan")
+    scores[5, 70] = scores[5, vocab - 2] = 50.0  # equal maxima in a block and in the tail
+    used = []
+    amax = Tensor.amax
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Tensor, "amax", lambda self, *a, **kw: used.append(1) or amax(self, *a, **kw))
+        got = search.first_argmax(scores)
+    assert used  # by blocks
+    assert torch.equal(got, scores.max(dim=-1).indices)
+    assert torch.equal(search.first_argmax(scores.t().contiguous().t()), got)  # strided rows
+
+
+def test_first_argmax_over_few_rows_is_max() -> None:
+    scores = torch.randn(search.ARGMAX_ROWS - 1, 8000)
+    used = []
+    amax = Tensor.amax
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Tensor, "amax", lambda self, *a, **kw: used.append(1) or amax(self, *a, **kw))
+        assert torch.equal(search.first_argmax(scores), scores.max(dim=-1).indices)
+    assert not used
+
+
+def test_greedy_search_by_blocks_equals_greedy_by_max(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    batch, vocab, steps = 16, 300, 6
+    table = torch.randn(steps + 1, batch, vocab, generator=gen).log_softmax(-1)
+    table[:, :, EOS] += 2.0 * torch.rand(steps + 1, batch, generator=gen)  # some finish early
+
+    class Rows:  # the sentence of each row; finished ones leave (keep)
+        def __init__(self) -> None:
+            self.sentences, self.t = torch.arange(batch), 0
+
+        def reorder(self, rows: Tensor) -> None:
+            self.sentences = self.sentences[rows]
+
+        def keep(self, rows: Tensor) -> None:
+            self.sentences = self.sentences[rows]
+
+    def step(tokens: Tensor, cache: Rows) -> Tensor:
+        cache.t += 1
+        return table[cache.t - 1, cache.sentences]
+
+    def run() -> list[tuple[list[int], float]]:
+        hyps = greedy_search(step, Rows(), batch, max_len=steps)
+        return [(h.tokens, h.score) for h in hyps]
+
+    by_blocks = run()
+    assert len({len(tokens) for tokens, _ in by_blocks}) > 1  # rows left at different steps
+    monkeypatch.setattr(search, "ARGMAX_ROWS", batch + 1)  # max(dim) at every step
+    assert run() == by_blocks
