@@ -586,13 +586,13 @@ def test_beam_with_one_token_blocks_matches_reference(
 
 
 @pytest.mark.parametrize(
-    ("rows", "vocab"), [(8, 8000), (64, 8000), (9, 1037), (8, 2 * search.ARGMAX_BLOCK), (33, 200)]
+    ("rows", "vocab"), [(8, 8005), (64, 8000), (9, 1037), (8, 2 * search.ARGMAX_BLOCK), (33, 200)]
 )
 def test_first_argmax_is_the_first_maximum_as_max_gives_it(rows: int, vocab: int) -> None:
     gen = torch.Generator().manual_seed(rows * vocab)
     scores = torch.randint(-3, 3, (rows, vocab), generator=gen).float()  # ties in every row
     scores[0] = NEG  # a row with nothing allowed but the first token's -inf
-    scores[1, -1] = 100.0  # the maximum after the last whole block
+    scores[1, -1] = 100.0  # the maximum at the last token (after the last whole block if any)
     scores[2, :] = 7.0  # the maximum everywhere: the first index
     scores[3, 5] = scores[3, vocab - 1] = float("nan")  # NaN counts as the maximum
     scores[4, vocab - 1] = float("nan")
@@ -621,6 +621,7 @@ def test_greedy_search_by_blocks_equals_greedy_by_max(monkeypatch: pytest.Monkey
     gen = torch.Generator().manual_seed(1)
     batch, vocab, steps = 16, 300, 6
     table = torch.randn(steps + 1, batch, vocab, generator=gen).log_softmax(-1)
+    table = torch.round(table * 2) / 2  # equal log-probabilities: ties for the first maximum
     table[:, :, EOS] += 2.0 * torch.rand(steps + 1, batch, generator=gen)  # some finish early
 
     class Rows:  # the sentence of each row; finished ones leave (keep)
@@ -641,7 +642,12 @@ def test_greedy_search_by_blocks_equals_greedy_by_max(monkeypatch: pytest.Monkey
         hyps = greedy_search(step, Rows(), batch, max_len=steps)
         return [(h.tokens, h.score) for h in hyps]
 
-    by_blocks = run()
+    used = []
+    amax = Tensor.amax
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Tensor, "amax", lambda self, *a, **kw: used.append(1) or amax(self, *a, **kw))
+        by_blocks = run()
+    assert used  # greedy chose by blocks
     assert len({len(tokens) for tokens, _ in by_blocks}) > 1  # rows left at different steps
     monkeypatch.setattr(search, "ARGMAX_ROWS", batch + 1)  # max(dim) at every step
     assert run() == by_blocks

@@ -18,8 +18,11 @@
   or NumPy views, are not noticed: pack again after them). A copied or pickled layer carries no
   pack. PyTorch's own ``_mkl_linear`` uses a pack only for the row count it was made for; here
   the actual row count is passed, which relies on MKL's packed layout not depending on it, so
-  :func:`pack` checks every pack against ``F.linear`` at several row counts and keeps only
-  those that agree.
+  :func:`pack` checks every MKL pack against ``F.linear`` at several row counts and keeps only
+  those that agree; a oneDNN pack, whose product takes any row count, is checked at the one it
+  is made for (each row count multiplied leaves kernels in the process), so a pack wrong at
+  other row counts only would not be caught on the user's CPU (the tests multiply packs at 1
+  to 1,000 rows on theirs).
 - **Padded bfloat16 rows.** oneDNN builds and keeps a kernel for every row count of a bfloat16
   product, and token batches bring a new row count nearly every update, so
   bfloat16 products on the CPU run over rows padded with zeros (:data:`BF16_ROW_MULTIPLE`;

@@ -457,8 +457,8 @@ def _one_token_search(
 # Greedy's choice over many rows on the CPU: the maximum of each block of ARGMAX_BLOCK tokens
 # (a vectorised reduction), then the first maximum of the best block. ``max(dim)`` keeps an
 # index with every element and is not vectorised: over (64, 8000) log-probabilities 219 against
-# 70 µs, over (64, 37000) 980 against 196 µs; below ARGMAX_ROWS rows it is the faster
-# (docs/performance.md).
+# 70 µs, over (64, 37000) 980 against 196 µs, over (8, 8000) 33 against 27 µs; over (4, 8000)
+# 19 against 21 µs and (1, 8000) 10 against 18 µs, hence ARGMAX_ROWS (docs/performance.md).
 ARGMAX_BLOCK = 64
 ARGMAX_ROWS = 8
 
