@@ -18,7 +18,6 @@ CTranslate2 by ``translate_batch``.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 import warnings
@@ -131,17 +130,10 @@ def aiayn_decoder(
     model = build_model(config).eval()
     if weights is not None:  # mapped, as aiayn's Translator maps a checkpoint
         from aiayn.inference.loading import assign_weights
+        from aiayn.training.checkpoint import save_atomic
 
         if not weights.is_file():  # the first process writes it (on disk, then renamed)
-            part = weights.with_name(f"{weights.name}.{os.getpid()}.part")
-            try:
-                with part.open("wb") as file:
-                    torch.save(model.state_dict(), file)
-                    file.flush()
-                    os.fsync(file.fileno())
-                os.replace(part, weights)
-            finally:
-                part.unlink(missing_ok=True)
+            save_atomic(model.state_dict(), weights)
         assign_weights(model, torch.load(weights, mmap=True, weights_only=True))
     if int8:
         from aiayn.inference.translator import quantize_int8
