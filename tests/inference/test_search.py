@@ -651,3 +651,92 @@ def test_greedy_search_by_blocks_equals_greedy_by_max(monkeypatch: pytest.Monkey
     assert len({len(tokens) for tokens, _ in by_blocks}) > 1  # rows left at different steps
     monkeypatch.setattr(search, "ARGMAX_ROWS", batch + 1)  # max(dim) at every step
     assert run() == by_blocks
+
+
+# -- beam search with its bookkeeping on the host ---------------------------------------------
+
+
+def hashed_table(seed: int, vocab: int, tied: bool) -> LogProbFn:
+    """Prefix-dependent scores over ``vocab`` tokens: halves (so that sums and finished
+    scores tie often, and some tokens are impossible) or Gaussian ones; EOS grows more likely
+    with length."""
+
+    def logp(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        rng = random.Random(hash((seed, vocab, tied, sentence, prefix)))
+        if tied:
+            row = [rng.choice((-0.5, -1.0, -1.5, -2.0, NEG)) for _ in range(vocab)]
+            row[EOS] = rng.choice((-0.5, -1.0, -2.5)) + (0.5 if len(prefix) > 3 else -1.0)
+        else:
+            row = [rng.gauss(-3.0, 1.5) for _ in range(vocab)]
+            row[EOS] += 0.4 * len(prefix) - 1.0
+        row[BOS] = row[0] = NEG
+        return row
+
+    return logp
+
+
+@pytest.mark.parametrize("rule", BEAM_RULES)
+@pytest.mark.parametrize(
+    ("k", "alpha", "nbest"), [(1, 0.0, 1), (2, 0.6, 1), (3, 0.6, 2), (4, 1.0, 4), (5, 1.3, 3)]
+)
+@pytest.mark.parametrize(("vocab", "block"), [(6, 32), (9, 32), (80, 8)])
+def test_host_beam_search_equals_the_tensor_search(
+    k: int,
+    alpha: float,
+    nbest: int,
+    rule: str,
+    vocab: int,
+    block: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(search, "TOPK_BLOCK", block)  # (80, 8): the two-stage top-k
+    hosted = []
+    on_host = search._host_beam_search
+    monkeypatch.setattr(
+        search, "_host_beam_search", lambda *a, **kw: hosted.append(1) or on_host(*a, **kw)
+    )
+    rng = random.Random(k * 100 + vocab)
+    for seed in range(6):
+        n = 1 + seed % 3
+        limits = torch.tensor([rng.randint(0, 12) for _ in range(n)])
+        logp = hashed_table(seed, vocab, tied=seed % 2 == 0)
+        args = dict(alpha=alpha, max_len=limits, nbest=nbest, rule=rule)
+        monkeypatch.setattr(search, "HOST_BEAM_SENTENCES", n)
+        host, host_cache = run_beam(logp, n, k, **args)
+        monkeypatch.setattr(search, "HOST_BEAM_SENTENCES", n - 1)
+        tensors, tensor_cache = run_beam(logp, n, k, **args)
+        assert len(hosted) == seed + 1  # the first search only
+        assert host == tensors  # tokens, scores and log-probabilities, to the bit
+        assert host_cache.batch_sizes == tensor_cache.batch_sizes  # sentences left alike
+        assert host_cache.rows == tensor_cache.rows
+
+
+def test_host_beam_search_runs_for_one_sentence_on_the_cpu() -> None:
+    calls = []
+    on_host = search._host_beam_search
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            search, "_host_beam_search", lambda *a, **kw: calls.append(1) or on_host(*a, **kw)
+        )
+        run_beam(random_table(seed=3), search.HOST_BEAM_SENTENCES, 3, max_len=6)
+        assert len(calls) == 1
+        run_beam(random_table(seed=3), search.HOST_BEAM_SENTENCES + 1, 3, max_len=6)
+        assert len(calls) == 1
+
+
+def test_the_host_bound_is_the_tensor_bound() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    live = -torch.rand(n, generator=gen) * torch.logspace(-3, 3, n)
+    live[:3] = torch.tensor([NEG, 0.0, -0.0])
+    limits = torch.randint(0, 300, (n,), generator=gen)
+    for alpha in (0.0, 0.6, 1.0, 1.7):
+        lp_limit = gnmt_length_penalty(limits + 1.0, alpha)
+        for t in (0, 1, 7, 40, 299):
+            expected = (live / lp_limit.clamp(min=gnmt_length_penalty(t + 2.0, alpha))).tolist()
+            got = [
+                search._host_bound(x, y, t, alpha)
+                for x, y in zip(live.tolist(), lp_limit.tolist(), strict=True)
+            ]
+            assert got == expected
+    assert search._f32(1e39) == math.inf and search._f32(1 / 3) != 1 / 3

@@ -9,7 +9,9 @@ advances ``cache``, an object with two methods: ``reorder(rows)`` (row i becomes
 
 Every search is vectorised over sentences (and beams); a sentence that is done leaves the batch
 through ``cache.keep`` so the work shrinks as sentences finish. Each sentence is decoded on its
-own: its result does not depend on which other sentences share the batch.
+own: its result does not depend on which other sentences share the batch. Beam search over a
+single sentence on the CPU keeps its bookkeeping in Python lists instead
+(:data:`HOST_BEAM_SENTENCES`), with the same results.
 
 Beam search (§6.1 of the paper, after GNMT and tensor2tensor), for each sentence with beam
 size K:
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, overload
@@ -262,6 +265,10 @@ def beam_search(
     if batch_size == 0:
         return []
     k, n_keep = beam_size, nbest
+    if dev.type == "cpu" and batch_size <= HOST_BEAM_SENTENCES:
+        return _host_beam_search(
+            step_fn, cache, limits, k, alpha, bos_id, eos_id, n_keep, n_fin, fairseq
+        )
     width = int(limits.max()) + 1
     inf = float("-inf")
 
@@ -380,6 +387,158 @@ def beam_search(
         t += 1
 
     return _hypotheses(out_tok, out_len, out_score, out_logp)
+
+
+# Beam search over at most this many sentences on the CPU keeps its bookkeeping in Python
+# lists (:func:`_host_beam_search`): there the dozens of tensor operations of a step, each on
+# a few elements, cost more than the arithmetic they do (docs/performance.md).
+HOST_BEAM_SENTENCES = 1
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32, as a Python float."""
+    value: float = struct.unpack("f", struct.pack("f", x))[0]
+    return value
+
+
+def _host_bound(best_live: float, lp_limit: float, t: int, alpha: float) -> float:
+    """One sentence's bound as :func:`beam_search` computes it in float32, ``best_live /
+    lp_limit.clamp(min=gnmt_length_penalty(t + 2.0, alpha))``: the clamp's bound is rounded
+    to float32, and the quotient of two float32 values divided as doubles and rounded to
+    float32 is their float32 quotient (a double carries more than twice float32's precision,
+    so the second rounding cannot change the first)."""
+    return _f32(best_live / max(lp_limit, _f32(gnmt_length_penalty(t + 2.0, alpha))))
+
+
+def _kept_in_place_host(done: list[bool]) -> list[int]:
+    """:func:`kept_in_place` of a host list."""
+    n = done.count(False)
+    beyond = iter([i for i in range(n, len(done)) if not done[i]])
+    return [next(beyond) if done[i] else i for i in range(n)]
+
+
+def _host_beam_search(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+    cache: CacheT,
+    limits: Tensor,
+    k: int,
+    alpha: float,
+    bos_id: int,
+    eos_id: int,
+    nbest: int,
+    n_fin: int,
+    fairseq: bool,
+) -> list[list[Hypothesis]]:
+    """:func:`beam_search` of a few sentences on the CPU, with the same results.
+
+    ``step_fn``, ``cache``, :func:`top_candidates` and the merge into the n-best lists are
+    given the tensors :func:`beam_search` gives them; which candidates finish, the next live
+    beams, the bound (:func:`_host_bound`) and the histories are kept in Python lists, whose
+    scores are float32 values."""
+    inf, f32 = float("-inf"), torch.float32
+    ids = list(range(limits.numel()))
+    lim: list[int] = limits.tolist()
+    lp_limit: list[float] = gnmt_length_penalty(limits + 1.0, alpha).tolist()  # float32
+    live = [[0.0] + [inf] * (k - 1) for _ in ids]  # all beams start alike: one is live
+    history: list[list[list[int]]] = [[[] for _ in range(k)] for _ in ids]
+    # Each sentence's n-best list of (score, log-probability, tokens), best first.
+    pools: list[list[tuple[float, float, list[int]]]] = [[(inf, inf, [])] * nbest for _ in ids]
+    n_finished = [0] * len(ids)
+    results: list[list[Hypothesis]] = [[] for _ in ids]
+    tokens = torch.full((len(ids) * k,), bos_id, dtype=torch.long)
+    nearest_limit = min(lim)
+    t = 0
+    while True:
+        b = len(ids)
+        log_probs = step_fn(tokens, cache).float().view(b, k, -1)  # (b, K, V)
+        vocab = log_probs.size(-1)
+        if vocab < 2:
+            raise ValueError("beam search needs a vocabulary of at least two tokens")
+        if t >= nearest_limit:
+            forced = torch.tensor([limit <= t for limit in lim])
+            log_probs = _force_eos(log_probs, forced, eos_id)
+        top = top_candidates(log_probs, torch.tensor(live, dtype=f32), 2 * k)
+        top_score: list[list[float]] = top[0].tolist()
+        top_index: list[list[int]] = top[1].tolist()
+
+        parents: list[list[int]] = []
+        next_tok: list[list[int]] = []
+        fin_rows: list[int] = []  # the sentences where candidates finish
+        fin_logp: list[list[float]] = []  # theirs, -inf where not finished
+        fin_tok: list[list[list[int]]] = []
+        for i in range(b):
+            scores = top_score[i]
+            beam_tok = [divmod(c, vocab) for c in top_index[i]]
+            logp = [
+                s if tok == eos_id and s > inf else inf
+                for s, (_, tok) in zip(scores[:n_fin], beam_tok[:n_fin], strict=True)
+            ]
+            n_new = sum(s > inf for s in logp)
+            if n_new:
+                fin_rows.append(i)
+                fin_logp.append(logp)
+                fin_tok.append([history[i][beam] for beam, _ in beam_tok[:n_fin]])
+                n_finished[i] += n_new
+            # The next live beams: the best K candidates that do not end in EOS.
+            keep = [j for j, (_, tok) in enumerate(beam_tok) if tok != eos_id][:k]
+            live[i] = [scores[j] for j in keep]
+            parents.append([beam_tok[j][0] for j in keep])
+            next_tok.append([beam_tok[j][1] for j in keep])
+
+        if fin_rows:  # beam_search's merge, on the rows of these sentences
+            pool_score = torch.tensor([[p[0] for p in pools[i]] for i in fin_rows], dtype=f32)
+            fin_score = torch.tensor(fin_logp, dtype=f32) / gnmt_length_penalty(t + 1.0, alpha)
+            merged, pick = torch.cat([pool_score, fin_score], 1).topk(nbest, dim=1)
+            for n, (row_score, row_pick) in enumerate(
+                zip(merged.tolist(), pick.tolist(), strict=True)
+            ):
+                i = fin_rows[n]
+                old = pools[i]
+                pools[i] = [
+                    (s, *old[j][1:])
+                    if j < nbest
+                    else (s, fin_logp[n][j - nbest], fin_tok[n][j - nbest])
+                    for s, j in zip(row_score, row_pick, strict=True)
+                ]
+
+        # Done: at the length limit, or no live hypothesis can beat the n-best list's last
+        # entry (the bound as beam_search computes it, in float32), or (fairseq) K finished.
+        done = [
+            lim[i] <= t
+            or pools[i][-1][0] >= _host_bound(live[i][0], lp_limit[i], t, alpha)
+            or (fairseq and n_finished[i] >= k)
+            for i in range(b)
+        ]
+        rows: list[int]
+        if any(done):
+            for i in range(b):
+                if done[i]:
+                    results[ids[i]] = [
+                        Hypothesis(tok, score, logp) for score, logp, tok in pools[i] if score > inf
+                    ]
+            stay = _kept_in_place_host(done)
+            if not stay:
+                break
+            rows = [i * k + beam for i in stay for beam in parents[i]]
+            cache.keep(torch.tensor(rows))
+            ids, lim, lp_limit = (
+                [ids[i] for i in stay],
+                [lim[i] for i in stay],
+                [lp_limit[i] for i in stay],
+            )
+            n_finished, live = [n_finished[i] for i in stay], [live[i] for i in stay]
+            pools, history = [pools[i] for i in stay], [history[i] for i in stay]
+            parents, next_tok = [parents[i] for i in stay], [next_tok[i] for i in stay]
+            nearest_limit = min(lim)
+        else:
+            cache.reorder(torch.tensor([i * k + beam for i in range(b) for beam in parents[i]]))
+        history = [
+            [history[i][beam] + [tok] for beam, tok in zip(parents[i], next_tok[i], strict=True)]
+            for i in range(len(ids))
+        ]
+        tokens = torch.tensor([tok for row in next_tok for tok in row])
+        t += 1
+    return results
 
 
 def _hypotheses(
