@@ -417,3 +417,33 @@ def test_a_training_run_ends_with_the_step_that_translate_then_uses(
     translator, _ = Translator.from_checkpoint(run)  # compiled_step=None: found, not built
     assert translator.acceleration is not None
     assert "compiled decoder step" in translator.acceleration.levers
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_reorder_moves_the_decoded_positions_of_the_rows_that_change(one_buffer: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    layers, rows, heads, slots, dk, length = 2, 4, 2, 6, 3, 4
+    kv = torch.randn(2, layers, rows, heads, slots, dk, generator=gen)
+    own = kv.clone()
+    parts = (
+        [list(own[0]), list(own[1])] if one_buffer else [list(kv[0].clone()), list(kv[1].clone())]
+    )
+    cross = torch.zeros(rows, heads, 5, dk)
+    mask = torch.ones(rows, 1, 1, 5, dtype=torch.bool)
+    cache = CompiledCache(
+        None,  # type: ignore[arg-type]  # the step is not used by reorder
+        *parts,
+        [cross] * layers,
+        [cross] * layers,
+        mask,
+        length,
+        slots,
+        4,
+        self_kv=own if one_buffer else None,
+    )
+    expected = kv.clone()
+    for order in ([0, 1, 2, 3], [0, 0, 2, 3], [0, 1, 3, 3], [2, 0, 1, 1], [0, 1, 2, 3]):
+        cache.reorder(torch.tensor(order))
+        expected[:, :, :, :, :length] = expected[:, :, order, :, :length]
+        got = torch.stack([torch.stack(cache.self_k), torch.stack(cache.self_v)])
+        assert torch.equal(got, expected)  # the positions after `length` never move

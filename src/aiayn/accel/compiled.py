@@ -238,19 +238,27 @@ class CompiledCache:
 
     def reorder(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays).
-        Only the positions decoded so far are moved, in place."""
+        Only the positions decoded so far are moved, in place; nothing where every row stays,
+        one row's where only one changes."""
         if rows.numel() != self.batch_size:
             raise ValueError(
                 f"reorder expects {self.batch_size} row indices, got {rows.numel()}; "
                 "use keep() to change the batch size"
             )
-        if self.self_kv is not None:
-            filled = self.self_kv[..., : self.length, :]
-            filled.copy_(filled.index_select(2, rows))
+        order = rows.tolist()  # (on the CPU, where the step runs: no transfer)
+        moved = [i for i, row in enumerate(order) if row != i]
+        if not moved:
             return
-        for buffer in (*self.self_k, *self.self_v):
-            filled = buffer[:, :, : self.length]
-            filled.copy_(filled.index_select(0, rows))
+        if self.self_kv is not None:
+            buffers, dim = [self.self_kv], 2
+        else:
+            buffers, dim = [*self.self_k, *self.self_v], 0
+        for buffer in buffers:
+            filled = buffer.narrow(-2, 0, self.length)
+            if len(moved) == 1:  # its source stays: one copy, a quarter of a beam's bytes
+                filled.select(dim, moved[0]).copy_(filled.select(dim, order[moved[0]]))
+            else:
+                filled.copy_(filled.index_select(dim, rows))
 
     def keep(self, rows: Tensor) -> None:
         """Keep only ``rows`` (in that order)."""
