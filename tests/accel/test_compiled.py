@@ -16,6 +16,7 @@ from aiayn.accel.compiled import (
     MAX_ROWS,
     CompiledCache,
     CompiledStep,
+    OneQueryAttention,
     cannot_build,
     compile_step,
     load_compiled_step,
@@ -27,6 +28,7 @@ from aiayn.accel.compiled import (
 )
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
+from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
 from tests.helpers import LetterTokenizer, packing_model
@@ -110,6 +112,35 @@ def test_the_step_is_the_eager_step(
 ) -> None:
     """Sources and caches shorter and longer than those it was compiled with."""
     same_steps(model, step, rows, length, slots)
+
+
+def test_the_library_attends_in_its_own_loops(step: CompiledStep) -> None:
+    # ATen's attention kernel, called out of the library, costs more than the attention.
+    assert b"scaled_dot_product" not in step.path.read_bytes()
+
+
+def test_one_query_attention_is_sdpa() -> None:
+    gen = torch.Generator().manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 8, 8, self_attention=True).eval()
+    rows, heads, keys, dk = 5, 4, 9, 8
+    q = torch.randn(rows, heads, 1, dk, generator=gen)
+    k, v = (torch.randn(rows, heads, keys, dk, generator=gen) for _ in range(2))
+    allowed = torch.rand(rows, 1, 1, keys, generator=gen) > 0.3
+    allowed[..., 0] = True  # every row attends somewhere
+    per_key = (torch.arange(keys) <= 4).view(1, 1, 1, keys)  # the step's mask of slots
+    additive = torch.randn(rows, 1, 1, keys, generator=gen)
+    for mask in (None, allowed, per_key, additive):
+        want = attn.scaled_dot_product(q, k, v, mask, False)
+        attn.__class__ = OneQueryAttention
+        got = attn.scaled_dot_product(q, k, v, mask, False)
+        attn.__class__ = MultiHeadAttention
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    attn.__class__ = OneQueryAttention
+    several = torch.randn(rows, heads, 3, dk, generator=gen)  # more than one query: SDPA
+    assert torch.equal(
+        attn.scaled_dot_product(several, k, v, allowed, False),
+        MultiHeadAttention.scaled_dot_product(attn, several, k, v, allowed, False),
+    )
 
 
 def test_the_models_own_variants_are_compiled(cache_dir: Path) -> None:
