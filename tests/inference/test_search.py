@@ -701,9 +701,9 @@ def test_host_beam_search_equals_the_tensor_search(
         limits = torch.tensor([rng.randint(0, 12) for _ in range(n)])
         logp = hashed_table(seed, vocab, tied=seed % 2 == 0)
         args = dict(alpha=alpha, max_len=limits, nbest=nbest, rule=rule)
-        monkeypatch.setattr(search, "HOST_BEAM_SENTENCES", n)
+        monkeypatch.setattr(search, "HOST_SEARCH_SENTENCES", n)
         host, host_cache = run_beam(logp, n, k, **args)
-        monkeypatch.setattr(search, "HOST_BEAM_SENTENCES", n - 1)
+        monkeypatch.setattr(search, "HOST_SEARCH_SENTENCES", n - 1)
         tensors, tensor_cache = run_beam(logp, n, k, **args)
         assert len(hosted) == seed + 1  # the first search only
         assert host == tensors  # tokens, scores and log-probabilities, to the bit
@@ -718,9 +718,9 @@ def test_host_beam_search_runs_for_one_sentence_on_the_cpu() -> None:
         patch.setattr(
             search, "_host_beam_search", lambda *a, **kw: calls.append(1) or on_host(*a, **kw)
         )
-        run_beam(random_table(seed=3), search.HOST_BEAM_SENTENCES, 3, max_len=6)
+        run_beam(random_table(seed=3), search.HOST_SEARCH_SENTENCES, 3, max_len=6)
         assert len(calls) == 1
-        run_beam(random_table(seed=3), search.HOST_BEAM_SENTENCES + 1, 3, max_len=6)
+        run_beam(random_table(seed=3), search.HOST_SEARCH_SENTENCES + 1, 3, max_len=6)
         assert len(calls) == 1
 
 
@@ -740,3 +740,35 @@ def test_the_host_bound_is_the_tensor_bound() -> None:
             ]
             assert got == expected
     assert search._f32(1e39) == math.inf and search._f32(1 / 3) != 1 / 3
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+@pytest.mark.parametrize("vocab", [6, 80])
+def test_host_greedy_search_equals_the_tensor_search(
+    alpha: float, vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hosted = []
+    on_host = search._host_greedy_search
+    monkeypatch.setattr(
+        search, "_host_greedy_search", lambda *a, **kw: hosted.append(1) or on_host(*a, **kw)
+    )
+    rng = random.Random(vocab)
+    lengths: list[int] = []
+    for seed in range(8):
+        n = 1 + seed % 3
+        limits = torch.tensor([rng.randint(0, 12) for _ in range(n)])
+        logp = hashed_table(seed, vocab, tied=seed % 2 == 0)
+        caches = []
+        results = []
+        for host in (n, n - 1):
+            monkeypatch.setattr(search, "HOST_SEARCH_SENTENCES", host)
+            cache = PrefixCache(list(range(n)))
+            results.append(
+                greedy_search(step_fn(logp), cache, n, max_len=limits, alpha=alpha)  # type: ignore[arg-type]
+            )
+            caches.append(cache)
+        assert len(hosted) == seed + 1  # the first search only
+        assert results[0] == results[1]  # tokens, scores and log-probabilities, to the bit
+        assert caches[0].batch_sizes == caches[1].batch_sizes
+        lengths += [len(h.tokens) for h in results[0]]
+    assert len(set(lengths)) > 2  # sentences ended at several steps

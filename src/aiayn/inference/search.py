@@ -9,9 +9,9 @@ advances ``cache``, an object with two methods: ``reorder(rows)`` (row i becomes
 
 Every search is vectorised over sentences (and beams); a sentence that is done leaves the batch
 through ``cache.keep`` so the work shrinks as sentences finish. Each sentence is decoded on its
-own: its result does not depend on which other sentences share the batch. Beam search over a
-single sentence on the CPU keeps its bookkeeping in Python lists instead
-(:data:`HOST_BEAM_SENTENCES`), with the same results.
+own: its result does not depend on which other sentences share the batch. Beam and greedy
+search over a single sentence on the CPU keep their bookkeeping in Python lists instead
+(:data:`HOST_SEARCH_SENTENCES`), with the same results.
 
 Beam search (§6.1 of the paper, after GNMT and tensor2tensor), for each sentence with beam
 size K:
@@ -265,7 +265,7 @@ def beam_search(
     if batch_size == 0:
         return []
     k, n_keep = beam_size, nbest
-    if dev.type == "cpu" and batch_size <= HOST_BEAM_SENTENCES:
+    if dev.type == "cpu" and batch_size <= HOST_SEARCH_SENTENCES:
         return _host_beam_search(
             step_fn, cache, limits, k, alpha, bos_id, eos_id, n_keep, n_fin, fairseq
         )
@@ -389,10 +389,11 @@ def beam_search(
     return _hypotheses(out_tok, out_len, out_score, out_logp)
 
 
-# Beam search over at most this many sentences on the CPU keeps its bookkeeping in Python
-# lists (:func:`_host_beam_search`): there the dozens of tensor operations of a step, each on
-# a few elements, cost more than the arithmetic they do (docs/performance.md).
-HOST_BEAM_SENTENCES = 1
+# Beam and greedy search over at most this many sentences on the CPU keep their bookkeeping
+# in Python lists (:func:`_host_beam_search`, :func:`_host_greedy_search`): there the tensor
+# operations of a step, each on a few elements, cost more than the arithmetic they do
+# (docs/performance.md).
+HOST_SEARCH_SENTENCES = 1
 
 
 def _f32(x: float) -> float:
@@ -659,6 +660,10 @@ def greedy_search(
     ``cache`` holds ``batch_size`` rows. ``alpha`` only sets how ``Hypothesis.score`` is
     normalised (the choice of tokens ignores it). One hypothesis per sentence, in input order.
     """
+    dev = _device(device, max_len)
+    if dev.type == "cpu" and 0 < batch_size <= HOST_SEARCH_SENTENCES:
+        limits = _limits(max_len, batch_size, dev)
+        return _host_greedy_search(step_fn, cache, limits, alpha, bos_id, eos_id)
     return _one_token_search(
         step_fn,
         cache,
@@ -670,6 +675,64 @@ def greedy_search(
         eos_id=eos_id,
         device=device,
     )
+
+
+def _host_greedy_search(
+    step_fn: Callable[[Tensor, CacheT], Tensor],
+    cache: CacheT,
+    limits: Tensor,
+    alpha: float,
+    bos_id: int,
+    eos_id: int,
+) -> list[Hypothesis]:
+    """:func:`greedy_search` of a few sentences on the CPU, with the same results: each
+    step's maximum (``max``, the first maximum as :func:`first_argmax` gives it over so few
+    rows) and its log-probability come to the host, where the sums stay float32 (a float32
+    sum of float32 values taken as a double and rounded to float32 is the same number)."""
+    ids = list(range(limits.numel()))
+    lim: list[int] = limits.tolist()
+    history: list[list[int]] = [[] for _ in ids]
+    log_prob = [0.0 for _ in ids]
+    out: list[tuple[list[int], float]] = [([], 0.0) for _ in ids]
+    tokens = torch.full((len(ids),), bos_id, dtype=torch.long)
+    nearest_limit = min(lim)
+    t = 0
+    while True:
+        log_probs = step_fn(tokens, cache).float()  # (b, V)
+        if t >= nearest_limit:
+            log_probs = _force_eos(log_probs, torch.tensor([limit <= t for limit in lim]), eos_id)
+        best = log_probs.max(dim=-1)
+        values: list[float] = best.values.tolist()
+        chosen: list[int] = best.indices.tolist()
+        done = []
+        for i, (value, token) in enumerate(zip(values, chosen, strict=True)):
+            log_prob[i] = _f32(log_prob[i] + value)
+            if token == eos_id:
+                out[ids[i]] = (history[i], log_prob[i])
+            else:
+                history[i] = [*history[i], token]
+            done.append(token == eos_id)
+        if any(done):
+            stay = _kept_in_place_host(done)
+            if not stay:
+                break
+            cache.keep(torch.tensor(stay))
+            ids, lim, history = (
+                [ids[i] for i in stay],
+                [lim[i] for i in stay],
+                [history[i] for i in stay],
+            )
+            log_prob, chosen = [log_prob[i] for i in stay], [chosen[i] for i in stay]
+            nearest_limit = min(lim)
+        tokens = torch.tensor(chosen)
+        t += 1
+    # The scores as greedy_search takes them: float32 tensors, (sentences, 1).
+    out_logp = torch.tensor([[logp] for _, logp in out], dtype=torch.float32)
+    out_len = torch.tensor([[len(tokens)] for tokens, _ in out])
+    scores = (out_logp / gnmt_length_penalty(out_len + 1.0, alpha)).view(-1).tolist()
+    return [
+        Hypothesis(tokens, score, logp) for (tokens, logp), score in zip(out, scores, strict=True)
+    ]
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
