@@ -294,14 +294,14 @@ def test_one_transfer_per_step_gives_the_same_search(
     limits = torch.tensor([4, 9, 3, 12, 7, 3, 12, 5])
     args = dict(alpha=0.6, max_len=limits, nbest=2, rule=rule)
     calls = []
-    topk = Tensor.topk
-    monkeypatch.setattr(Tensor, "topk", lambda t, *a, **kw: calls.append(1) or topk(t, *a, **kw))
+    merge = search._merge
+    monkeypatch.setattr(search, "_merge", lambda *a, **kw: calls.append(1) or merge(*a, **kw))
     host, _ = run_beam(logp, 8, 3, **args)
     host_calls = len(calls)
     monkeypatch.setattr(search, "SYNC_FREE_DEVICES", frozenset())
     transfer, _ = run_beam(logp, 8, 3, **args)
     assert transfer == host
-    assert len(calls) - host_calls > host_calls  # the merge's top-k ran on more steps
+    assert len(calls) - host_calls > host_calls  # the merge ran on more steps
 
 
 @pytest.mark.parametrize("rule", BEAM_RULES)
@@ -666,6 +666,8 @@ def hashed_table(seed: int, vocab: int, tied: bool) -> LogProbFn:
         if tied:
             row = [rng.choice((-0.5, -1.0, -1.5, -2.0, NEG)) for _ in range(vocab)]
             row[EOS] = rng.choice((-0.5, -1.0, -2.5)) + (0.5 if len(prefix) > 3 else -1.0)
+            if rng.random() < 0.15:
+                row[EOS] = NEG  # no EOS here, not even at the length limit
         else:
             row = [rng.gauss(-3.0, 1.5) for _ in range(vocab)]
             row[EOS] += 0.4 * len(prefix) - 1.0
@@ -696,7 +698,7 @@ def test_host_beam_search_equals_the_tensor_search(
         search, "_host_beam_search", lambda *a, **kw: hosted.append(1) or on_host(*a, **kw)
     )
     rng = random.Random(k * 100 + vocab)
-    for seed in range(6):
+    for seed in range(12):
         n = 1 + seed % 3
         limits = torch.tensor([rng.randint(0, 12) for _ in range(n)])
         logp = hashed_table(seed, vocab, tied=seed % 2 == 0)
@@ -772,3 +774,65 @@ def test_host_greedy_search_equals_the_tensor_search(
         assert caches[0].batch_sizes == caches[1].batch_sizes
         lengths += [len(h.tokens) for h in results[0]]
     assert len(set(lengths)) > 2  # sentences ended at several steps
+
+
+def test_tied_n_best_lists_do_not_depend_on_the_batch() -> None:
+    # Equal scores in a sentence's n-best list keep their order when other sentences finish
+    # hypotheses at other steps (the merge is a stable sort).
+    for seed in range(10):
+        logp = hashed_table(seed, 9, tied=True)
+        limits = torch.tensor([7, 3, 10, 5])
+        together, _ = run_beam(logp, 4, 4, alpha=0.0, max_len=limits, nbest=4, rule="paper")
+        for i in range(4):
+
+            def alone(
+                _: int, prefix: tuple[int, ...], i: int = i, logp: LogProbFn = logp
+            ) -> list[float]:
+                return logp(i, prefix)
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(search, "HOST_SEARCH_SENTENCES", 0)  # the tensor search alone too
+                [single], _ = run_beam(alone, 1, 4, alpha=0.0, max_len=int(limits[i]), nbest=4)
+            assert single == together[i]
+
+
+def test_search_does_not_depend_on_the_default_dtype() -> None:
+    logp = hashed_table(3, 9, tied=False)
+    limits = torch.tensor([6, 9, 4])
+
+    def searches() -> list[object]:
+        out: list[object] = []
+        for host in (0, 3):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(search, "HOST_SEARCH_SENTENCES", host)
+                out.append(run_beam(logp, 3, 3, alpha=0.6, max_len=limits, nbest=2)[0])
+                out.append(run_greedy(logp, 3, max_len=limits, alpha=0.6))
+        return out
+
+    in_float32 = searches()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert searches() == in_float32
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("host", [0, 1])
+def test_greedy_stops_at_the_limit_where_eos_is_impossible(
+    host: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(search, "HOST_SEARCH_SENTENCES", host)
+
+    def no_eos(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        return [NEG, -1.0, NEG, NEG, -2.0, -0.5]  # token 5 always, EOS never
+
+    [hyp] = run_greedy(no_eos, 1, max_len=3, alpha=0.6)
+    assert hyp.tokens == [5, 5, 5]
+    assert hyp.log_prob == NEG and hyp.score == NEG  # the forced EOS had no probability
+
+    def nan(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        return [NEG, -1.0, NEG, float("nan") if prefix else -2.0, -2.0, -0.5]
+
+    [hyp] = run_greedy(nan, 1, max_len=5)
+    assert hyp.tokens == [5] and math.isnan(hyp.log_prob)  # NaN counts as the maximum

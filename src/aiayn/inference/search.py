@@ -274,19 +274,20 @@ def beam_search(
 
     # State of the active sentences (b of them); ``ids`` maps them to the input order.
     ids = torch.arange(batch_size, device=dev)
-    live_scores = torch.full((batch_size, k), inf, device=dev)  # (b, K)
+    f32 = torch.float32  # scores are float32 whatever the default dtype
+    live_scores = torch.full((batch_size, k), inf, device=dev, dtype=f32)  # (b, K)
     live_scores[:, 0] = 0.0  # all beams start alike: only the first one is live
     history = torch.zeros(batch_size * k, width, dtype=torch.long, device=dev)  # (b*K, L)
     tokens = torch.full((batch_size * k,), bos_id, dtype=torch.long, device=dev)
     n_finished = torch.zeros(batch_size, dtype=torch.long, device=dev)
     # The n-best list of finished hypotheses of each active sentence.
-    pool_score = torch.full((batch_size, n_keep), inf, device=dev)  # (b, N)
-    pool_logp = torch.full((batch_size, n_keep), inf, device=dev)
+    pool_score = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)  # (b, N)
+    pool_logp = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
     pool_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
     pool_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)  # (b, N, L)
     # Results, by input position.
-    out_score = torch.full((batch_size, n_keep), inf, device=dev)
-    out_logp = torch.full((batch_size, n_keep), inf, device=dev)
+    out_score = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
+    out_logp = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
     out_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
     out_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)
 
@@ -295,7 +296,7 @@ def beam_search(
     nearest_limit = int(limits.min())
     # Loop invariants, cut down with the batch when sentences leave it: the length penalty
     # at each sentence's limit, and the first cache row of each sentence.
-    lp_limit = gnmt_length_penalty(limits + 1.0, alpha)
+    lp_limit = _limit_penalties(limits, alpha)
     row_base = torch.arange(batch_size, device=dev)[:, None] * k
     # Where a host sync costs nothing, steps where no candidate finishes skip the merge.
     host = dev.type in SYNC_FREE_DEVICES
@@ -331,7 +332,7 @@ def beam_search(
         if not host or any_finished:
             fin_logp = top_score[:, :n_fin].masked_fill(~finished, inf)
             fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
-            merged_score, pick = torch.cat([pool_score, fin_score], 1).topk(n_keep, dim=1)
+            merged_score, pick = _merge(pool_score, fin_score, n_keep)
         # The best a live hypothesis can still reach: divide by the largest length penalty.
         # A live hypothesis will hold between t + 2 and limit + 1 positions (EOS included).
         lp_best = lp_limit.clamp(min=gnmt_length_penalty(t + 2.0, alpha))
@@ -396,6 +397,20 @@ def beam_search(
 HOST_SEARCH_SENTENCES = 1
 
 
+def _limit_penalties(limits: Tensor, alpha: float) -> Tensor:
+    """The length penalty at each sentence's limit, ``lp(limit + 1)``, in float32."""
+    return gnmt_length_penalty(limits.to(torch.float32) + 1.0, alpha)
+
+
+def _merge(pool_score: Tensor, fin_score: Tensor, n_keep: int) -> tuple[Tensor, Tensor]:
+    """The ``n_keep`` best of each row's n-best scores (b, N) and newly finished ones, best
+    first, and where they come from (indices into the two side by side). Of equal scores the
+    earlier stays ahead (the list's before the new, a better-ranked candidate before a
+    worse): a stable sort, where ``topk`` may order ties by what else is in the batch."""
+    merged, pick = torch.cat([pool_score, fin_score], 1).sort(dim=1, descending=True, stable=True)
+    return merged[:, :n_keep], pick[:, :n_keep]
+
+
 def _f32(x: float) -> float:
     """``x`` rounded to the nearest float32, as a Python float."""
     value: float = struct.unpack("f", struct.pack("f", x))[0]
@@ -439,7 +454,7 @@ def _host_beam_search(
     inf, f32 = float("-inf"), torch.float32
     ids = list(range(limits.numel()))
     lim: list[int] = limits.tolist()
-    lp_limit: list[float] = gnmt_length_penalty(limits + 1.0, alpha).tolist()  # float32
+    lp_limit: list[float] = _limit_penalties(limits, alpha).tolist()
     live = [[0.0] + [inf] * (k - 1) for _ in ids]  # all beams start alike: one is live
     history: list[list[list[int]]] = [[[] for _ in range(k)] for _ in ids]
     # Each sentence's n-best list of (score, log-probability, tokens), best first.
@@ -489,7 +504,7 @@ def _host_beam_search(
         if fin_rows:  # beam_search's merge, on the rows of these sentences
             pool_score = torch.tensor([[p[0] for p in pools[i]] for i in fin_rows], dtype=f32)
             fin_score = torch.tensor(fin_logp, dtype=f32) / gnmt_length_penalty(t + 1.0, alpha)
-            merged, pick = torch.cat([pool_score, fin_score], 1).topk(nbest, dim=1)
+            merged, pick = _merge(pool_score, fin_score, nbest)
             for n, (row_score, row_pick) in enumerate(
                 zip(merged.tolist(), pick.tolist(), strict=True)
             ):
@@ -543,9 +558,10 @@ def _host_beam_search(
 
 
 def _hypotheses(
-    out_tok: Tensor, out_len: Tensor, out_score: Tensor, out_logp: Tensor
+    out_tok: Tensor, out_len: Tensor, out_score: Tensor, out_logp: Tensor, every: bool = False
 ) -> list[list[Hypothesis]]:
-    """Host-side lists from the result tensors (one transfer)."""
+    """Host-side lists from the result tensors (one transfer): the hypotheses scored above
+    -inf (an n-best list's empty places), or ``every`` one."""
     toks = out_tok.cpu().tolist()
     lens = out_len.cpu().tolist()
     scores = out_score.cpu().tolist()
@@ -555,7 +571,7 @@ def _hypotheses(
         hyps = [
             Hypothesis(toks[i][j][: lens[i][j]], scores[i][j], logps[i][j])
             for j in range(len(scores[i]))
-            if scores[i][j] > -math.inf
+            if every or scores[i][j] > -math.inf
         ]
         results.append(hyps)
     return results
@@ -581,18 +597,21 @@ def _one_token_search(
     width = int(limits.max()) + 1
     ids = torch.arange(batch_size, device=dev)
     history = torch.zeros(batch_size, width, dtype=torch.long, device=dev)  # (b, L)
-    log_prob = torch.zeros(batch_size, device=dev)
+    log_prob = torch.zeros(batch_size, device=dev, dtype=torch.float32)
     tokens = torch.full((batch_size,), bos_id, dtype=torch.long, device=dev)
     out_tok = torch.zeros(batch_size, 1, width, dtype=torch.long, device=dev)
     out_len = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
-    out_logp = torch.zeros(batch_size, 1, device=dev)
+    out_logp = torch.zeros(batch_size, 1, device=dev, dtype=torch.float32)
     nearest_limit = int(limits.min())  # as in beam_search: the mask only when needed
     t = 0
     while True:
         log_probs = step_fn(tokens, cache).float()  # (b, V)
-        if t >= nearest_limit:
-            log_probs = _force_eos(log_probs, limits <= t, eos_id)
+        forced = limits <= t if t >= nearest_limit else None
+        if forced is not None:
+            log_probs = _force_eos(log_probs, forced, eos_id)
         tokens = choose(log_probs)
+        if forced is not None:  # EOS, even where the model gives it no probability
+            tokens = tokens.masked_fill(forced, eos_id)
         log_prob += log_probs.gather(1, tokens[:, None]).squeeze(1)
         history[:, t] = tokens
         done = tokens == eos_id
@@ -610,8 +629,8 @@ def _one_token_search(
             nearest_limit = int(limits.min())
             log_prob, tokens = log_prob[stay], tokens[stay]
         t += 1
-    out_score = out_logp / gnmt_length_penalty(out_len + 1.0, alpha)
-    return [hyps[0] for hyps in _hypotheses(out_tok, out_len, out_score, out_logp)]
+    out_score = out_logp / gnmt_length_penalty(out_len.to(torch.float32) + 1.0, alpha)
+    return [hyps[0] for hyps in _hypotheses(out_tok, out_len, out_score, out_logp, every=True)]
 
 
 # Greedy's choice over many rows on the CPU: the maximum of each block of ARGMAX_BLOCK tokens
@@ -699,13 +718,16 @@ def _host_greedy_search(
     t = 0
     while True:
         log_probs = step_fn(tokens, cache).float()  # (b, V)
+        forced = [limit <= t for limit in lim]
         if t >= nearest_limit:
-            log_probs = _force_eos(log_probs, torch.tensor([limit <= t for limit in lim]), eos_id)
+            log_probs = _force_eos(log_probs, torch.tensor(forced), eos_id)
         best = log_probs.max(dim=-1)
         values: list[float] = best.values.tolist()
         chosen: list[int] = best.indices.tolist()
         done = []
         for i, (value, token) in enumerate(zip(values, chosen, strict=True)):
+            if forced[i]:  # EOS, even where the model gives it no probability (value -inf)
+                token = chosen[i] = eos_id
             log_prob[i] = _f32(log_prob[i] + value)
             if token == eos_id:
                 out[ids[i]] = (history[i], log_prob[i])
@@ -729,9 +751,11 @@ def _host_greedy_search(
     # The scores as greedy_search takes them: float32 tensors, (sentences, 1).
     out_logp = torch.tensor([[logp] for _, logp in out], dtype=torch.float32)
     out_len = torch.tensor([[len(tokens)] for tokens, _ in out])
-    scores = (out_logp / gnmt_length_penalty(out_len + 1.0, alpha)).view(-1).tolist()
+    scores = (out_logp / gnmt_length_penalty(out_len.to(torch.float32) + 1.0, alpha)).view(-1)
+    scores_list: list[float] = scores.tolist()
     return [
-        Hypothesis(tokens, score, logp) for (tokens, logp), score in zip(out, scores, strict=True)
+        Hypothesis(tokens, score, logp)
+        for (tokens, logp), score in zip(out, scores_list, strict=True)
     ]
 
 
