@@ -175,7 +175,9 @@ class OneQueryAttention(MultiHeadAttention):
     Inductor fuses into loops of the library. ``F.scaled_dot_product_attention`` there is a
     call out of the library to ATen's kernel per attention: 29 µs each against 8 µs for the
     fused loops at four SMALL rows, six of them a step (docs/performance.md). The products add
-    in another order than SDPA's, within float32 rounding of it."""
+    in another order than SDPA's, within float32 rounding of it. A row that may attend to no
+    position gets NaN here (SDPA gives zeros); the step has none: each row attends to its own
+    first position and to its source's EOS."""
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
