@@ -48,7 +48,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -426,6 +426,11 @@ def _host_bound(best_live: float, lp_limit: float, t: int, alpha: float) -> floa
     return _f32(best_live / max(lp_limit, _f32(gnmt_length_penalty(t + 2.0, alpha))))
 
 
+def _take(stay: list[int], *lists: list[Any]) -> list[list[Any]]:
+    """Each of ``lists`` cut down to the sentences ``stay``, in that order."""
+    return [[values[i] for i in stay] for values in lists]
+
+
 def _kept_in_place_host(done: list[bool]) -> list[int]:
     """:func:`kept_in_place` of a host list."""
     n = done.count(False)
@@ -537,14 +542,9 @@ def _host_beam_search(
                 break
             rows = [i * k + beam for i in stay for beam in parents[i]]
             cache.keep(torch.tensor(rows))
-            ids, lim, lp_limit = (
-                [ids[i] for i in stay],
-                [lim[i] for i in stay],
-                [lp_limit[i] for i in stay],
-            )
-            n_finished, live = [n_finished[i] for i in stay], [live[i] for i in stay]
-            pools, history = [pools[i] for i in stay], [history[i] for i in stay]
-            parents, next_tok = [parents[i] for i in stay], [next_tok[i] for i in stay]
+            ids, lim, lp_limit, n_finished = _take(stay, ids, lim, lp_limit, n_finished)
+            live, pools, history = _take(stay, live, pools, history)
+            parents, next_tok = _take(stay, parents, next_tok)
             nearest_limit = min(lim)
         else:
             cache.reorder(torch.tensor([i * k + beam for i in range(b) for beam in parents[i]]))
@@ -739,12 +739,7 @@ def _host_greedy_search(
             if not stay:
                 break
             cache.keep(torch.tensor(stay))
-            ids, lim, history = (
-                [ids[i] for i in stay],
-                [lim[i] for i in stay],
-                [history[i] for i in stay],
-            )
-            log_prob, chosen = [log_prob[i] for i in stay], [chosen[i] for i in stay]
+            ids, lim, history, log_prob, chosen = _take(stay, ids, lim, history, log_prob, chosen)
             nearest_limit = min(lim)
         tokens = torch.tensor(chosen)
         t += 1
