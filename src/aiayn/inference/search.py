@@ -296,7 +296,7 @@ def beam_search(
     nearest_limit = int(limits.min())
     # Loop invariants, cut down with the batch when sentences leave it: the length penalty
     # at each sentence's limit, and the first cache row of each sentence.
-    lp_limit = _limit_penalties(limits, alpha)
+    lp_limit = _length_penalties(limits, alpha)
     row_base = torch.arange(batch_size, device=dev)[:, None] * k
     # Where a host sync costs nothing, steps where no candidate finishes skip the merge.
     host = dev.type in SYNC_FREE_DEVICES
@@ -397,9 +397,11 @@ def beam_search(
 HOST_SEARCH_SENTENCES = 1
 
 
-def _limit_penalties(limits: Tensor, alpha: float) -> Tensor:
-    """The length penalty at each sentence's limit, ``lp(limit + 1)``, in float32."""
-    return gnmt_length_penalty(limits.to(torch.float32) + 1.0, alpha)
+def _length_penalties(lengths: Tensor, alpha: float) -> Tensor:
+    """``lp(n + 1)`` in float32 for hypotheses of ``lengths`` output tokens and their EOS: the
+    penalty a finished hypothesis is scored with, or the largest a sentence can reach at its
+    length limit."""
+    return gnmt_length_penalty(lengths.to(torch.float32) + 1.0, alpha)
 
 
 def _merge(pool_score: Tensor, fin_score: Tensor, n_keep: int) -> tuple[Tensor, Tensor]:
@@ -459,7 +461,7 @@ def _host_beam_search(
     inf, f32 = float("-inf"), torch.float32
     ids = list(range(limits.numel()))
     lim: list[int] = limits.tolist()
-    lp_limit: list[float] = _limit_penalties(limits, alpha).tolist()
+    lp_limit: list[float] = _length_penalties(limits, alpha).tolist()
     live = [[0.0] + [inf] * (k - 1) for _ in ids]  # all beams start alike: one is live
     history: list[list[list[int]]] = [[[] for _ in range(k)] for _ in ids]
     # Each sentence's n-best list of (score, log-probability, tokens), best first.
@@ -530,7 +532,6 @@ def _host_beam_search(
             or (fairseq and n_finished[i] >= k)
             for i in range(b)
         ]
-        rows: list[int]
         if any(done):
             for i in range(b):
                 if done[i]:
@@ -629,7 +630,7 @@ def _one_token_search(
             nearest_limit = int(limits.min())
             log_prob, tokens = log_prob[stay], tokens[stay]
         t += 1
-    out_score = out_logp / gnmt_length_penalty(out_len.to(torch.float32) + 1.0, alpha)
+    out_score = out_logp / _length_penalties(out_len, alpha)
     return [hyps[0] for hyps in _hypotheses(out_tok, out_len, out_score, out_logp, every=True)]
 
 
@@ -746,7 +747,7 @@ def _host_greedy_search(
     # The scores as greedy_search takes them: float32 tensors, (sentences, 1).
     out_logp = torch.tensor([[logp] for _, logp in out], dtype=torch.float32)
     out_len = torch.tensor([[len(tokens)] for tokens, _ in out])
-    scores = (out_logp / gnmt_length_penalty(out_len.to(torch.float32) + 1.0, alpha)).view(-1)
+    scores = (out_logp / _length_penalties(out_len, alpha)).view(-1)
     scores_list: list[float] = scores.tolist()
     return [
         Hypothesis(tokens, score, logp)
