@@ -131,6 +131,35 @@ def test_decoding_in_fp32_is_bit_identical() -> None:
         assert torch.equal(_steps(fast), _steps(plain))
 
 
+def test_a_packed_projection_frees_the_last_steps_log_probabilities_first() -> None:
+    """A packed product allocates its output: the step before's is gone when the next is
+    made (the decode's cache lets go of it just before; search before the step)."""
+    import weakref
+
+    from aiayn.accel.linear import packing_available
+
+    if not packing_available():
+        pytest.skip("this PyTorch has no MKL packed-linear operators")
+    model = _model().eval()
+    made: list[weakref.ref[Tensor]] = []
+    with accelerate(model, "decode", pack_weights=True, memory_settings=False):
+        projection = model.out_proj
+        assert isinstance(projection, CpuLinear) and projection.pack_serves()
+        product = projection.packed_product
+
+        def watched(x: Tensor) -> Tensor | None:
+            assert all(ref() is None for ref in made)
+            out = product(x)
+            assert out is not None
+            made.append(weakref.ref(out))
+            return out
+
+        projection.packed_product = watched  # type: ignore[method-assign]
+        _hypotheses(model)
+        del projection.packed_product
+    assert len(made) > 3
+
+
 def _steps(model: Transformer) -> Tensor:
     src, src_pad, tgt = _batch()
     with torch.inference_mode():

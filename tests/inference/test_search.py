@@ -836,3 +836,41 @@ def test_greedy_stops_at_the_limit_where_eos_is_impossible(
 
     [hyp] = run_greedy(nan, 1, max_len=5)
     assert hyp.tokens == [5] and math.isnan(hyp.log_prob)  # NaN counts as the maximum
+
+
+@pytest.mark.parametrize("sentences", [1, 3])  # on the host, and as tensors
+@pytest.mark.parametrize("how", ["beam", "greedy", "sample"])
+def test_search_holds_no_step_output_into_the_next_step(sentences: int, how: str) -> None:
+    """Each step's log-probabilities are let go of before the next step is asked for, so that
+    the step may free its own and reuse that memory; forcing EOS at the length limit writes
+    into them instead of copying them (sampling's filters copy them anyway)."""
+    import weakref
+
+    given: list[weakref.ref[Tensor]] = []
+    step = step_fn(random_table(seed=5))
+
+    def watched(tokens: Tensor, cache: PrefixCache) -> Tensor:
+        assert all(ref() is None for ref in given)
+        out = step(tokens, cache)
+        given.append(weakref.ref(out))
+        return out
+
+    limits = torch.tensor([2, 5, 3][:sentences])
+    rows = [i for i in range(sentences) for _ in range(2 if how == "beam" else 1)]
+    run: dict[str, Callable[[PrefixCache], object]] = {
+        "beam": lambda c: beam_search(watched, c, sentences, beam_size=2, max_len=limits),
+        "greedy": lambda c: greedy_search(watched, c, sentences, max_len=limits),
+        "sample": lambda c: sample(watched, c, sentences, max_len=limits, generator=None),
+    }
+    copies: list[int] = []  # vocabulary-wide copies by masked_fill
+    masked_fill = Tensor.masked_fill
+
+    def fill(self: Tensor, *args: typing.Any, **kwargs: typing.Any) -> Tensor:
+        copies.extend([1] if self.dim() > 1 and self.size(-1) == V else [])
+        return masked_fill(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Tensor, "masked_fill", fill)
+        run[how](PrefixCache(rows))
+    assert len(given) >= 3
+    assert copies == [] or how == "sample"

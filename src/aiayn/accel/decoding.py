@@ -26,9 +26,11 @@ from aiayn.model.transformer import Transformer
 
 @dataclass
 class BufferedCache(DecoderCache):
-    """A :class:`~aiayn.model.cache.DecoderCache` with the decode's (rows, V) buffer."""
+    """A :class:`~aiayn.model.cache.DecoderCache` with the decode's (rows, V) buffer, and the
+    last step's log-probabilities where a packed product made them a matrix of their own."""
 
     buffer: Tensor | None = None
+    last: Tensor | None = None
 
     def rows_buffer(self, rows: int, width: int) -> Tensor:
         """The first ``rows`` rows of a (batch rows, width) float32 buffer kept for the
@@ -93,7 +95,13 @@ class BufferedDecoding(Transformer):
         hidden = self.step_hidden(tokens, cache)  # (rows, d_model)
         weight = out_proj.weight
         rows, vocab = hidden.size(0), weight.size(0)
+        # A packed product allocates its output: the last step's is freed just before, so
+        # that this one can take its place in the heap. Freed earlier, the step's smaller
+        # tensors split that block, and the next (rows, V) matrix takes new memory, a few
+        # times over a decode. Search lets go of it before the next step.
+        cache.last = None
         logits = out_proj.packed_product(hidden) if isinstance(out_proj, CpuLinear) else None
+        cache.last = logits
         if logits is None:
             if hidden.dtype == weight.dtype == torch.float32:
                 logits = torch.mm(hidden, weight.t(), out=cache.rows_buffer(rows, vocab))

@@ -1,8 +1,9 @@
 """Model-agnostic decoding: beam search, greedy search and sampling.
 
 Search knows nothing of the model. It drives a ``step_fn(tokens, cache) -> log_probs``: given
-the last token of every row, (rows,), it returns next-token log-probabilities, (rows, V), and
-advances ``cache``, an object with two methods: ``reorder(rows)`` (row i becomes old row
+the last token of every row, (rows,), it returns next-token log-probabilities, (rows, V) (which
+search may write into, and lets go of before it asks for the next step), and advances
+``cache``, an object with two methods: ``reorder(rows)`` (row i becomes old row
 ``rows[i]``, same number of rows) and ``keep(rows)`` (only the listed rows stay, in that order).
 :meth:`aiayn.model.transformer.Transformer.log_probs_step` with a
 :class:`aiayn.model.cache.DecoderCache` is one such pair.
@@ -159,11 +160,12 @@ def _device(device: torch.device | str | None, max_len: int | Tensor) -> torch.d
 
 
 def _force_eos(log_probs: Tensor, forced: Tensor, eos_id: int) -> Tensor:
-    """Rows where ``forced`` (broadcast over the leading dims) may only emit EOS."""
+    """Rows where ``forced`` (broadcast over the leading dims) may only emit EOS, in place
+    (a copy would be the step's largest tensor once more)."""
     others = torch.ones(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
     others[eos_id] = False
     shape = forced.shape + (1,) * (log_probs.dim() - forced.dim())
-    return log_probs.masked_fill(forced.view(shape) & others, float("-inf"))
+    return log_probs.masked_fill_(forced.view(shape) & others, float("-inf"))
 
 
 # Devices whose tensors the host reads at no cost (beam search checks each step's finished
@@ -313,6 +315,7 @@ def beam_search(
         # Candidates: every live hypothesis extended by every token, scored live + log-prob.
         # At most K of them end in EOS, so the best 2K hold at least K that do not.
         top_score, top_index = top_candidates(log_probs, live_scores, 2 * k)  # (b, 2K)
+        del log_probs  # not held into the next step, which may then reuse its memory
         top_beam = top_index // vocab
         top_tok = top_index % vocab
         top_eos = top_tok == eos_id
@@ -481,6 +484,7 @@ def _host_beam_search(
             forced = torch.tensor([limit <= t for limit in lim])
             log_probs = _force_eos(log_probs, forced, eos_id)
         top = top_candidates(log_probs, torch.tensor(live, dtype=f32), 2 * k)
+        del log_probs
         top_score: list[list[float]] = top[0].tolist()
         top_index: list[list[int]] = top[1].tolist()
 
@@ -614,6 +618,7 @@ def _one_token_search(
         if forced is not None:  # EOS, even where the model gives it no probability
             tokens = tokens.masked_fill(forced, eos_id)
         log_prob += log_probs.gather(1, tokens[:, None]).squeeze(1)
+        del log_probs
         history[:, t] = tokens
         done = tokens == eos_id
         if done.any():
@@ -723,6 +728,7 @@ def _host_greedy_search(
         if t >= nearest_limit:
             log_probs = _force_eos(log_probs, torch.tensor(forced), eos_id)
         best = log_probs.max(dim=-1)
+        del log_probs
         values: list[float] = best.values.tolist()
         chosen: list[int] = best.indices.tolist()
         done = []
