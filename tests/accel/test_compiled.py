@@ -4,6 +4,7 @@ it does not serve. One compile for the module (AOTInductor, about half a minute 
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -320,6 +321,29 @@ def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledSt
     assert "compiled_step" not in vars(model) and type(model) is Transformer
 
 
+def test_a_switch_from_many_rows_gives_the_heap_back_once(
+    step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiayn.accel.decoding as decoding
+
+    trims: list[int] = []
+    monkeypatch.setattr(decoding, "trim", lambda: trims.append(1) or True)
+    model = packing_model()
+    acceleration = accelerate(model, "decode", precision="fp32")
+    compiled = use_compiled_step(model, acceleration, False, print)
+    assert compiled is not None and not compiled.after_eager
+    memory = torch.zeros(MAX_ROWS // 4 + 1, 3, 32)
+    with torch.inference_mode():
+        model.init_cache(memory[:1], None, 5, beam_size=4)
+        assert trims == []  # nothing eager before
+        model.init_cache(memory, None, 5, beam_size=4)  # eager: too many rows
+        assert compiled.after_eager and trims == []
+        model.init_cache(memory[:1], None, 5, beam_size=4)
+        model.init_cache(memory[:2], None, 5, beam_size=4)
+    assert trims == [1] and not compiled.after_eager
+    acceleration.undo()
+
+
 def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     base = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=1)
     assert unsupported(packing_model()) is None
@@ -400,6 +424,49 @@ def test_the_command_line_passes_the_setting(
     assert seen["compiled_step"] is setting
     assert seen["mmap"] is True  # the checkpoint mapped unless --no-mmap
     assert loader_settings(monkeypatch, Translator, [*command, "--no-mmap"])["mmap"] is False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_the_weights_are_read_from_the_librarys_file(
+    model: Transformer, step: CompiledStep, tmp_path: Path
+) -> None:
+    """The library's constants are views of its file (the loader's copy is freed), and the
+    step decodes with them as with the copy, to the bit."""
+    from aiayn.accel.library_constants import index_path
+    from aiayn.accel.memory import file_mappings
+
+    assert index_path(step.path).is_file() and trusted(index_path(step.path))
+    assert step.constants  # the decoder layers' weights and more
+    spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
+    for tensor in step.constants.values():
+        assert any(lo <= tensor.data_ptr() < hi for lo, hi in spans)
+    copied = tmp_path / step.path.name  # no index beside it: the loader's copy is used
+    shutil.copy(step.path, copied)
+    with_copy = CompiledStep(copied, model)
+    assert with_copy.constants is None
+    for rows, beam in ((1, 4), (3, 1)):
+        assert decode(model, with_copy, rows, beam) == decode(model, step, rows, beam)
+    # An index that does not fit the library leaves the copy.
+    index = index_path(copied)
+    good = json.loads(index_path(step.path).read_text())
+    for broken in (
+        {**good, "length": good["length"] + 1},
+        {**good, "constants": good["constants"][1:]},  # one missing
+        {**good, "constants": [{**good["constants"][0], "offset": good["length"]}]},
+        {**good, "constants": [{**good["constants"][0], "nbytes": 4}]},  # too few bytes
+        {**good, "version": 0},
+    ):
+        index.write_text(json.dumps(broken))
+        index.chmod(0o600)
+        fallback = CompiledStep(copied, model)
+        assert fallback.constants is None
+        assert decode(model, fallback, 1, 4) == decode(model, step, 1, 4)
+    index.write_text("not json")
+    assert CompiledStep(copied, model).constants is None
+    index.write_text(json.dumps(good))
+    assert CompiledStep(copied, model).constants is not None  # the same library
+    index.chmod(0o666)  # others may write it
+    assert CompiledStep(copied, model).constants is None
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")

@@ -20,10 +20,11 @@ the weights, the configuration, the code that is compiled, aiayn's and PyTorch's
 the thread count and the CPU (:func:`step_key`), so that it is built once and found again by
 any later process (:func:`load_compiled_step`). It is native code: it is only ever loaded from
 that cache, and only from a file and directory that belong to the user and that nobody else
-may write (:func:`trusted`). Its weights are mapped from the file, not copied (a bare shared
-library rather than a ``.pt2`` package, whose loader holds about twice the weights' size
-more). A library that fails to load or to compile leaves decoding eager, with a warning
-(:func:`use_compiled_step`).
+may write (:func:`trusted`). It is a bare shared library rather than a ``.pt2`` package, whose
+loader holds about twice the weights' size more. Its weights are read from the file in place
+(:mod:`aiayn.accel.library_constants`, through an index of them written beside it), not from
+the copy AOTInductor's loader makes, which is freed. A library that fails to load or to
+compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
 
 :class:`CompiledCache` is the incremental decoder's state for it, with the interface search
 uses (``reorder``, ``keep``): one row of keys and values per beam, gathered when beams are
@@ -52,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 import aiayn
+from aiayn.accel.library_constants import index_path, map_constants, write_index
 from aiayn.accel.memory import release_file_pages
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
@@ -312,6 +314,13 @@ class CompiledStep:
     def __init__(self, path: Path, model: Transformer) -> None:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
+        # Whether the model decoded eagerly since this step last served (BufferedDecoding).
+        self.after_eager = False
+        # The decoder layers' weights read from the library's file, not the loader's copy
+        # (where the library was indexed when it was built and the index is the user's).
+        index = index_path(path)
+        trusted_index = index.is_file() and trusted(index)
+        self.constants = map_constants(self.runner, path, index) if trusted_index else None
         self._parameters = _identity(model)
         # What the step takes from the model rather than holding a copy (DecoderStep).
         self.token_table = model.tgt_embed.token.weight.detach()  # its storage, once
@@ -541,6 +550,11 @@ def _export_and_compile(model: Transformer, path: Path) -> None:
         options = dict(_INDUCTOR) | {"aot_inductor.output_path": str(work / path.name)}
         built = torch._inductor.aot_compile(exported.module(), args, options=options)
         os.chmod(str(built), 0o700)
+        # An index is only ever of the library beside it. It is made from the library in
+        # place: the library's loader reads the weights from the path it was loaded from.
+        index = index_path(path)
+        index.unlink(missing_ok=True)
         os.replace(str(built), path)
+        write_index(path, index)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from aiayn.accel.compiled import MAX_ROWS, CompiledCache, CompiledStep
 from aiayn.accel.linear import CpuLinear
+from aiayn.accel.memory import trim
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
 
@@ -66,7 +67,15 @@ class BufferedDecoding(Transformer):
             and not torch.is_grad_enabled()
             and compiled.serves(self, memory)
         ):
+            if compiled.after_eager:
+                # A decode of many rows left the heap its blocks (malloc keeps them for the
+                # next such decode): the small decodes that follow need few of them, and
+                # read the library's weights from its file, so they go back to the kernel.
+                compiled.after_eager = False
+                trim()
             return compiled.init_cache(self, memory, src_pad, max_len, beam_size)
+        if compiled is not None:
+            compiled.after_eager = True
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
 

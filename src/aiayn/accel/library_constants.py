@@ -1,0 +1,215 @@
+"""An AOTInductor library's constants (its frozen weights) read in place from its file.
+
+AOTInductor appends a library's constants to its shared object, and its loader copies them
+into memory of its own (``AOTInductorModelBase::load_constants``): memory that stays in the
+process for as long as the library is loaded. :func:`write_index` records, when the library
+is built, where each constant lies in the file, through the library's own C interface
+(``AOTInductorModelContainerGetConstant*``), and checks every one byte for byte against the
+copy its loader made. :func:`map_constants` then hands a loaded runner the constants as views
+of a mapping of the file (``update_constant_buffer`` with user-managed tensors) and frees the
+copy. The constants are then pages of a file: read when a decoder step needs them, handed back
+by :func:`aiayn.accel.memory.release_file_pages`, and shared by every process that maps them.
+Where anything does not add up, the loader's copy stays (figures: docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+INDEX_VERSION = 1
+# c10::ScalarType codes, as the library's C interface gives a constant's dtype.
+_DTYPES = {
+    0: torch.uint8,
+    1: torch.int8,
+    2: torch.int16,
+    3: torch.int32,
+    4: torch.int64,
+    5: torch.float16,
+    6: torch.float32,
+    7: torch.float64,
+    11: torch.bool,
+    15: torch.bfloat16,
+}
+_BY_NAME = {str(dtype).removeprefix("torch."): dtype for dtype in _DTYPES.values()}
+# A constant the loader copies starts on this boundary; a mapped one must too.
+_ALIGN = 64
+
+
+def index_path(library: Path) -> Path:
+    """Where the index of ``library``'s constants is kept: beside it (not ``<stem>.json``,
+    which AOTInductor's runner reads as its extern kernels' description)."""
+    return library.with_name(library.stem + ".constants.json")
+
+
+class _Entry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("handle", ctypes.c_void_p)]
+
+
+class _Library:
+    """A container of the library made through its C interface, for what it tells of its
+    constants (its loader copies them: made once, when the library is built)."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        self.handle = ctypes.c_void_p()
+        create = self.lib.AOTInductorModelContainerCreateWithDevice
+        self.check(create(ctypes.byref(self.handle), ctypes.c_size_t(1), b"cpu", None))
+
+    def check(self, code: int) -> None:
+        if code != 0:
+            raise RuntimeError(f"AOTInductor's C interface returned {code}")
+
+    def close(self) -> None:
+        self.check(self.lib.AOTInductorModelContainerDelete(self.handle))
+
+    def get(self, function: str, kind: Any, *args: Any) -> Any:
+        out = kind()
+        self.check(getattr(self.lib, function)(*args, ctypes.byref(out)))
+        return out
+
+    def of_constant(self, what: str, index: int, kind: Any) -> Any:
+        function = f"AOTInductorModelContainerGetConstant{what}"
+        return self.get(function, kind, self.handle, ctypes.c_size_t(index)).value
+
+    def of_tensor(self, what: str, handle: int, kind: Any) -> Any:
+        return self.get(f"aoti_torch_get_{what}", kind, ctypes.c_void_p(handle))
+
+
+def _constants(library: _Library, path: Path) -> dict[str, Any] | None:
+    """The index of the library's constants, each checked against the loader's copy."""
+    count = library.get(
+        "AOTInductorModelContainerGetNumConstants", ctypes.c_size_t, library.handle
+    ).value
+    entries = ctypes.POINTER(_Entry)()
+    found = ctypes.c_size_t()
+    library.check(
+        library.lib.AOTInductorModelContainerExtractConstantsMapEntries(
+            library.handle, ctypes.byref(entries), ctypes.byref(found), ctypes.c_bool(False)
+        )
+    )
+    # The loader reads the constants that are not folded at run time one after another, in
+    # their order, from the start of the weights appended to the file; its header holds their
+    # size and a number that the file's last eight bytes repeat.
+    size, magic = (ctypes.c_uint64 * 2).in_dll(library.lib, "_binary_constants_bin_start")
+    length = path.stat().st_size
+    start = length - size
+    if start < 0 or start % mmap.PAGESIZE:
+        return None
+    constants: list[dict[str, Any]] = []
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as data:
+        if int.from_bytes(data[length - 8 :], "little") != magic:
+            return None
+        offset, entry = 0, 0
+        for i in range(count):
+            if library.of_constant("FromFolded", i, ctypes.c_bool):
+                continue
+            if entry >= found.value:
+                return None
+            handle = entries[entry].handle
+            entry += 1
+            name = library.of_constant("Name", i, ctypes.c_char_p).decode()
+            nbytes = library.of_constant("DataSize", i, ctypes.c_size_t)
+            dtype = _DTYPES.get(library.of_tensor("dtype", handle, ctypes.c_int32).value)
+            dim = library.of_tensor("dim", handle, ctypes.c_int64).value
+            sizes = library.of_tensor("sizes", handle, ctypes.POINTER(ctypes.c_int64))
+            strides = library.of_tensor("strides", handle, ctypes.POINTER(ctypes.c_int64))
+            storage_offset = library.of_tensor("storage_offset", handle, ctypes.c_int64).value
+            pointer = library.of_tensor("data_ptr", handle, ctypes.c_void_p).value or 0
+            if dtype is None or (start + offset) % _ALIGN:
+                return None
+            copied = pointer - storage_offset * dtype.itemsize
+            if nbytes and data[start + offset : start + offset + nbytes] != ctypes.string_at(
+                copied, nbytes
+            ):
+                return None
+            constants.append(
+                {
+                    "name": name,
+                    "offset": offset,
+                    "nbytes": nbytes,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "sizes": [sizes[d] for d in range(dim)],
+                    "strides": [strides[d] for d in range(dim)],
+                    "storage_offset": storage_offset,
+                }
+            )
+            offset += nbytes
+        if start + offset != length - 8 or entry != found.value:
+            return None
+    return {"version": INDEX_VERSION, "length": length, "start": start, "constants": constants}
+
+
+def write_index(path: Path, index: Path) -> bool:
+    """Write the index of the library ``path``'s constants to ``index`` (a file of its own,
+    then renamed); False, and nothing written, where they cannot all be told."""
+    try:
+        library = _Library(path)
+    except (OSError, RuntimeError, AttributeError):
+        return False
+    try:
+        found = _constants(library, path)
+    except (OSError, RuntimeError, AttributeError, ValueError):
+        found = None
+    finally:
+        library.close()
+    if found is None:
+        return False
+    partial = index.with_name(index.name + ".partial")
+    partial.write_text(json.dumps(found))
+    os.replace(partial, index)
+    return True
+
+
+def _views(path: Path, index: dict[str, Any]) -> dict[str, Tensor] | None:
+    """The constants as views of a private mapping of the file, or None where the index does
+    not fit it."""
+    length = path.stat().st_size
+    if index.get("version") != INDEX_VERSION or index.get("length") != length:
+        return None
+    whole = torch.from_file(str(path), shared=False, size=length, dtype=torch.uint8)
+    views: dict[str, Tensor] = {}
+    for constant in index["constants"]:
+        dtype = _BY_NAME.get(constant["dtype"])
+        first = index["start"] + constant["offset"]
+        last = first + constant["nbytes"]
+        if dtype is None or first % _ALIGN or not 0 <= first <= last <= length:
+            return None
+        sizes, strides = constant["sizes"], constant["strides"]
+        reach = constant["storage_offset"] + sum(
+            (n - 1) * s for n, s in zip(sizes, strides, strict=True)
+        )
+        if constant["nbytes"] % dtype.itemsize or (
+            all(sizes) and reach >= constant["nbytes"] // dtype.itemsize
+        ):
+            return None
+        flat = whole[first:last].view(dtype)  # (as_strided's offset counts from the file's start)
+        offset = flat.storage_offset() + constant["storage_offset"]
+        views[constant["name"]] = flat.as_strided(sizes, strides, offset)
+    return views
+
+
+def map_constants(runner: Any, path: Path, index: Path) -> dict[str, Tensor] | None:
+    """Have ``runner`` (an ``AOTIModelContainerRunnerCpu`` of the library ``path``) read its
+    constants from a mapping of the file, as ``index`` places them, and free its copy; the
+    views, which must live as long as the runner, or None where the copy stays."""
+    try:
+        views = _views(path, json.loads(index.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        return None
+    if views is None:
+        return None
+    try:  # into the buffer not in use, every constant, the tensors' own memory: then swapped
+        runner.update_constant_buffer(views, True, True, True)
+        runner.swap_constant_buffer()
+    except RuntimeError:
+        return None
+    runner.free_inactive_constant_buffer()
+    return views
