@@ -133,7 +133,7 @@ def test_decoding_in_fp32_is_bit_identical() -> None:
 
 def test_a_packed_projection_frees_the_last_steps_log_probabilities_first() -> None:
     """A packed product allocates its output: the step before's is gone when the next is
-    made (the decode's cache lets go of it just before; search before the step)."""
+    made (search lets go of it once it has chosen its candidates)."""
     import weakref
 
     from aiayn.accel.linear import packing_available

@@ -321,13 +321,15 @@ def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledSt
     assert "compiled_step" not in vars(model) and type(model) is Transformer
 
 
-def test_a_switch_from_many_rows_gives_the_heap_back_once(
+def test_a_switch_between_many_rows_and_few_hands_back_what_is_idle(
     step: CompiledStep, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import aiayn.accel.decoding as decoding
 
     trims: list[int] = []
+    released: list[Path] = []
     monkeypatch.setattr(decoding, "trim", lambda: trims.append(1) or True)
+    monkeypatch.setattr(decoding, "release_file_pages", lambda p: released.append(p) or 0)
     model = packing_model()
     acceleration = accelerate(model, "decode", precision="fp32")
     compiled = use_compiled_step(model, acceleration, False, print)
@@ -337,10 +339,11 @@ def test_a_switch_from_many_rows_gives_the_heap_back_once(
         model.init_cache(memory[:1], None, 5, beam_size=4)
         assert trims == []  # nothing eager before
         model.init_cache(memory, None, 5, beam_size=4)  # eager: too many rows
-        assert compiled.after_eager and trims == []
+        model.init_cache(memory, None, 5, beam_size=4)
+        assert compiled.after_eager and trims == [] and released == [compiled.path]
         model.init_cache(memory[:1], None, 5, beam_size=4)
         model.init_cache(memory[:2], None, 5, beam_size=4)
-    assert trims == [1] and not compiled.after_eager
+    assert trims == [1] and not compiled.after_eager and len(released) == 1
     acceleration.undo()
 
 

@@ -20,18 +20,16 @@ from torch import Tensor, nn
 
 from aiayn.accel.compiled import MAX_ROWS, CompiledCache, CompiledStep
 from aiayn.accel.linear import CpuLinear
-from aiayn.accel.memory import trim
+from aiayn.accel.memory import release_file_pages, trim
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
 
 
 @dataclass
 class BufferedCache(DecoderCache):
-    """A :class:`~aiayn.model.cache.DecoderCache` with the decode's (rows, V) buffer, and the
-    last step's log-probabilities where a packed product made them a matrix of their own."""
+    """A :class:`~aiayn.model.cache.DecoderCache` with the decode's (rows, V) buffer."""
 
     buffer: Tensor | None = None
-    last: Tensor | None = None
 
     def rows_buffer(self, rows: int, width: int) -> Tensor:
         """The first ``rows`` rows of a (batch rows, width) float32 buffer kept for the
@@ -74,8 +72,11 @@ class BufferedDecoding(Transformer):
                 compiled.after_eager = False
                 trim()
             return compiled.init_cache(self, memory, src_pad, max_len, beam_size)
-        if compiled is not None:
+        if compiled is not None and not compiled.after_eager:
+            # And the other way: the eager step reads the packs, not the library's weights,
+            # whose pages go back until the step serves again (read from the file then).
             compiled.after_eager = True
+            release_file_pages(compiled.path)
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
 
@@ -104,13 +105,7 @@ class BufferedDecoding(Transformer):
         hidden = self.step_hidden(tokens, cache)  # (rows, d_model)
         weight = out_proj.weight
         rows, vocab = hidden.size(0), weight.size(0)
-        # A packed product allocates its output: the last step's is freed just before, so
-        # that this one can take its place in the heap. Freed earlier, the step's smaller
-        # tensors split that block, and the next (rows, V) matrix takes new memory, a few
-        # times over a decode. Search lets go of it before the next step.
-        cache.last = None
         logits = out_proj.packed_product(hidden) if isinstance(out_proj, CpuLinear) else None
-        cache.last = logits
         if logits is None:
             if hidden.dtype == weight.dtype == torch.float32:
                 logits = torch.mm(hidden, weight.t(), out=cache.rows_buffer(rows, vocab))

@@ -228,9 +228,9 @@ def read_by_rows(
 
 def release_file_pages(path: Path) -> int:
     """Hand back the pages this process holds of ``path``'s non-executable mappings over
-    1 MiB, and return how many bytes of mappings were advised (AOTInductor's loader maps a
-    compiled library's weights from the file and copies them into memory of its own, and
-    the mapping stays)."""
+    1 MiB, and return how many bytes of mappings were advised (a compiled library's
+    weights: mapped by AOTInductor's loader, which copies them, and by
+    :mod:`aiayn.accel.library_constants`, from which its steps then read them)."""
     advised = 0
     for start, end, name in file_mappings():
         if name == str(path) and end - start > 1 << 20 and _pages_can_go(name):
