@@ -37,6 +37,12 @@ fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Tra
 mapped weights handed back   decode (weights mapped      the pages of each weight a oneDNN
                              from a checkpoint)          pack replaces, and of embedding
                                                          tables (then read a row at a time)
+compiled step's weights      decode, with a compiled     views of the library's file
+read from its file           step (Linux)                (:mod:`.library_constants`); the
+                                                         loader's copy freed
+idle memory handed back      decode, with a compiled     the heap's free blocks before small
+at each switch               step                        decodes that follow a large one, the
+                                                         library's pages before large ones
 malloc thresholds            train, decode               process-wide, see :mod:`.memory`
 ===========================  ==========================  =======================================
 
