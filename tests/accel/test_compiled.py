@@ -329,7 +329,7 @@ def test_a_switch_between_many_rows_and_few_hands_back_what_is_idle(
     trims: list[int] = []
     released: list[Path] = []
     monkeypatch.setattr(decoding, "trim", lambda: trims.append(1) or True)
-    monkeypatch.setattr(decoding, "release_file_pages", lambda p: released.append(p) or 0)
+    monkeypatch.setattr(decoding, "release_file_pages", lambda p, cached: released.append(p) or 0)
     model = packing_model()
     acceleration = accelerate(model, "decode", precision="fp32")
     compiled = use_compiled_step(model, acceleration, False, print)
@@ -433,37 +433,69 @@ def test_the_command_line_passes_the_setting(
 def test_the_weights_are_read_from_the_librarys_file(
     model: Transformer, step: CompiledStep, tmp_path: Path
 ) -> None:
-    """The library's constants are views of its file (the loader's copy is freed), and the
-    step decodes with them as with the copy, to the bit."""
+    """The runner's constants are views of the library's file (the loader's copy is freed),
+    and the step's log-probabilities with them are those with the copy, to the bit."""
     from aiayn.accel.library_constants import index_path
     from aiayn.accel.memory import file_mappings
 
     assert index_path(step.path).is_file() and trusted(index_path(step.path))
     assert step.constants  # the decoder layers' weights and more
     spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
-    for tensor in step.constants.values():
-        assert any(lo <= tensor.data_ptr() < hi for lo, hi in spans)
+    in_use = step.runner.extract_constants_map(False)  # what the runner reads now
+    assert in_use and all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in in_use.values())
     copied = tmp_path / step.path.name  # no index beside it: the loader's copy is used
     shutil.copy(step.path, copied)
     with_copy = CompiledStep(copied, model)
     assert with_copy.constants is None
-    for rows, beam in ((1, 4), (3, 1)):
-        assert decode(model, with_copy, rows, beam) == decode(model, step, rows, beam)
-    # An index that does not fit the library leaves the copy.
+
+    def log_probs(compiled: CompiledStep) -> torch.Tensor:
+        src, src_pad = sources(3, 9)
+        with torch.inference_mode():
+            memory = model.encode(src, src_pad)
+            cache = compiled.init_cache(model, memory, src_pad, 6, 2)
+            tokens = torch.ones(6, dtype=torch.long)
+            return torch.stack([compiled.log_probs_step(tokens, cache) for _ in range(5)])
+
+    assert torch.equal(log_probs(with_copy), log_probs(step))
+    assert decode(model, with_copy, 1, 4) == decode(model, step, 1, 4)
+    # An index that does not fit the library leaves the copy; each case keeps the rest.
     index = index_path(copied)
     good = json.loads(index_path(step.path).read_text())
+    first, rest = good["constants"][0], good["constants"][1:]
+    buffer = next(c for c in good["constants"] if c["name"] == "positions_table")
+    # Two constants of one size and other values, each the only one of its original name
+    # (those the loader's copy is compared with when the library loads).
+    fqns = step.runner.get_constant_names_to_original_fqns()
+    alone = {n for n, f in fqns.items() if list(fqns.values()).count(f) == 1}
+    x, y = next(
+        (a, b)
+        for a in good["constants"]
+        for b in good["constants"]
+        if a["name"] in alone
+        and b is not a
+        and a["nbytes"] == b["nbytes"]
+        and not torch.equal(
+            step.constants[a["name"]].flatten(), step.constants[b["name"]].flatten()
+        )
+    )
+    moved = [{**c, "offset": y["offset"]} if c is x else c for c in good["constants"]]
     for broken in (
         {**good, "length": good["length"] + 1},
-        {**good, "constants": good["constants"][1:]},  # one missing
-        {**good, "constants": [{**good["constants"][0], "offset": good["length"]}]},
-        {**good, "constants": [{**good["constants"][0], "nbytes": 4}]},  # too few bytes
         {**good, "version": 0},
+        {**good, "constants": rest},  # a parameter missing
+        {**good, "constants": [c for c in good["constants"] if c is not buffer]},  # a buffer
+        {**good, "constants": [{**first, "offset": good["length"]}, *rest]},
+        {**good, "constants": [{**first, "nbytes": 4}, *rest]},  # too few bytes
+        {**good, "constants": [{**first, "storage_offset": -1}, *rest]},
+        {**good, "constants": [{**first, "dtype": "float64"}, *rest]},
+        {**good, "constants": moved},  # another's bytes
+        [],
     ):
         index.write_text(json.dumps(broken))
         index.chmod(0o600)
         fallback = CompiledStep(copied, model)
         assert fallback.constants is None
-        assert decode(model, fallback, 1, 4) == decode(model, step, 1, 4)
+        assert torch.equal(log_probs(fallback), log_probs(step))
     index.write_text("not json")
     assert CompiledStep(copied, model).constants is None
     index.write_text(json.dumps(good))

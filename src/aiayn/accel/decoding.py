@@ -76,7 +76,7 @@ class BufferedDecoding(Transformer):
             # And the other way: the eager step reads the packs, not the library's weights,
             # whose pages go back until the step serves again (read from the file then).
             compiled.after_eager = True
-            release_file_pages(compiled.path)
+            release_file_pages(compiled.path, cached=True)
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
 

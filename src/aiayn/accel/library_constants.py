@@ -7,13 +7,19 @@ is built, where each constant lies in the file, through the library's own C inte
 (``AOTInductorModelContainerGetConstant*``), and checks every one byte for byte against the
 copy its loader made. :func:`map_constants` then hands a loaded runner the constants as views
 of a mapping of the file (``update_constant_buffer`` with user-managed tensors) and frees the
-copy. The constants are then pages of a file: read when a decoder step needs them, handed back
-by :func:`aiayn.accel.memory.release_file_pages`, and shared by every process that maps them.
-Where anything does not add up, the loader's copy stays (figures: docs/performance.md).
+copy, once the index is found to fit the runner: the same constants and dtypes, each view
+within its bytes, and equal to the loader's copy wherever the runner names a constant
+uniquely (AOTInductor's ``extract_constants_map`` gives them by original name, which a few
+derived constants share). The constants are then pages of a file: read when a decoder step
+needs them, handed back by :func:`aiayn.accel.memory.release_file_pages`, and shared by every
+process that maps them. Where anything does not add up, the loader's copy stays (figures:
+docs/performance.md).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import json
 import mmap
@@ -159,50 +165,95 @@ def write_index(path: Path, index: Path) -> bool:
     except (OSError, RuntimeError, AttributeError, ValueError):
         found = None
     finally:
-        library.close()
+        with contextlib.suppress(RuntimeError, AttributeError):
+            library.close()
     if found is None:
         return False
     partial = index.with_name(index.name + ".partial")
-    partial.write_text(json.dumps(found))
-    os.replace(partial, index)
+    try:
+        partial.write_text(json.dumps(found))
+        os.replace(partial, index)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        return False
     return True
 
 
-def _views(path: Path, index: dict[str, Any]) -> dict[str, Tensor] | None:
+# One private mapping of each library file for the process: the runner keeps its own handle
+# of each view it is given (and never lets it go), so a mapping per load would stay for good.
+_MAPPINGS: dict[tuple[str, int, int, int], Tensor] = {}
+
+
+def _mapping(path: Path) -> Tensor:
+    info = path.stat()
+    key = (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+    whole = _MAPPINGS.get(key)
+    if whole is None:
+        whole = torch.from_file(str(path), shared=False, size=info.st_size, dtype=torch.uint8)
+        _MAPPINGS[key] = whole
+    return whole
+
+
+def _views(path: Path, index: object, runner: Any) -> dict[str, Tensor] | None:
     """The constants as views of a private mapping of the file, or None where the index does
-    not fit it."""
+    not fit it or the runner: the same constants (names and dtypes), each within its bytes,
+    and those the runner's loader copied under a name of their own equal to the copy (every
+    constant the loader made, where none shares another's name)."""
     length = path.stat().st_size
-    if index.get("version") != INDEX_VERSION or index.get("length") != length:
+    if (
+        not isinstance(index, dict)
+        or index.get("version") != INDEX_VERSION
+        or index.get("length") != length
+    ):
         return None
-    whole = torch.from_file(str(path), shared=False, size=length, dtype=torch.uint8)
+    dtypes = runner.get_constant_names_to_dtypes()
+    constants = index["constants"]
+    if sorted(c["name"] for c in constants) != sorted(dtypes):
+        return None
+    whole = _mapping(path)
     views: dict[str, Tensor] = {}
-    for constant in index["constants"]:
+    for constant in constants:
         dtype = _BY_NAME.get(constant["dtype"])
         first = index["start"] + constant["offset"]
         last = first + constant["nbytes"]
-        if dtype is None or first % _ALIGN or not 0 <= first <= last <= length:
+        if dtype is None or _DTYPES.get(dtypes[constant["name"]]) is not dtype:
             return None
-        sizes, strides = constant["sizes"], constant["strides"]
-        reach = constant["storage_offset"] + sum(
-            (n - 1) * s for n, s in zip(sizes, strides, strict=True)
-        )
+        if first % _ALIGN or not 0 <= first <= last <= length:
+            return None
+        sizes, strides, offset = constant["sizes"], constant["strides"], constant["storage_offset"]
+        if offset < 0 or any(n < 0 for n in sizes) or any(s < 0 for s in strides):
+            return None
+        reach = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
         if constant["nbytes"] % dtype.itemsize or (
             all(sizes) and reach >= constant["nbytes"] // dtype.itemsize
         ):
             return None
         flat = whole[first:last].view(dtype)  # (as_strided's offset counts from the file's start)
-        offset = flat.storage_offset() + constant["storage_offset"]
-        views[constant["name"]] = flat.as_strided(sizes, strides, offset)
+        views[constant["name"]] = flat.as_strided(sizes, strides, flat.storage_offset() + offset)
+    # The loader's copy, by each constant's original name: where a name is a single constant's,
+    # its view must hold the same values in the same shape.
+    fqns = runner.get_constant_names_to_original_fqns()
+    counts = collections.Counter(fqns.values())
+    copied = runner.extract_constants_map(False)
+    for name, fqn in fqns.items():
+        if counts[fqn] == 1 and fqn in copied:
+            want, got = copied[fqn], views[name]
+            if (
+                want.shape != got.shape
+                or want.stride() != got.stride()
+                or not torch.equal(want, got)
+            ):
+                return None
     return views
 
 
 def map_constants(runner: Any, path: Path, index: Path) -> dict[str, Tensor] | None:
     """Have ``runner`` (an ``AOTIModelContainerRunnerCpu`` of the library ``path``) read its
     constants from a mapping of the file, as ``index`` places them, and free its copy; the
-    views, which must live as long as the runner, or None where the copy stays."""
+    views (the runner holds its own references to them), or None where the copy stays."""
     try:
-        views = _views(path, json.loads(index.read_text()))
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        views = _views(path, json.loads(index.read_text()), runner)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):
         return None
     if views is None:
         return None

@@ -133,6 +133,7 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 _MADV_NORMAL = 0
 _MADV_RANDOM = 1  # read only the page that is touched, not the ones around it
+_MADV_DONTNEED = 4  # a file's pages leave this process; the kernel's page cache keeps them
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
 _PAGE = mmap.PAGESIZE
 
@@ -226,13 +227,15 @@ def read_by_rows(
     return span is not None and _madvise(span[0], span[1], advice) > 0
 
 
-def release_file_pages(path: Path) -> int:
+def release_file_pages(path: Path, *, cached: bool = False) -> int:
     """Hand back the pages this process holds of ``path``'s non-executable mappings over
     1 MiB, and return how many bytes of mappings were advised (a compiled library's
     weights: mapped by AOTInductor's loader, which copies them, and by
-    :mod:`aiayn.accel.library_constants`, from which its steps then read them)."""
+    :mod:`aiayn.accel.library_constants`, from which its steps then read them). ``cached``:
+    the pages stay in the kernel's page cache, to be read again soon without the disk."""
     advised = 0
+    advice = _MADV_DONTNEED if cached else _MADV_PAGEOUT
     for start, end, name in file_mappings():
-        if name == str(path) and end - start > 1 << 20 and _pages_can_go(name):
-            advised += _madvise(start, end, _MADV_PAGEOUT)
+        if name == str(path) and end - start > 1 << 20 and (cached or _pages_can_go(name)):
+            advised += _madvise(start, end, advice)
     return advised

@@ -161,11 +161,14 @@ def _device(device: torch.device | str | None, max_len: int | Tensor) -> torch.d
 
 def _force_eos(log_probs: Tensor, forced: Tensor, eos_id: int) -> Tensor:
     """Rows where ``forced`` (broadcast over the leading dims) may only emit EOS, in place
-    (a copy would be the step's largest tensor once more)."""
+    (a copy would be the step's largest tensor once more) where PyTorch allows it: not on an
+    inference tensor outside inference mode."""
     others = torch.ones(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
     others[eos_id] = False
-    shape = forced.shape + (1,) * (log_probs.dim() - forced.dim())
-    return log_probs.masked_fill_(forced.view(shape) & others, float("-inf"))
+    mask = forced.view(forced.shape + (1,) * (log_probs.dim() - forced.dim())) & others
+    if log_probs.is_inference() and not torch.is_inference_mode_enabled():
+        return log_probs.masked_fill(mask, float("-inf"))
+    return log_probs.masked_fill_(mask, float("-inf"))
 
 
 # Devices whose tensors the host reads at no cost (beam search checks each step's finished
