@@ -185,3 +185,47 @@ def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> No
     assert_close(step_log_probs(model, 5, 3000), step_log_probs(plain, 5, 3000), **FLOAT32)
     # The lookups of those steps read the rows of their tokens, not the whole table.
     assert resident_bytes(path) < 0.5 * table.numel() * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_relu_taken_in_the_first_product_changes_no_value(dtype: torch.dtype) -> None:
+    from aiayn.accel import cpu_has_bfloat16
+    from aiayn.accel.linear import ReluInProduct
+    from aiayn.model.feedforward import PositionwiseFeedForward
+
+    if dtype is torch.bfloat16 and not cpu_has_bfloat16():
+        pytest.skip("bfloat16 decoding packs need a CPU with bfloat16 instructions")
+    model = packing_model().to(dtype)
+    ffns = [m for m in model.modules() if type(m) is PositionwiseFeedForward]
+    precision = "bf16" if dtype is torch.bfloat16 else "fp32"
+    acceleration = accelerate(model, "decode", precision=precision, memory_settings=False)
+    assert "ReLU in the product" in acceleration.levers
+    assert ffns and all(type(m) is ReluInProduct for m in ffns)
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, 3, 16, 64):
+            x = torch.randn(2, rows, 32, dtype=dtype)
+            for ffn in ffns:
+                fused = ffn(x)
+                ffn.__class__ = PositionwiseFeedForward
+                plain = ffn(x)  # the pack's product, then torch.relu
+                ffn.__class__ = ReluInProduct
+                assert torch.equal(fused, plain)
+                assert ffn.w1.packed_product(x) is not None  # type: ignore[operator]
+    acceleration.undo()
+    assert all(type(m) is PositionwiseFeedForward for m in ffns)
+
+
+def test_an_ffn_without_a_relu_or_a_onednn_pack_keeps_its_class() -> None:
+    from aiayn.model.feedforward import PositionwiseFeedForward
+
+    model = packing_model()
+    gelu = model.encoder.layers[0].ffn
+    gelu.activation = torch.nn.functional.gelu
+    acceleration = accelerate(model, "decode", pack_weights=False, memory_settings=False)
+    assert "ReLU in the product" not in acceleration.levers
+    assert all(type(m) is PositionwiseFeedForward for m in model.modules() if hasattr(m, "w1"))
+    acceleration.undo()
+    acceleration = accelerate(model, "decode", memory_settings=False)
+    assert type(gelu) is PositionwiseFeedForward
+    assert "ReLU in the product" in acceleration.levers

@@ -43,6 +43,11 @@ read from its file           step (Linux)                (:mod:`.library_constan
 idle memory handed back      decode, with a compiled     the heap's free blocks before small
 at each switch               step                        decodes that follow a large one, the
                                                          library's pages before large ones
+ReLU in the product          decode, feed-forward        ``PositionwiseFeedForward`` →
+                             layers whose first product  :class:`~.linear.ReluInProduct`
+                             has a oneDNN pack
+PyTorch's code pages         decode, at the end of the   the pages of PyTorch's libraries
+handed back                  call (Linux)                (:func:`.memory.release_library_pages`)
 malloc thresholds            train, decode               process-wide, see :mod:`.memory`
 ===========================  ==========================  =======================================
 
@@ -55,9 +60,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from aiayn.accel import memory
@@ -67,12 +74,14 @@ from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
 from aiayn.accel.linear import (
     CpuLinear,
+    ReluInProduct,
     fp32_pack_library,
     pack,
     unwatch_optimizer_steps,
     watch_optimizer_steps,
 )
 from aiayn.model.attention import MultiHeadAttention
+from aiayn.model.feedforward import PositionwiseFeedForward
 from aiayn.model.layers import Residual
 from aiayn.model.transformer import Transformer
 
@@ -110,6 +119,9 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 
 _UNSET = object()
 
+# PyTorch's shared libraries (libtorch_cpu and the rest).
+TORCH_LIBRARIES = Path(torch.__file__).parent / "lib"
+
 
 @dataclass
 class Acceleration:
@@ -123,6 +135,9 @@ class Acceleration:
     # kernel does with them: accel.memory.page_out): those a oneDNN pack replaced, and
     # embedding tables read a row at a time.
     handed_back: int = 0
+    # Bytes of PyTorch's library pages (code that loading ran) handed back at the end of a
+    # decode acceleration (accel.memory.release_library_pages).
+    library_pages: int = 0
     # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
     fused_loss: bool = False
     # (module, its plain class, the class it was given)
@@ -162,6 +177,7 @@ class Acceleration:
         self.levers.clear()
         self.packed = 0
         self.handed_back = 0
+        self.library_pages = 0
         self.fused_loss = False
 
     def release_memory(self) -> None:
@@ -296,13 +312,39 @@ def accelerate(
                 acceleration._watching = True
                 library = "oneDNN" if all(made) else "MKL"
                 acceleration.levers.append(f"packed weights ({library}, {len(made)})")
+            _relu_in_products(model, acceleration)
     if mode == "decode":
         _tables_by_rows(model, acceleration)
+    if mode == "decode" and acceleration.levers:
+        # Last, where this call changed the model: loading it, packing its weights and
+        # loading its compiled step ran code that decoding does not run again.
+        acceleration.library_pages = memory.release_library_pages(TORCH_LIBRARIES)
+        if acceleration.library_pages:
+            megabytes = acceleration.library_pages / (1 << 20)
+            acceleration.levers.append(f"PyTorch's code pages handed back ({megabytes:.1f} MB)")
     if memory_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
             acceleration.levers.append(f"malloc thresholds ({mode})")
     return acceleration
+
+
+def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
+    """The feed-forward layers whose first product goes through a oneDNN pack take their
+    ReLU in it (:class:`~aiayn.accel.linear.ReluInProduct`)."""
+    swapped = [
+        m
+        for m in model.modules()
+        if type(m) is PositionwiseFeedForward
+        and m.activation is F.relu
+        and isinstance(m.w1, CpuLinear)
+        and m.w1.onednn_packed()
+    ]
+    for module in swapped:
+        acceleration._swapped.append((module, PositionwiseFeedForward, ReluInProduct))
+        module.__class__ = ReluInProduct
+    if swapped:
+        acceleration.levers.append("ReLU in the product")
 
 
 def _tables_by_rows(model: nn.Module, acceleration: Acceleration) -> None:

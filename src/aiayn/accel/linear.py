@@ -41,6 +41,8 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from aiayn.model.feedforward import PositionwiseFeedForward
+
 # Float32 products over this many rows use an MKL pack: a decoder step over 1 to 32 sentences
 # with beam 4, or 4 to 128 greedily. Fewer and more rows are as fast or faster unpacked.
 # oneDNN packs serve every row count.
@@ -167,8 +169,10 @@ class Pack:
         )
 
 
-def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _onednn_linear(
+    x: Tensor, packed: Tensor, bias: Tensor | None, activation: str = "none"
+) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
 
 
 @torch.no_grad()
@@ -307,10 +311,12 @@ class CpuLinear(nn.Linear):
         weight (an MKL pack serves some row counts only)."""
         return self.pack is not None and self.pack.onednn and self.pack.matches(self.weight)
 
-    def packed_product(self, x: Tensor) -> Tensor | None:
-        """The product through :attr:`pack`, or None where the pack does not serve ``x``."""
+    def packed_product(self, x: Tensor, relu: bool = False) -> Tensor | None:
+        """The product through :attr:`pack`, or None where the pack does not serve ``x``.
+        ``relu``: and its ReLU, applied by oneDNN as it writes the product (an MKL pack
+        cannot: None)."""
         pack = self.pack
-        if pack is None or not x.dim():
+        if pack is None or not x.dim() or (relu and not pack.onednn):
             return None
         width = x.shape[-1]
         if width != self.in_features or torch.is_grad_enabled():
@@ -331,7 +337,8 @@ class CpuLinear(nn.Linear):
         if torch.is_autocast_enabled("cpu") or weight is None or not pack.matches(weight):
             return None
         if pack.onednn:
-            product = partial(_onednn_linear, packed=pack.packed, bias=bias)
+            activation = "relu" if relu else "none"
+            product = partial(_onednn_linear, packed=pack.packed, bias=bias, activation=activation)
             return on_padded_rows(product, x, onednn_rows(rows))
         return torch.ops.mkl._mkl_linear(x, pack.packed, weight, bias, rows)
 
@@ -340,3 +347,18 @@ class CpuLinear(nn.Linear):
         state: dict[str, object] = super().__getstate__()
         state.pop("pack", None)
         return state
+
+
+class ReluInProduct(PositionwiseFeedForward):
+    """:class:`~aiayn.model.feedforward.PositionwiseFeedForward` whose ReLU is applied by
+    oneDNN as it writes the first product, where that product goes through a oneDNN pack:
+    the same values (max(0, x) of the same sums) without a pass over the (rows, d_ff)
+    activations (figures: docs/performance.md). Otherwise, the parent's path."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w1 = self.w1
+        if self.activation is F.relu and isinstance(w1, CpuLinear):
+            hidden = w1.packed_product(x, relu=True)
+            if hidden is not None:
+                return self.w2(self.dropout(hidden))
+        return super().forward(x)

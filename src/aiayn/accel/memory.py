@@ -22,7 +22,8 @@ raising of the mmap threshold, which an explicit setting switches off for good.
 Weights mapped from a file (a checkpoint that :func:`aiayn.inference.loading.load_model`
 maps, a compiled library) are the kernel's to page in and out: :func:`page_out` hands back
 the pages of one that a packed copy has replaced, :func:`read_by_rows` has the kernel read
-only the pages of a table that are used (Linux; elsewhere both do nothing).
+only the pages of a table that are used, and :func:`release_library_pages` hands back the
+pages of PyTorch's code that loading ran (Linux; elsewhere they do nothing).
 """
 
 from __future__ import annotations
@@ -225,6 +226,47 @@ def read_by_rows(
     span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
     advice = _MADV_NORMAL if undo else _MADV_RANDOM
     return span is not None and _madvise(span[0], span[1], advice) > 0
+
+
+def release_library_pages(directory: Path) -> int:
+    """Hand back this process's pages of the shared libraries in ``directory`` (a package's
+    ``lib``: their code and read-only data), and return how many resident bytes went back.
+
+    Loading a model runs much code that decoding never runs again (unpickling, the checks of
+    a checkpoint, making the packs); its pages stay counted in the process's RSS although they
+    are the kernel's page cache, shared and clean. Only a mapping nobody may write and that
+    holds no page of its own (``Anonymous`` and ``Swap`` 0 in ``/proc/self/smaps``: a
+    relocated table's copy would be lost) is advised ``MADV_DONTNEED``: a page run again is
+    mapped again from the page cache (figures: docs/performance.md)."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    prefix = str(directory).rstrip("/") + "/"
+    released = 0
+    span: tuple[int, int] | None = None  # the current mapping, while it may still go
+    fields: dict[str, int] = {}
+
+    def finish() -> int:
+        if span is None or fields.get("Anonymous", 1) or fields.get("Swap", 1):
+            return 0
+        resident = fields.get("Rss", 0) << 10
+        return resident if resident and _madvise(span[0], span[1], _MADV_DONTNEED) else 0
+
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if head.endswith(":"):  # a field of the current mapping
+            if span is not None and rest.endswith("kB"):
+                fields[head[:-1]] = int(rest.split()[0])
+            continue
+        released += finish()  # a mapping's header: "start-end perms offset dev inode path"
+        parts = line.split(maxsplit=5)
+        span, fields = None, {}
+        if len(parts) == 6 and parts[5].startswith(prefix) and "w" not in parts[1]:
+            if parts[1].endswith("p"):
+                start, end = (int(a, 16) for a in parts[0].split("-"))
+                span = (start, end)
+    return released + finish()
 
 
 def release_file_pages(path: Path, *, cached: bool = False) -> int:
