@@ -188,7 +188,9 @@ def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_relu_taken_in_the_first_product_changes_no_value(dtype: torch.dtype) -> None:
+def test_the_relu_taken_in_the_first_product_changes_no_value(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from aiayn.accel import cpu_has_bfloat16
     from aiayn.accel.linear import ReluInProduct
     from aiayn.model.feedforward import PositionwiseFeedForward
@@ -201,17 +203,36 @@ def test_the_relu_taken_in_the_first_product_changes_no_value(dtype: torch.dtype
     acceleration = accelerate(model, "decode", precision=precision, memory_settings=False)
     assert "ReLU in the product" in acceleration.levers
     assert ffns and all(type(m) is ReluInProduct for m in ffns)
+    activations: list[str] = []
+    real = linear_module._onednn_linear
+
+    def spy(x: Tensor, packed: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
+        activations.append(activation)
+        return real(x, packed, bias, activation)
+
+    monkeypatch.setattr(linear_module, "_onednn_linear", spy)
     torch.manual_seed(1)
     with torch.inference_mode():
-        for rows in (1, 3, 16, 64):
+        for rows in (1, 3, 9, 16, 40, 64):  # 18 and 80 rows: padded to 32 and 128
             x = torch.randn(2, rows, 32, dtype=dtype)
             for ffn in ffns:
+                activations.clear()
                 fused = ffn(x)
+                assert activations == ["relu", "none"]  # w1 with its ReLU, then w2
                 ffn.__class__ = PositionwiseFeedForward
                 plain = ffn(x)  # the pack's product, then torch.relu
                 ffn.__class__ = ReluInProduct
                 assert torch.equal(fused, plain)
-                assert ffn.w1.packed_product(x) is not None  # type: ignore[operator]
+        # oneDNN's ReLU makes a NaN 0: the layer's residual still carries a NaN input on.
+        layer = model.encoder.layers[0]
+        x = torch.randn(2, 5, 32, dtype=dtype)
+        x[1, 2, 3] = float("nan")
+        fused = layer(x, None)
+        layer.ffn.__class__ = PositionwiseFeedForward
+        plain = layer(x, None)
+        layer.ffn.__class__ = ReluInProduct
+        assert torch.equal(fused.isnan(), plain.isnan()) and fused[1, 2].isnan().all()
+        assert torch.equal(fused.nan_to_num(), plain.nan_to_num())
     acceleration.undo()
     assert all(type(m) is PositionwiseFeedForward for m in ffns)
 

@@ -190,13 +190,15 @@ def test_library_pages_go_back_unless_the_process_wrote_them_or_may(tmp_path):
 def test_decoding_hands_back_the_code_pages_loading_ran() -> None:
     import torch
 
-    from aiayn.accel import accelerate
+    from aiayn.accel import accelerate, memory
     from aiayn.config import ModelConfig
     from aiayn.model.families import build_model
 
-    if not Path("/proc/self/smaps").exists():
-        pytest.skip("needs Linux's /proc")
+    if not Path("/proc/self/smaps").exists() or memory._libc() is None:
+        pytest.skip("needs Linux's /proc and C library")
     config = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=4, n_layers=1)
+    untouched = accelerate(build_model(config).eval(), "decode", memory_settings=False)
+    assert untouched.library_pages == 0  # no process setting
     model = build_model(config).eval()
     acceleration = accelerate(model, "decode")
     assert acceleration.library_pages > 0

@@ -120,7 +120,7 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 _UNSET = object()
 
 # PyTorch's shared libraries (libtorch_cpu and the rest).
-TORCH_LIBRARIES = Path(torch.__file__).parent / "lib"
+TORCH_LIBRARIES = Path(torch.__file__).resolve().parent / "lib"
 
 
 @dataclass
@@ -231,7 +231,9 @@ def accelerate(
     None, the default, packs them where that library is oneDNN, whose packed products are
     faster at every row count there; False packs no float32 weight. bfloat16 weights are
     always packed, for oneDNN. ``memory_settings`` raises the process's malloc thresholds while the
-    acceleration lives. A model that is not on the CPU is left as it is.
+    acceleration lives and, for ``"decode"``, hands back the pages of PyTorch's libraries that
+    loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the process's RSS, not the
+    page cache). A model that is not on the CPU is left as it is.
 
     ``before_packing`` is called with the acceleration once the modules are swapped and
     before any weight is packed: what it loads does not meet the packs in memory
@@ -315,7 +317,7 @@ def accelerate(
             _relu_in_products(model, acceleration)
     if mode == "decode":
         _tables_by_rows(model, acceleration)
-    if mode == "decode" and acceleration.levers:
+    if mode == "decode" and memory_settings and acceleration.levers:
         # Last, where this call changed the model: loading it, packing its weights and
         # loading its compiled step ran code that decoding does not run again.
         acceleration.library_pages = memory.release_library_pages(TORCH_LIBRARIES)

@@ -353,7 +353,12 @@ class ReluInProduct(PositionwiseFeedForward):
     """:class:`~aiayn.model.feedforward.PositionwiseFeedForward` whose ReLU is applied by
     oneDNN as it writes the first product, where that product goes through a oneDNN pack:
     the same values (max(0, x) of the same sums) without a pass over the (rows, d_ff)
-    activations (figures: docs/performance.md). Otherwise, the parent's path."""
+    activations (figures: docs/performance.md). Otherwise, the parent's path.
+
+    One difference: oneDNN's ReLU makes a NaN of the product 0, where ``torch.relu`` keeps
+    it. A NaN in a row's input still makes the layer's output row NaN, through the residual
+    connection around this sublayer; only a NaN the product itself makes (inf − inf, after
+    an overflow) would not reach the output."""
 
     def forward(self, x: Tensor) -> Tensor:
         w1 = self.w1

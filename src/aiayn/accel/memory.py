@@ -237,7 +237,11 @@ def release_library_pages(directory: Path) -> int:
     are the kernel's page cache, shared and clean. Only a mapping nobody may write and that
     holds no page of its own (``Anonymous`` and ``Swap`` 0 in ``/proc/self/smaps``: a
     relocated table's copy would be lost) is advised ``MADV_DONTNEED``: a page run again is
-    mapped again from the page cache (figures: docs/performance.md)."""
+    mapped again from the page cache (figures: docs/performance.md). What goes down is the
+    process's RSS; the pages stay in the page cache, clean. Linux has no advice for "clean
+    pages only", so a page written between the reading of smaps and the advice (through a
+    debugger, ``/proc/self/mem``) would be lost: nothing in a decoding process writes
+    PyTorch's code."""
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
