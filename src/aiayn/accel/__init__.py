@@ -197,10 +197,12 @@ class Acceleration:
         plain: list[type[nn.Module]],
         lever: str = "",
         to: type[nn.Module] | None = None,
+        where: Callable[[Any], bool] | None = None,
     ) -> None:
-        """Swap every module of exactly a ``plain`` class for its faster subclass (``to``, or
-        the one :data:`_SWAPS` names); ``lever`` is recorded if any was."""
-        swapped = [m for m in model.modules() if type(m) in plain]
+        """Swap every module of exactly a ``plain`` class (that ``where`` accepts, if given)
+        for its faster subclass (``to``, or the one :data:`_SWAPS` names); ``lever`` is
+        recorded if any was."""
+        swapped = [m for m in model.modules() if type(m) in plain and (where is None or where(m))]
         for module in swapped:
             fast = to or _SWAPS[type(module)]
             self._swapped.append((module, type(module), fast))
@@ -334,19 +336,13 @@ def accelerate(
 def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
     """The feed-forward layers whose first product goes through a oneDNN pack take their
     ReLU in it (:class:`~aiayn.accel.linear.ReluInProduct`)."""
-    swapped = [
-        m
-        for m in model.modules()
-        if type(m) is PositionwiseFeedForward
-        and m.activation is F.relu
-        and isinstance(m.w1, CpuLinear)
-        and m.w1.onednn_packed()
-    ]
-    for module in swapped:
-        acceleration._swapped.append((module, PositionwiseFeedForward, ReluInProduct))
-        module.__class__ = ReluInProduct
-    if swapped:
-        acceleration.levers.append("ReLU in the product")
+    acceleration._swap(
+        model,
+        [PositionwiseFeedForward],
+        "ReLU in the product",
+        ReluInProduct,
+        lambda m: m.activation is F.relu and isinstance(m.w1, CpuLinear) and m.w1.onednn_packed(),
+    )
 
 
 def _tables_by_rows(model: nn.Module, acceleration: Acceleration) -> None:

@@ -44,7 +44,14 @@ _DTYPES = {
     11: torch.bool,
     15: torch.bfloat16,
 }
-_BY_NAME = {str(dtype).removeprefix("torch."): dtype for dtype in _DTYPES.values()}
+
+
+def _name(dtype: torch.dtype) -> str:
+    """A dtype as the index spells it: ``float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+_BY_NAME = {_name(dtype): dtype for dtype in _DTYPES.values()}
 # A constant the loader copies starts on this boundary; a mapped one must too.
 _ALIGN = 64
 
@@ -141,7 +148,7 @@ def _constants(library: _Library, path: Path) -> dict[str, Any] | None:
                     "name": name,
                     "offset": offset,
                     "nbytes": nbytes,
-                    "dtype": str(dtype).removeprefix("torch."),
+                    "dtype": _name(dtype),
                     "sizes": [sizes[d] for d in range(dim)],
                     "strides": [strides[d] for d in range(dim)],
                     "storage_offset": storage_offset,

@@ -247,30 +247,29 @@ def release_library_pages(directory: Path) -> int:
     except OSError:
         return 0
     prefix = str(directory).rstrip("/") + "/"
-    released = 0
-    span: tuple[int, int] | None = None  # the current mapping, while it may still go
-    fields: dict[str, int] = {}
-
-    def finish() -> int:
-        if span is None or fields.get("Anonymous", 1) or fields.get("Swap", 1):
-            return 0
-        resident = fields.get("Rss", 0) << 10
-        return resident if resident and _madvise(span[0], span[1], _MADV_DONTNEED) else 0
-
+    # (start, end, its fields in kB) of each private, unwritable mapping of a file there
+    found: list[tuple[int, int, dict[str, int]]] = []
+    candidate = False  # whether the mapping whose fields follow is one
     for line in text.splitlines():
         head, _, rest = line.partition(" ")
-        if head.endswith(":"):  # a field of the current mapping
-            if span is not None and rest.endswith("kB"):
-                fields[head[:-1]] = int(rest.split()[0])
+        if head.endswith(":"):  # a field of the mapping above
+            if candidate and rest.endswith("kB"):
+                found[-1][2][head[:-1]] = int(rest.split()[0])
             continue
-        released += finish()  # a mapping's header: "start-end perms offset dev inode path"
-        parts = line.split(maxsplit=5)
-        span, fields = None, {}
-        if len(parts) == 6 and parts[5].startswith(prefix) and "w" not in parts[1]:
-            if parts[1].endswith("p"):
-                start, end = (int(a, 16) for a in parts[0].split("-"))
-                span = (start, end)
-    return released + finish()
+        parts = line.split(maxsplit=5)  # a mapping: "start-end perms offset dev inode path"
+        candidate = len(parts) == 6 and parts[5].startswith(prefix)
+        candidate = candidate and "w" not in parts[1] and parts[1].endswith("p")
+        if candidate:
+            start, end = (int(a, 16) for a in parts[0].split("-"))
+            found.append((start, end, {}))
+    released = 0
+    for start, end, fields in found:
+        resident = fields.get("Rss", 0) << 10
+        if fields.get("Anonymous", 1) or fields.get("Swap", 1) or not resident:
+            continue
+        if _madvise(start, end, _MADV_DONTNEED):
+            released += resident
+    return released
 
 
 def release_file_pages(path: Path, *, cached: bool = False) -> int:
