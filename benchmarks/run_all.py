@@ -73,6 +73,22 @@ RETAINED_MALLOC_ENV = {
 }
 PEER_MALLOC: dict[str, str] = {}
 
+# ``--isa avx2``: every process (both systems, the matmul ceiling, the compiled step's build)
+# limited to the instructions of a host without AVX-512, through each library's own switch:
+# oneDNN (PyTorch's and CTranslate2's), PyTorch's kernels, MKL, CTranslate2's kernels, and the
+# compiler flags of the compiled step (else ``-march=native``). The cores, caches and memory
+# stay this host's: it shows what the code does without AVX-512, not what another CPU does.
+ISA_LIMITS = {
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2",
+        "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3",
+    },
+}
+ISA_LIMIT: dict[str, str] = {}
+
 
 def child_env(system: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
@@ -83,6 +99,7 @@ def child_env(system: str | None = None) -> dict[str, str]:
     threads = 1 if system is not None and system.endswith("-1thread") else THREADS
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(threads)
+    env.update(ISA_LIMIT)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("HF_HUB_OFFLINE", "1")
     if system is not None and not system.startswith("aiayn"):
@@ -214,9 +231,19 @@ def main(argv: list[str] | None = None) -> None:
         help="run the peers with glibc's malloc as it comes (default) or with the setting "
         "aiayn applies to itself (aiayn.accel); 'retained' never updates docs/performance.md",
     )
+    parser.add_argument(
+        "--isa",
+        choices=sorted(ISA_LIMITS),
+        help="limit every process to these instructions (as on a host without AVX-512); "
+        "never updates docs/performance.md",
+    )
     args = parser.parse_args(argv)
     if args.peer_malloc == "retained":
         PEER_MALLOC.update(RETAINED_MALLOC_ENV)
+    if args.isa:
+        ISA_LIMIT.update(ISA_LIMITS[args.isa])
+        if args.out == RESULTS / "latest.md":  # the unlimited run's results stay
+            args.out = RESULTS / f"latest-{args.isa}.md"
     mode = "quick" if args.quick else "full"
     rounds = args.rounds or (1 if args.quick else 3)
     quiet_s = args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 60.0)
@@ -301,13 +328,23 @@ def main(argv: list[str] | None = None) -> None:
                 if PEER_MALLOC
                 else "as it comes (--peer-malloc retained gives them the same setting)."
             ),
+            *(
+                [
+                    f"Every process was limited to {args.isa.upper()} instructions ("
+                    + ", ".join(f"{k}={v}" for k, v in ISA_LIMIT.items())
+                    + "), on this host's cores, caches and memory."
+                ]
+                if ISA_LIMIT
+                else []
+            ),
         ],
     }
     markdown = render(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown, encoding="utf-8")
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    documented = not args.no_doc and not PEER_MALLOC and args.out == RESULTS / "latest.md"
+    limited = bool(PEER_MALLOC or ISA_LIMIT)
+    documented = not args.no_doc and not limited and args.out == RESULTS / "latest.md"
     if mode == "full" and documented:
         update_doc(markdown)
     print(markdown)

@@ -1,6 +1,7 @@
 """The decoder step compiled ahead of time (aiayn.accel.compiled): the eager step's
 log-probabilities and hypotheses, the cache search drives, where it is found again, and where
-it does not serve. One compile for the module (AOTInductor, about half a minute here)."""
+it does not serve. Two compiles for the module, the libraries tuned for few rows and for many
+(AOTInductor, about half a minute each here)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 
 from aiayn.accel import BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
+    FIRST_SLOTS,
+    MANY_ROWS,
     MAX_ROWS,
     CompiledCache,
     CompiledStep,
@@ -62,6 +65,13 @@ def step(model: Transformer) -> CompiledStep:
     return compile_step(model)
 
 
+@pytest.fixture(scope="module")
+def batch_step(model: Transformer, step: CompiledStep) -> CompiledStep:
+    """The library tuned for many rows (greedy batches); compiled after the other, so that
+    every test that asks for it finds both in the module's cache."""
+    return compile_step(model, rows=MANY_ROWS)
+
+
 def sources(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(rows * 100 + length)
     src = torch.randint(4, 50, (rows, length), generator=generator)
@@ -73,7 +83,7 @@ def sources(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode(model: Transformer, step: CompiledStep | None, rows: int, beam: int) -> list:
-    src, src_pad = sources(rows, 9)
+    src, src_pad = sources(rows, max(9, rows + 1))  # no source padded whole
     with torch.inference_mode():
         memory = model.encode(src, src_pad)
         if step is None:
@@ -97,12 +107,15 @@ def same_steps(model: Transformer, step: CompiledStep, rows: int, length: int, s
         eager = model.init_cache(memory, src_pad, slots, beam_size=1)
         compiled = step.init_cache(model, memory, src_pad, slots, 1)
         tokens = torch.ones(rows, dtype=torch.long)
+        assert compiled.capacity == min(slots, FIRST_SLOTS)
         for _ in range(slots):
             want = model.log_probs_step(tokens, eager)
             got = step.log_probs_step(tokens, compiled)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             tokens = torch.randint(4, 50, (rows,), generator=generator)
-        assert compiled.length == slots
+            # Room for the positions written so far, grown by doubling up to max_len.
+            assert compiled.length <= compiled.capacity < max(2 * compiled.length, FIRST_SLOTS + 1)
+        assert compiled.length == compiled.capacity == slots
         with pytest.raises(ValueError, match="cache is full"):
             step.log_probs_step(tokens, compiled)
 
@@ -113,6 +126,16 @@ def test_the_step_is_the_eager_step(
 ) -> None:
     """Sources and caches shorter and longer than those it was compiled with."""
     same_steps(model, step, rows, length, slots)
+
+
+# (Every source keeps a token: sources() pads every other one, and more rows than tokens
+# would pad some whole, a row that attends to nothing, which no translation has.)
+@pytest.mark.parametrize(("rows", "length", "slots"), [(70, 71, 40), (17, 30, 5), (2, 3, 17)])
+def test_the_step_tuned_for_many_rows_is_the_eager_step(
+    model: Transformer, batch_step: CompiledStep, rows: int, length: int, slots: int
+) -> None:
+    assert batch_step.path != step_path(model)
+    same_steps(model, batch_step, rows, length, slots)
 
 
 def test_the_library_attends_in_its_own_loops(step: CompiledStep) -> None:
@@ -144,9 +167,16 @@ def test_one_query_attention_is_sdpa() -> None:
     )
 
 
-def test_the_models_own_variants_are_compiled(cache_dir: Path) -> None:
+def test_the_models_own_variants_are_compiled(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pre-norm with a final norm, learned positions, separate target embeddings and
     vocabulary, a bias on the projection, GELU: the step is the model's own."""
+    from aiayn.accel import compiled
+
+    # Without autotuning the products (the module's libraries have it): the same graph,
+    # compiled in a fifth of the time.
+    monkeypatch.setattr(compiled, "_INDUCTOR", compiled._INDUCTOR | {"max_autotune": False})
     torch.manual_seed(1)
     config = ModelConfig(
         vocab_size=50,
@@ -170,11 +200,11 @@ def test_the_models_own_variants_are_compiled(cache_dir: Path) -> None:
     same_steps(variant, compile_step(variant), 2, 11, 8)
 
 
-@pytest.mark.parametrize(("rows", "beam"), [(1, 1), (5, 1), (1, 4), (3, 4)])
+@pytest.mark.parametrize(("rows", "beam"), [(1, 1), (5, 1), (1, 4), (3, 4), (40, 1)])
 def test_search_finds_the_eager_hypotheses(
-    model: Transformer, step: CompiledStep, rows: int, beam: int
+    model: Transformer, step: CompiledStep, batch_step: CompiledStep, rows: int, beam: int
 ) -> None:
-    got = decode(model, step, rows, beam)
+    got = decode(model, step if rows * beam <= MAX_ROWS else batch_step, rows, beam)
     assert got == decode(model, None, rows, beam)
     if beam == 1 and rows > 1:  # sentences of several lengths: the batch shrank
         assert len({len(tokens) for tokens in got}) > 1
@@ -262,6 +292,7 @@ def test_found_again_by_key_and_only_for_the_same_weights(
     assert load_compiled_step(other) is None
     key = step_key(model)
     assert key == step_key(packing_model())
+    assert step_key(model, MANY_ROWS) != key  # tuned for other rows: another library
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:  # the library's kernels are built for a thread count
@@ -296,7 +327,9 @@ def test_a_step_that_is_not_trusted_or_does_not_load_is_not_used(
     assert len(warnings) == 2  # nothing compiled: nothing to say
 
 
-def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledStep) -> None:
+def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
+    step: CompiledStep, batch_step: CompiledStep
+) -> None:
     model = packing_model()
     acceleration = accelerate(model, "decode", precision="fp32")
     assert use_compiled_step(model, acceleration, False, print) is not None
@@ -305,9 +338,12 @@ def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledSt
     with torch.inference_mode():
         small = model.init_cache(memory[:4], None, 5, beam_size=4)
         large = model.init_cache(memory, None, 5, beam_size=4)
+        greedy = model.init_cache(torch.zeros(MAX_ROWS + 1, 3, 32), None, 5)
     with torch.enable_grad():
         training = model.init_cache(memory[:1], None, 5)
-    assert isinstance(small, CompiledCache)
+    assert isinstance(small, CompiledCache) and small.step is model.compiled_step
+    assert isinstance(greedy, CompiledCache) and greedy.step is model.compiled_batch_step
+    assert greedy.step.path == batch_step.path
     assert isinstance(large, DecoderCache) and isinstance(training, DecoderCache)
     step = model.compiled_step
     assert step is not None and not step.serves(model, memory.bfloat16())
@@ -318,11 +354,12 @@ def test_the_model_uses_it_for_small_batches_of_its_own_weights(step: CompiledSt
     with torch.inference_mode():
         assert isinstance(model.init_cache(memory[:1], None, 5), DecoderCache)
     acceleration.undo()
-    assert "compiled_step" not in vars(model) and type(model) is Transformer
+    assert "compiled_step" not in vars(model) and "compiled_batch_step" not in vars(model)
+    assert type(model) is Transformer
 
 
-def test_a_switch_between_many_rows_and_few_hands_back_what_is_idle(
-    step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+def test_a_switch_between_paths_hands_back_what_is_idle(
+    step: CompiledStep, batch_step: CompiledStep, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import aiayn.accel.decoding as decoding
 
@@ -332,18 +369,21 @@ def test_a_switch_between_many_rows_and_few_hands_back_what_is_idle(
     monkeypatch.setattr(decoding, "release_file_pages", lambda p, cached: released.append(p) or 0)
     model = packing_model()
     acceleration = accelerate(model, "decode", precision="fp32")
-    compiled = use_compiled_step(model, acceleration, False, print)
-    assert compiled is not None and not compiled.after_eager
+    few = use_compiled_step(model, acceleration, False, print)
+    many = model.compiled_batch_step
+    assert few is not None and many is not None and not few.idle and not many.idle
     memory = torch.zeros(MAX_ROWS // 4 + 1, 3, 32)
     with torch.inference_mode():
-        model.init_cache(memory[:1], None, 5, beam_size=4)
-        assert trims == []  # nothing eager before
-        model.init_cache(memory, None, 5, beam_size=4)  # eager: too many rows
+        model.init_cache(memory[:1], None, 5, beam_size=4)  # few rows
+        assert trims == [] and released == [many.path]  # nothing before; the other idle
+        model.init_cache(memory, None, 5, beam_size=4)  # eager: a beam over many rows
         model.init_cache(memory, None, 5, beam_size=4)
-        assert compiled.after_eager and trims == [] and released == [compiled.path]
+        assert few.idle and many.idle and trims == [] and released == [many.path, few.path]
         model.init_cache(memory[:1], None, 5, beam_size=4)
         model.init_cache(memory[:2], None, 5, beam_size=4)
-    assert trims == [1] and not compiled.after_eager and len(released) == 1
+        assert trims == [1] and not few.idle and len(released) == 2
+        model.init_cache(torch.zeros(MAX_ROWS + 1, 3, 32), None, 5)  # greedy, many rows
+        assert trims == [1, 1] and not many.idle and released[2:] == [few.path]
     acceleration.undo()
 
 
@@ -365,7 +405,7 @@ def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_translator_finds_it_and_translates_as_without(
-    step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+    step: CompiledStep, batch_step: CompiledStep, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aiayn.config import DecodeConfig
     from aiayn.inference.translator import Translator
@@ -404,7 +444,7 @@ def test_a_translator_finds_it_and_translates_as_without(
     assert len(warnings) == 1 and "accelerated=False" in warnings[0]
     warnings.clear()
     Translator(packing_model(), LetterTokenizer(), compiled_step=True, warn=warnings.append)
-    assert warnings == []  # found: nothing compiled, nothing to say
+    assert warnings == []  # both found: nothing compiled, nothing to say
     # Loaded before the weights are packed: its loading transient does not meet the packs.
     levers = Translator(packing_model(), letters, pack_weights=True).acceleration.levers
     packed = [i for i, lever in enumerate(levers) if lever.startswith("packed weights")]
@@ -550,6 +590,9 @@ def test_a_training_run_ends_with_the_step_that_translate_then_uses(
     translator, _ = Translator.from_checkpoint(run)  # compiled_step=None: found, not built
     assert translator.acceleration is not None
     assert "compiled decoder step" in translator.acceleration.levers
+    model = translator.model
+    assert isinstance(model, BufferedDecoding)  # both libraries, the second built after the first
+    assert model.compiled_step is not None and model.compiled_batch_step is not None
 
 
 @pytest.mark.parametrize("one_buffer", [True, False])

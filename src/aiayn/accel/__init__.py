@@ -29,9 +29,10 @@ packed weights               decode: bf16 (oneDNN);      ``nn.Linear`` → :clas
                              with ``pack_weights``
 one buffer per decode        decode                      ``Transformer`` →
                                                          :class:`BufferedDecoding`
-compiled decoder step        decode, fp32, up to 16      ``BufferedDecoding.compiled_step``
-                             rows, once compiled on       (set by
-                             the machine (``Translator``) :func:`.compiled.use_compiled_step`)
+compiled decoder step        decode, fp32, up to 16      ``BufferedDecoding.compiled_step``,
+                             rows, and greedy decodes     ``compiled_batch_step`` (set by
+                             of more, once compiled on    :func:`.compiled.use_compiled_step`)
+                             the machine (``Translator``)
 fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
                                                          :func:`.loss.projected_label_smoothed_nll`
 mapped weights handed back   decode (weights mapped      the pages of each weight a oneDNN

@@ -7,18 +7,21 @@ that overhead is most of the step (figures: docs/performance.md). Here the step 
 :class:`~aiayn.model.transformer.Transformer` (the target embedding, every decoder layer and
 the final norm) is exported (``torch.export``) and compiled by AOTInductor into a shared
 library, with the decoder layers' weights frozen in and their matrix products generated for
-them (Inductor's C++ GEMM template, chosen over ATen's by measuring both at compile time).
+them (Inductor's C++ GEMM template, chosen over ATen's by measuring both at compile time), once
+tuned for a few rows (one sentence, its beams) and once for many (a greedy batch).
 The embedding table is an input and the pre-softmax projection and log-softmax run outside,
 through the model's own modules, so that the library holds no copy of the model's largest
 matrix. The step is the model's own: :class:`DecoderStep` calls the decoder layers'
 ``step`` with a cache of static shape (:class:`StaticLayerCache`), so that the graph has no
-Python in it and one graph serves every row count, source length and output length.
+Python in it and one graph serves every row count, source length and output length (the
+cache's positions grow as the output does: :attr:`CompiledCache.capacity`).
 
-Compiling takes half a minute to a minute for a small model (longer for larger ones); the
-library is kept in the user's cache directory (:func:`compiled_dir`), named after a digest of
-the weights, the configuration, the code that is compiled, aiayn's and PyTorch's versions,
-the thread count and the CPU (:func:`step_key`), so that it is built once and found again by
-any later process (:func:`load_compiled_step`). It is native code: it is only ever loaded from
+Compiling takes half a minute to a minute for each library of a small model (longer for
+larger ones); a library is kept in the user's cache directory (:func:`compiled_dir`), named
+after a digest of the weights, the configuration, the code that is compiled, the rows it is
+tuned for, aiayn's and PyTorch's versions, the thread count and the CPU (:func:`step_key`),
+so that it is built once and found again by any later process (:func:`load_compiled_step`).
+It is native code: it is only ever loaded from
 that cache, and only from a file and directory that belong to the user and that nobody else
 may write (:func:`trusted`). It is a bare shared library rather than a ``.pt2`` package, whose
 loader holds about twice the weights' size more. Its weights are read from the file in place
@@ -28,8 +31,8 @@ compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
 
 :class:`CompiledCache` is the incremental decoder's state for it, with the interface search
 uses (``reorder``, ``keep``): one row of keys and values per beam, gathered when beams are
-reordered, which is cheap at the row counts the compiled step serves (:data:`MAX_ROWS`);
-larger batches decode eagerly.
+reordered, which is cheap at the row counts the compiled step serves beams (:data:`MAX_ROWS`);
+larger beam searches decode eagerly.
 """
 
 from __future__ import annotations
@@ -62,13 +65,22 @@ from aiayn.model.transformer import Transformer, check_cache_size
 if TYPE_CHECKING:
     from aiayn.accel import Acceleration
 
-# Decodes over more rows than this (sentences × beam) run eagerly: there the eager step's
-# packed products are as fast or faster (docs/performance.md), and a beam reorder gathers
-# every row's keys.
+# A model has two libraries, the same step tuned for two row counts (Inductor's GEMM kernels
+# are generated for the rows they are tuned with): FEW_ROWS serves decodes of up to MAX_ROWS
+# rows (sentences × beam), MANY_ROWS greedy decodes of more. Beam searches over more rows run
+# eagerly: there a reorder would gather every row's keys, where the eager cache moves a lineage
+# index only; at 256 rows of SMALL the library was 25% slower (docs/performance.md).
 MAX_ROWS = 16
-# The rows, source length and cache length the step is exported and tuned with (at most the
-# model's positions).
-_EXAMPLE = (4, 24, 32)
+FEW_ROWS = 4
+MANY_ROWS = 64
+# The source length and cache length the step is exported and tuned with, beside its rows
+# (at most the model's positions).
+_EXAMPLE_LENGTHS = (24, 32)
+# A cache starts with this many positions and doubles when it is full (up to its max_len):
+# the library attends over every position it is given, so a cache sized for the longest
+# output (max_len: the source's length + 50 by default) would cost each step attention over
+# that many positions, the unwritten ones masked.
+FIRST_SLOTS = 16
 _INDUCTOR = {
     "freezing": True,
     "max_autotune": True,
@@ -247,10 +259,11 @@ class DecoderStep(nn.Module):
 @dataclass(eq=False)
 class CompiledCache:
     """The incremental state of a decode through a :class:`CompiledStep`: rows =
-    sentences × ``beam_size``, each with its own keys and values."""
+    sentences × ``beam_size``, each with its own keys and values, with room for
+    :attr:`capacity` positions, which :meth:`grow` doubles up to ``max_len``."""
 
     step: CompiledStep
-    self_k: list[Tensor]  # per layer (rows, H, max_len, Dh)
+    self_k: list[Tensor]  # per layer (rows, H, capacity, Dh)
     self_v: list[Tensor]
     cross_k: list[Tensor]  # per layer (rows, H, S, Dh)
     cross_v: list[Tensor]
@@ -258,7 +271,7 @@ class CompiledCache:
     length: int
     max_len: int
     beam_size: int = 1
-    # (2, layers, rows, H, max_len, Dh): the storage of every self_k and self_v, where the
+    # (2, layers, rows, H, capacity, Dh): the storage of every self_k and self_v, where the
     # key and value widths agree, so that a beam's reorder is one gather, not one per tensor.
     self_kv: Tensor | None = None
 
@@ -266,6 +279,29 @@ class CompiledCache:
     def batch_size(self) -> int:
         """Decoder rows (sentences × beam_size)."""
         return self.self_k[0].size(0)
+
+    @property
+    def capacity(self) -> int:
+        """The positions the keys and values have room for now."""
+        return self.self_k[0].size(2)
+
+    def grow(self) -> None:
+        """Room for twice the positions (at most ``max_len``), the decoded ones copied; the
+        others are zeros, as the step needs of the positions it masks (it multiplies them
+        by a weight of 0)."""
+        slots = min(2 * self.capacity, self.max_len)
+
+        def grown(old: Tensor) -> Tensor:
+            new = old.new_zeros(*old.shape[:-2], slots, old.size(-1))
+            new[..., : self.length, :] = old[..., : self.length, :]
+            return new
+
+        if self.self_kv is not None:
+            self.self_kv = grown(self.self_kv)
+            self.self_k, self.self_v = list(self.self_kv[0]), list(self.self_kv[1])
+        else:
+            self.self_k = [grown(t) for t in self.self_k]
+            self.self_v = [grown(t) for t in self.self_v]
 
     def reorder(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays).
@@ -314,8 +350,9 @@ class CompiledStep:
     def __init__(self, path: Path, model: Transformer) -> None:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
-        # Whether the model decoded eagerly since this step last served (BufferedDecoding).
-        self.after_eager = False
+        # Whether another path decoded since this step last served, its file's pages handed
+        # back then (BufferedDecoding).
+        self.idle = False
         # The decoder layers' weights read from the library's file, not the loader's copy
         # (where the library was indexed when it was built and the index is the user's).
         index = index_path(path)
@@ -343,6 +380,7 @@ class CompiledStep:
             raise ValueError("a compiled step decodes for the model it was loaded for")
         check_cache_size(model.config, max_len, beam)
         rows = memory.size(0) * beam
+        slots = min(max_len, FIRST_SLOTS)
         cross_k, cross_v, self_k, self_v = [], [], [], []
         layers = model.decoder.layers
         for layer in layers:
@@ -353,13 +391,13 @@ class CompiledStep:
         shapes = {(a.n_heads, a.d_k, a.d_v) for a in (layer.self_attn for layer in layers)}
         self_kv = None
         if len(shapes) == 1 and (shape := shapes.pop())[1] == shape[2]:
-            self_kv = memory.new_zeros(2, len(layers), rows, shape[0], max_len, shape[1])
+            self_kv = memory.new_zeros(2, len(layers), rows, shape[0], slots, shape[1])
             self_k, self_v = list(self_kv[0]), list(self_kv[1])
         else:
             for layer in layers:
                 attn = layer.self_attn
-                self_k.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_k))
-                self_v.append(memory.new_zeros(rows, attn.n_heads, max_len, attn.d_v))
+                self_k.append(memory.new_zeros(rows, attn.n_heads, slots, attn.d_k))
+                self_v.append(memory.new_zeros(rows, attn.n_heads, slots, attn.d_v))
         mask = attention_mask(src_pad)
         if mask is None:
             mask = torch.ones(memory.size(0), 1, 1, memory.size(1), dtype=torch.bool)
@@ -371,6 +409,8 @@ class CompiledStep:
     def log_probs_step(self, tokens: Tensor, cache: CompiledCache) -> Tensor:
         if cache.length >= cache.max_len:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
+        if cache.length == cache.capacity:
+            cache.grow()
         position = torch.tensor([cache.length])
         # DecoderStep's arguments, flattened in their order.
         inputs = [tokens.contiguous(), position, self.token_table]
@@ -387,9 +427,10 @@ def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
     return [(id(p), p.data_ptr(), p._version) for p in model.parameters()]
 
 
-def step_key(model: Transformer) -> str:
-    """The digest that names a model's compiled step: its weights and configuration, the
-    sources and options it is compiled from, aiayn's and PyTorch's versions, the thread count
+def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
+    """The digest that names a model's compiled step tuned for ``rows`` rows: its weights and
+    configuration, the sources and options it is compiled from (the rows among them),
+    aiayn's and PyTorch's versions, the thread count
     (the library's kernels are built for it) and the CPU (architecture, the instruction sets
     PyTorch uses, /proc/cpuinfo's flags)."""
     digest = hashlib.sha256()
@@ -402,7 +443,7 @@ def step_key(model: Transformer) -> str:
                 break
     package = Path(aiayn.__file__).parent
     head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
-    head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE)]
+    head += [json.dumps(config), repr(_INDUCTOR), repr((rows, *_EXAMPLE_LENGTHS))]
     digest.update("\n".join(head).encode())
     for source in _SOURCES:
         digest.update((package / source).read_bytes())
@@ -412,8 +453,8 @@ def step_key(model: Transformer) -> str:
     return digest.hexdigest()[:32]
 
 
-def step_path(model: Transformer, directory: Path | None = None) -> Path:
-    return (directory or compiled_dir()) / f"decoder-step-{step_key(model)}.so"
+def step_path(model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS) -> Path:
+    return (directory or compiled_dir()) / f"decoder-step-{step_key(model, rows)}.so"
 
 
 def trusted(path: Path) -> bool:
@@ -429,13 +470,16 @@ def trusted(path: Path) -> bool:
     return True
 
 
-def load_compiled_step(model: Transformer, directory: Path | None = None) -> CompiledStep | None:
-    """The compiled step of ``model`` if one was compiled on this machine, else None. Raises
-    ``PermissionError`` for a library that this user does not alone own (:func:`trusted`)."""
+def load_compiled_step(
+    model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS
+) -> CompiledStep | None:
+    """The compiled step of ``model`` tuned for ``rows`` rows if it was compiled on this
+    machine, else None. Raises ``PermissionError`` for a library that this user does not
+    alone own (:func:`trusted`)."""
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not any(folder.glob("decoder-step-*.so")):
         return None  # (no digest of the weights where nothing was ever compiled)
-    return _load(step_path(model, folder), model)
+    return _load(step_path(model, folder, rows), model)
 
 
 def _load(path: Path, model: Transformer) -> CompiledStep | None:
@@ -451,18 +495,20 @@ def compile_step(
     model: Transformer,
     directory: Path | None = None,
     on_compile: Callable[[], None] | None = None,
+    rows: int = FEW_ROWS,
 ) -> CompiledStep:
-    """Compile ``model``'s decoder step (half a minute to a minute for a small model) into the
-    cache directory, calling ``on_compile`` first, or load it if it is there already."""
+    """Compile ``model``'s decoder step tuned for ``rows`` rows (half a minute to a minute for
+    a small model) into the cache directory, calling ``on_compile`` first, or load it if it
+    is there already."""
     reason = unsupported(model)
     if reason is not None:
         raise ValueError(f"cannot compile the decoder step: {reason}")
-    path = step_path(model, directory)  # the weights' digest, once
+    path = step_path(model, directory, rows)  # the weights' digest, once
     step = _load(path, model)
     if step is None:
         if on_compile is not None:
             on_compile()
-        _export_and_compile(model, path)
+        _export_and_compile(model, path, rows)
         step = CompiledStep(path, model)
     return step
 
@@ -474,9 +520,11 @@ def use_compiled_step(
     warn: Callable[[str], None],
 ) -> CompiledStep | None:
     """Give the accelerated ``model`` (a :class:`~aiayn.accel.BufferedDecoding`) its compiled
-    step, the one compiled on this machine before or (``build``) compiled now; what goes wrong
-    is told to ``warn`` (a failed load or compile always; a model the step does not serve with
-    ``build``), and decoding stays eager. :meth:`Acceleration.undo` takes the step away."""
+    steps, tuned for few rows (``compiled_step``) and for many (``compiled_batch_step``), those
+    compiled on this machine before or (``build``) compiled now, and return the first of them
+    it has, or None. What goes wrong is told to ``warn`` (a failed load or compile always; a
+    model the step does not serve with ``build``), and the decodes the step would have served
+    stay eager. :meth:`Acceleration.undo` takes the steps away."""
     from aiayn.accel.decoding import BufferedDecoding
 
     reason = unsupported(model)
@@ -488,33 +536,48 @@ def use_compiled_step(
         return None
     assert isinstance(model, BufferedDecoding)
 
+    said = False
+
     def say_compiling() -> None:
-        warn("compiling the decoder step (once for this model on this machine)")
+        nonlocal said
+        if not said:
+            warn("compiling the decoder step (once for this model on this machine)")
+        said = True
 
-    try:
-        step = compile_step(model, on_compile=say_compiling) if build else load_compiled_step(model)
-    except Exception as error:  # a library that does not load, a compiler that fails
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        warn(f"compiled step: {first[:300]}; decoding without it")
-        return None
-    if step is not None:
-        acceleration._set(model, "compiled_step", step)
+    steps: list[CompiledStep] = []
+    for rows, name in ((FEW_ROWS, "compiled_step"), (MANY_ROWS, "compiled_batch_step")):
+        try:
+            step = (
+                compile_step(model, on_compile=say_compiling, rows=rows)
+                if build
+                else load_compiled_step(model, rows=rows)
+            )
+        except Exception as error:  # a library that does not load, a compiler that fails
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            warn(f"compiled step: {first[:300]}; decoding without it")
+            break
+        if step is not None:
+            acceleration._set(model, name, step)
+            steps.append(step)
+    if steps:
         acceleration.levers.append("compiled decoder step")
-    return step
+    return steps[0] if steps else None
 
 
-def _export_and_compile(model: Transformer, path: Path) -> None:
+def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     from torch.export import Dim
 
     # A copy: the accelerated model's packed products are not what Inductor should see
-    # (a copied layer has no pack) and the step must not change the model.
-    plain = copy.deepcopy(model).eval()
+    # (a copied layer has no pack) and the step must not change the model. Not of the
+    # steps it has already (a loaded library is not copied).
+    loaded = {id(v): None for v in vars(model).values() if isinstance(v, CompiledStep)}
+    plain = copy.deepcopy(model, memo=loaded).eval()
     for module in plain.modules():  # not the accelerated attention: it is not traced
         if isinstance(module, MultiHeadAttention):
             module.__class__ = OneQueryAttention
     step = DecoderStep(plain).eval()
     positions = plain.config.max_positions
-    rows, src, slots = (min(n, positions) for n in _EXAMPLE)
+    rows, src, slots = (min(n, positions) for n in (rows, *_EXAMPLE_LENGTHS))
     layers = len(plain.decoder.layers)
     attn = plain.decoder.layers[0].self_attn
     heads, dk, dv = attn.n_heads, attn.d_k, attn.d_v

@@ -8,7 +8,8 @@ matrix (figures: docs/performance.md). The result is valid until the next step o
 which is how search uses it.
 
 With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.compiled.use_compiled_step`),
-decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows go through it instead.
+decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows and greedy decodes of more go
+through it instead.
 """
 
 from __future__ import annotations
@@ -47,36 +48,38 @@ class BufferedDecoding(Transformer):
     dtype, then the log-softmax into the buffer. With autograd or autocast on, on an int8
     model, or with a plain cache, the plain step.
 
-    ``compiled_step``: the model's compiled decoder step, which serves decodes of up to
-    :data:`~aiayn.accel.compiled.MAX_ROWS` rows without autograd, while the model's
-    parameters are those it was compiled from (:func:`aiayn.accel.compiled.use_compiled_step`
-    sets it)."""
+    ``compiled_step`` and ``compiled_batch_step``: the model's compiled decoder step tuned for
+    few rows and for many, which serve, without autograd and while the model's parameters are
+    those they were compiled from, decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS`
+    rows and greedy decodes of more (:func:`aiayn.accel.compiled.use_compiled_step` sets
+    them)."""
 
     compiled_step: CompiledStep | None = None
+    compiled_batch_step: CompiledStep | None = None
 
     def init_cache(  # type: ignore[override]
         self, memory: Tensor, src_pad: Tensor | None, max_len: int, beam_size: int = 1
     ) -> DecoderCache | CompiledCache:
-        compiled = self.compiled_step
+        few, many = self.compiled_step, self.compiled_batch_step
         rows = memory.size(0) * beam_size
-        if (
-            compiled is not None
-            and rows <= MAX_ROWS
-            and not torch.is_grad_enabled()
-            and compiled.serves(self, memory)
-        ):
-            if compiled.after_eager:
-                # A decode of many rows left the heap its blocks (malloc keeps them for the
-                # next such decode): the small decodes that follow need few of them, and
-                # read the library's weights from its file, so they go back to the kernel.
-                compiled.after_eager = False
+        chosen = few if rows <= MAX_ROWS else many if beam_size == 1 else None
+        if chosen is not None and (torch.is_grad_enabled() or not chosen.serves(self, memory)):
+            chosen = None
+        for step in (few, many):
+            if step is not None and step is not chosen and not step.idle:
+                # The path that serves now reads other weights (the packs, the other
+                # library's): this library's pages go back until it serves again (read from
+                # its file then).
+                step.idle = True
+                release_file_pages(step.path, cached=True)
+        if chosen is not None:
+            if chosen.idle:
+                # And the decodes before left the heap their blocks (malloc keeps them for
+                # the next such decode), which a library reading its weights from its file
+                # needs few of: they go back to the kernel.
+                chosen.idle = False
                 trim()
-            return compiled.init_cache(self, memory, src_pad, max_len, beam_size)
-        if compiled is not None and not compiled.after_eager:
-            # And the other way: the eager step reads the packs, not the library's weights,
-            # whose pages go back until the step serves again (read from the file then).
-            compiled.after_eager = True
-            release_file_pages(compiled.path, cached=True)
+            return chosen.init_cache(self, memory, src_pad, max_len, beam_size)
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
 

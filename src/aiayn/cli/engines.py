@@ -53,10 +53,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--compiled-step",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="decode up to 16 rows (sentences x beam) at a time through the decoder step "
-        "compiled ahead of time for this model and CPU (float32 Transformers on the CPU; "
-        "needs a C++ compiler): --compiled-step compiles it where it has not been (about a "
-        "minute for a small model; kept in aiayn's cache directory); by default it is used "
+        help="decode up to 16 rows (sentences x beam) at a time, and greedy batches, through "
+        "the decoder step compiled ahead of time for this model and CPU (float32 Transformers "
+        "on the CPU; needs a C++ compiler): --compiled-step compiles it where it has not been "
+        "(a minute or two for a small model; kept in aiayn's cache directory); by default it "
+        "is used "
         "where it has been compiled before; --no-compiled-step never uses it",
     )
     parser.add_argument(
