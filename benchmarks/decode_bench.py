@@ -18,6 +18,7 @@ CTranslate2 by ``translate_batch``.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import warnings
@@ -55,6 +56,7 @@ SYSTEMS = (
     "ct2-float32",
     "ct2-int8",
     "ct2-float32-1thread",
+    "ct2-float32-avx2",
 )
 MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
 # In the models' directory (--ct2-dir): aiayn's weights, written by the first aiayn process.
@@ -282,6 +284,10 @@ def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
         return hf_decoder(dw)
     if system.endswith("-1thread"):
         return ct2_decoder(dw, system.removeprefix("ct2-").removesuffix("-1thread"), ct2_dir, 1)
+    if system.endswith("-avx2"):
+        # Read by oneDNN when it first runs (run_all.py sets it before the process starts).
+        os.environ.setdefault(*CT2_AVX2)
+        return ct2_decoder(dw, system.removeprefix("ct2-").removesuffix("-avx2"), ct2_dir)
     return ct2_decoder(dw, system.removeprefix("ct2-"), ct2_dir)
 
 
@@ -291,7 +297,13 @@ REQUIRES = {
     "ct2-float32": ["ctranslate2", "transformers"],
     "ct2-int8": ["ctranslate2", "transformers"],
     "ct2-float32-1thread": ["ctranslate2", "transformers"],
+    "ct2-float32-avx2": ["ctranslate2", "transformers"],
 }
+# CTranslate2 float32 with the oneDNN inside it limited to AVX2 (its own kernels pick AVX2 on
+# an AMD CPU already): on an AMD EPYC (Zen 4) its greedy batches ran 1.2× faster so, its
+# AVX-512 products of 64 × 1024 by 1024 × 256 taking twice the AVX2 ones' time
+# (docs/performance.md, Limits). A setting of CTranslate2's, measured as one.
+CT2_AVX2 = ("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 
 def check_length(system: str, lengths: list[int], steps: int) -> None:

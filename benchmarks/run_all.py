@@ -53,7 +53,13 @@ DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # Every system each benchmark knows, in that order.
 TRAIN_SYSTEMS = list(train_bench.SYSTEMS)
 DECODE_SYSTEMS = list(decode_bench.SYSTEMS)
-BASE_DECODE_SYSTEMS = ["aiayn", "aiayn-eager", "ct2-float32", "ct2-float32-1thread"]
+BASE_DECODE_SYSTEMS = [
+    "aiayn",
+    "aiayn-eager",
+    "ct2-float32",
+    "ct2-float32-1thread",
+    "ct2-float32-avx2",
+]
 
 # (warm-up updates, timed updates) per round.
 TRAIN_STEPS = {
@@ -100,6 +106,8 @@ def child_env(system: str | None = None) -> dict[str, str]:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(threads)
     env.update(ISA_LIMIT)
+    if system is not None and system.endswith("-avx2"):
+        env.setdefault(*decode_bench.CT2_AVX2)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("HF_HUB_OFFLINE", "1")
     if system is not None and not system.startswith("aiayn"):
