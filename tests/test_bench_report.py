@@ -114,3 +114,16 @@ def test_the_goals_take_ct2s_oneDNN_at_avx2_where_it_is_the_fastest_setting():
         "oneDNN AVX2): 64.0 sent/s (0.80×) — **not met**" in text  # fmt: skip
     assert "- Decoding greedy one at a time: ≤ 1.5× CTranslate2's latency (15.0 ms at " \
         "2 threads): 20.0 ms (1.33×) — met" in text  # fmt: skip
+
+
+def test_an_isa_limit_reaches_every_child_and_the_avx2_row_its_setting(monkeypatch):
+    from benchmarks import run_all
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert "ONEDNN_MAX_CPU_ISA" not in run_all.child_env("aiayn")
+    assert run_all.child_env("ct2-float32-avx2")["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    monkeypatch.setattr(run_all, "ISA_LIMIT", dict(run_all.ISA_LIMITS["avx2"]))
+    for system in ("aiayn", "ct2-float32", None):  # None: the ceiling, the compile
+        env = run_all.child_env(system)
+        assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+        assert env["TORCHINDUCTOR_CPP_MARCH"] == "x86-64-v3"
