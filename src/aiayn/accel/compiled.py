@@ -328,18 +328,37 @@ class CompiledCache:
                 filled.copy_(filled.index_select(dim, rows))
 
     def keep(self, rows: Tensor) -> None:
-        """Keep only ``rows`` (in that order)."""
-        if rows.numel() > self.batch_size:
-            raise ValueError(f"keep got {rows.numel()} rows for a batch of {self.batch_size}")
+        """Keep only ``rows`` (in that order). In place: only the rows that change place are
+        copied (of the keys and values, the positions decoded so far), and the tensors become
+        their first ``len(rows)`` rows, each still contiguous, as the library needs. Search
+        fills the place of a finished sentence from the end of the batch, so that a step
+        where a few sentences finish moves a few rows."""
+        n = rows.numel()
+        if n > self.batch_size:
+            raise ValueError(f"keep got {n} rows for a batch of {self.batch_size}")
+        order = rows.tolist()
+        dst = [i for i, row in enumerate(order) if row != i]
+        to, of = torch.tensor(dst, dtype=torch.long), torch.tensor([order[i] for i in dst])
         names = ["cross_k", "cross_v"]
         if self.self_kv is not None:
-            self.self_kv = self.self_kv.index_select(2, rows)
+            if dst:  # (the source rows are read whole before any is written)
+                filled = self.self_kv.narrow(-2, 0, self.length)
+                filled.index_copy_(2, to, filled.index_select(2, of))
+            self.self_kv = self.self_kv.narrow(2, 0, n)
             self.self_k, self.self_v = list(self.self_kv[0]), list(self.self_kv[1])
         else:
             names += ["self_k", "self_v"]
         for name in names:
-            setattr(self, name, [t.index_select(0, rows) for t in getattr(self, name)])
-        self.cross_mask = self.cross_mask.index_select(0, rows)
+            kept = []
+            for t in getattr(self, name):
+                if dst:
+                    part = t.narrow(-2, 0, self.length) if name.startswith("self") else t
+                    part.index_copy_(0, to, part.index_select(0, of))
+                kept.append(t.narrow(0, 0, n))
+            setattr(self, name, kept)
+        if dst:
+            self.cross_mask.index_copy_(0, to, self.cross_mask.index_select(0, of))
+        self.cross_mask = self.cross_mask.narrow(0, 0, n)
 
 
 class CompiledStep:
