@@ -94,20 +94,11 @@ def use_compiled_step(model: Any, acceleration: Any) -> None:
     machine (``translate --compiled-step`` compiles it): compiled here the first time."""
     import sys
 
-    from aiayn.accel.compiled import (
-        FEW_ROWS,
-        MANY_ROWS,
-        compiled_dir,
-        step_path,
-        unsupported,
-        use_compiled_step,
-    )
+    from aiayn.accel.compiled import compiled_dir, step_paths, unsupported, use_compiled_step
 
     if unsupported(model) is not None:
         return
-    there = compiled_dir().is_dir() and all(
-        step_path(model, rows=rows).is_file() for rows in (FEW_ROWS, MANY_ROWS)
-    )
+    there = compiled_dir().is_dir() and all(p.is_file() for p in step_paths(model).values())
     start = time.perf_counter()
     if use_compiled_step(model, acceleration, True, lambda m: print(m, file=sys.stderr)):
         STEP_TIMES["load_s" if there else "compile_s"] = time.perf_counter() - start

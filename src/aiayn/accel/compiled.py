@@ -47,7 +47,7 @@ import platform
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -446,12 +446,12 @@ def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
     return [(id(p), p.data_ptr(), p._version) for p in model.parameters()]
 
 
-def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
-    """The digest that names a model's compiled step tuned for ``rows`` rows: its weights and
-    configuration, the sources and options it is compiled from (the rows among them),
-    aiayn's and PyTorch's versions, the thread count
-    (the library's kernels are built for it) and the CPU (architecture, the instruction sets
-    PyTorch uses, /proc/cpuinfo's flags)."""
+def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -> dict[int, str]:
+    """The digests that name a model's compiled steps, one for each row count in ``rows`` a
+    step is tuned for: its weights and configuration, the sources and options it is compiled
+    from (the rows among them), aiayn's and PyTorch's versions, the thread count (the
+    library's kernels are built for it) and the CPU (architecture, the instruction sets
+    PyTorch uses, /proc/cpuinfo's flags). The weights are read once for all of them."""
     digest = hashlib.sha256()
     config = {k: str(v) for k, v in vars(model.config).items()}
     cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
@@ -462,18 +462,36 @@ def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
                 break
     package = Path(aiayn.__file__).parent
     head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
-    head += [json.dumps(config), repr(_INDUCTOR), repr((rows, *_EXAMPLE_LENGTHS))]
+    head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE_LENGTHS)]
     digest.update("\n".join(head).encode())
     for source in _SOURCES:
         digest.update((package / source).read_bytes())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
-    return digest.hexdigest()[:32]
+    keys = {}
+    for n in rows:
+        tuned = digest.copy()
+        tuned.update(f"\nrows {n}".encode())
+        keys[n] = tuned.hexdigest()[:32]
+    return keys
+
+
+def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
+    """The digest that names ``model``'s step tuned for ``rows`` rows (:func:`step_keys`)."""
+    return step_keys(model, (rows,))[rows]
+
+
+def step_paths(
+    model: Transformer, directory: Path | None = None, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)
+) -> dict[int, Path]:
+    """Where ``model``'s compiled steps tuned for ``rows`` rows are kept (:func:`step_keys`)."""
+    folder = directory or compiled_dir()
+    return {n: folder / f"decoder-step-{key}.so" for n, key in step_keys(model, rows).items()}
 
 
 def step_path(model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS) -> Path:
-    return (directory or compiled_dir()) / f"decoder-step-{step_key(model, rows)}.so"
+    return step_paths(model, directory, (rows,))[rows]
 
 
 def trusted(path: Path) -> bool:
@@ -496,9 +514,15 @@ def load_compiled_step(
     machine, else None. Raises ``PermissionError`` for a library that this user does not
     alone own (:func:`trusted`)."""
     folder = directory or compiled_dir()
-    if unsupported(model) is not None or not any(folder.glob("decoder-step-*.so")):
-        return None  # (no digest of the weights where nothing was ever compiled)
+    if unsupported(model) is not None or not _any_compiled(folder):
+        return None
     return _load(step_path(model, folder, rows), model)
+
+
+def _any_compiled(folder: Path) -> bool:
+    """Whether any step was ever compiled into ``folder`` (where none was, no digest of the
+    weights is made)."""
+    return any(folder.glob("decoder-step-*.so"))
 
 
 def _load(path: Path, model: Transformer) -> CompiledStep | None:
@@ -522,7 +546,12 @@ def compile_step(
     reason = unsupported(model)
     if reason is not None:
         raise ValueError(f"cannot compile the decoder step: {reason}")
-    path = step_path(model, directory, rows)  # the weights' digest, once
+    return _load_or_compile(model, step_path(model, directory, rows), rows, on_compile)
+
+
+def _load_or_compile(
+    model: Transformer, path: Path, rows: int, on_compile: Callable[[], None] | None
+) -> CompiledStep:
     step = _load(path, model)
     if step is None:
         if on_compile is not None:
@@ -563,21 +592,23 @@ def use_compiled_step(
             warn("compiling the decoder step (once for this model on this machine)")
         said = True
 
+    folder = compiled_dir()
+    if not build and not _any_compiled(folder):
+        return None
     steps: list[CompiledStep] = []
-    for rows, name in ((FEW_ROWS, "compiled_step"), (MANY_ROWS, "compiled_batch_step")):
-        try:
+    try:
+        paths = step_paths(model, folder)  # the weights' digest, once for both
+        for rows, name in ((FEW_ROWS, "compiled_step"), (MANY_ROWS, "compiled_batch_step")):
+            path = paths[rows]
             step = (
-                compile_step(model, on_compile=say_compiling, rows=rows)
-                if build
-                else load_compiled_step(model, rows=rows)
+                _load_or_compile(model, path, rows, say_compiling) if build else _load(path, model)
             )
-        except Exception as error:  # a library that does not load, a compiler that fails
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            warn(f"compiled step: {first[:300]}; decoding without it")
-            break
-        if step is not None:
-            acceleration._set(model, name, step)
-            steps.append(step)
+            if step is not None:
+                acceleration._set(model, name, step)
+                steps.append(step)
+    except Exception as error:  # a library that does not load, a compiler that fails
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warn(f"compiled step: {first[:300]}; decoding without it")
     if steps:
         acceleration.levers.append("compiled decoder step")
     return steps[0] if steps else None
