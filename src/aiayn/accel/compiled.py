@@ -60,6 +60,7 @@ from aiayn.accel.library_constants import index_path, map_constants, write_index
 from aiayn.accel.memory import release_file_pages
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
+from aiayn.model.cache import keep_rows, row_moves
 from aiayn.model.transformer import Transformer, check_cache_size
 
 if TYPE_CHECKING:
@@ -328,37 +329,27 @@ class CompiledCache:
                 filled.copy_(filled.index_select(dim, rows))
 
     def keep(self, rows: Tensor) -> None:
-        """Keep only ``rows`` (in that order). In place: only the rows that change place are
-        copied (of the keys and values, the positions decoded so far), and the tensors become
-        their first ``len(rows)`` rows, each still contiguous, as the library needs. Search
-        fills the place of a finished sentence from the end of the batch, so that a step
-        where a few sentences finish moves a few rows."""
+        """Keep only ``rows`` (in that order), in place as the eager cache does
+        (:func:`~aiayn.model.cache.keep_rows`): only the rows that change place are copied (of
+        the keys and values, the positions decoded so far), and each tensor becomes its first
+        ``len(rows)`` rows, still contiguous, as the library needs."""
         n = rows.numel()
         if n > self.batch_size:
             raise ValueError(f"keep got {n} rows for a batch of {self.batch_size}")
-        order = rows.tolist()
-        dst = [i for i, row in enumerate(order) if row != i]
-        to, of = torch.tensor(dst, dtype=torch.long), torch.tensor([order[i] for i in dst])
-        names = ["cross_k", "cross_v"]
+        moves = row_moves(rows)
         if self.self_kv is not None:
-            if dst:  # (the source rows are read whole before any is written)
-                filled = self.self_kv.narrow(-2, 0, self.length)
-                filled.index_copy_(2, to, filled.index_select(2, of))
+            if moves is not None:  # (rows are its third dimension)
+                dst, src = moves
+                filled = self.self_kv[..., : self.length, :]
+                filled[:, :, dst] = filled[:, :, src]
             self.self_kv = self.self_kv.narrow(2, 0, n)
             self.self_k, self.self_v = list(self.self_kv[0]), list(self.self_kv[1])
         else:
-            names += ["self_k", "self_v"]
-        for name in names:
-            kept = []
-            for t in getattr(self, name):
-                if dst:
-                    part = t.narrow(-2, 0, self.length) if name.startswith("self") else t
-                    part.index_copy_(0, to, part.index_select(0, of))
-                kept.append(t.narrow(0, 0, n))
-            setattr(self, name, kept)
-        if dst:
-            self.cross_mask.index_copy_(0, to, self.cross_mask.index_select(0, of))
-        self.cross_mask = self.cross_mask.narrow(0, 0, n)
+            self.self_k = [keep_rows(t, moves, n, self.length) for t in self.self_k]
+            self.self_v = [keep_rows(t, moves, n, self.length) for t in self.self_v]
+        self.cross_k = [keep_rows(t, moves, n) for t in self.cross_k]
+        self.cross_v = [keep_rows(t, moves, n) for t in self.cross_v]
+        self.cross_mask = keep_rows(self.cross_mask, moves, n)
 
 
 class CompiledStep:

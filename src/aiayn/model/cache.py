@@ -58,16 +58,28 @@ class LayerCache:
         )
 
     def select(self, moves: tuple[Tensor, Tensor] | None, n: int, length: int) -> None:
-        """Keep ``n`` sentences, after ``moves`` (see :func:`_keep_rows`); of the
+        """Keep ``n`` sentences, after ``moves`` (see :func:`keep_rows`); of the
         self-attention buffers only the ``length`` positions written so far are copied."""
-        self.self_k = _keep_rows(self.self_k, moves, n, length)
-        self.self_v = _keep_rows(self.self_v, moves, n, length)
+        self.self_k = keep_rows(self.self_k, moves, n, length)
+        self.self_v = keep_rows(self.self_v, moves, n, length)
         if self.cross_k is not None and self.cross_v is not None:
-            self.cross_k = _keep_rows(self.cross_k, moves, n)
-            self.cross_v = _keep_rows(self.cross_v, moves, n)
+            self.cross_k = keep_rows(self.cross_k, moves, n)
+            self.cross_v = keep_rows(self.cross_v, moves, n)
 
 
-def _keep_rows(
+def row_moves(rows: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The moves that keep ``rows`` (in that order) of a batch: ``(dst, src)``, the places
+    ``i`` where row ``rows[i]`` is not already, and those rows; None where every kept row
+    stays where it is (:func:`keep_rows`)."""
+    order = rows.tolist()  # one host sync for every buffer the moves are applied to
+    dst = [i for i, row in enumerate(order) if row != i]
+    if not dst:
+        return None
+    places = torch.tensor(dst, device=rows.device)
+    return places, rows[places]
+
+
+def keep_rows(
     buffer: Tensor, moves: tuple[Tensor, Tensor] | None, n: int, length: int | None = None
 ) -> Tensor:
     """The first ``n`` rows of ``buffer`` after copying rows ``src`` to rows ``dst``
@@ -196,14 +208,9 @@ class DecoderCache:
             self._select(rows)
 
     def _select(self, sentences: Tensor) -> None:
-        order = sentences.tolist()  # one host sync for every layer's buffers
-        dst = [i for i, s in enumerate(order) if s != i]
-        moves = None
-        if dst:
-            rows = torch.tensor(dst, device=sentences.device)
-            moves = rows, sentences[rows]
+        moves = row_moves(sentences)
         for layer in self.layers:
-            layer.select(moves, len(order), self.filled(self.length))
+            layer.select(moves, sentences.numel(), self.filled(self.length))
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, sentences)
 
