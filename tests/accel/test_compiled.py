@@ -330,6 +330,30 @@ def test_a_step_that_is_not_trusted_or_does_not_load_is_not_used(
     assert len(warnings) == 2  # nothing compiled: nothing to say
 
 
+def test_it_is_compiled_without_autograd_however_it_is_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor packs a product's weight only where it needs no gradient: the compile runs
+    without autograd whether the step is asked for by compile_step or use_compiled_step."""
+    monkeypatch.setenv("AIAYN_CACHE", str(tmp_path))
+    grad: list[bool] = []
+
+    def stop(*args: object, **kwargs: object) -> None:
+        grad.append(torch.is_grad_enabled())
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(torch._inductor, "aot_compile", stop)
+    fresh = packing_model()
+    acceleration = accelerate(fresh, "decode", precision="fp32")
+    warnings: list[str] = []
+    assert torch.is_grad_enabled()
+    assert use_compiled_step(fresh, acceleration, True, warnings.append) is None
+    assert "stopped before compiling" in warnings[-1]
+    with pytest.raises(RuntimeError, match="stopped"):
+        compile_step(fresh, rows=MANY_ROWS)
+    assert grad == [False, False]
+
+
 def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     step: CompiledStep, batch_step: CompiledStep
 ) -> None:
