@@ -607,7 +607,7 @@ def use_compiled_step(
 
 # Without autograd: freezing packs a product's weight for oneDNN only where the weight needs
 # no gradient (with it, every product of the 64-row library was an unpacked addmm, and a SMALL
-# greedy batch took 1.3× as long: docs/performance.md, The compiled decoder step).
+# greedy batch took 1.03-1.14× as long: docs/performance.md, The compiled decoder step).
 @torch.no_grad()
 def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     from torch.export import Dim
