@@ -6,9 +6,10 @@ overhead is larger than the product itself at one or a few rows. For one sentenc
 that overhead is most of the step (figures: docs/performance.md). Here the step of a
 :class:`~aiayn.model.transformer.Transformer` (the target embedding, every decoder layer and
 the final norm) is exported (``torch.export``) and compiled by AOTInductor into a shared
-library, with the decoder layers' weights frozen in and their matrix products generated for
-them (Inductor's C++ GEMM template, chosen over ATen's by measuring both at compile time), once
-tuned for a few rows (one sentence, its beams) and once for many (a greedy batch).
+library, with the decoder layers' weights frozen in and each matrix product either generated
+for its weight (Inductor's C++ GEMM template) or ATen's on the weight packed for oneDNN,
+whichever measured faster at compile time, once tuned for a few rows (one sentence, its beams)
+and once for many (a greedy batch).
 The embedding table is an input and the pre-softmax projection and log-softmax run outside,
 through the model's own modules, so that the library holds no copy of the model's largest
 matrix. The step is the model's own: :class:`DecoderStep` calls the decoder layers'
