@@ -525,7 +525,6 @@ def _load(path: Path, model: Transformer) -> CompiledStep | None:
     return CompiledStep(path, model)
 
 
-@torch.no_grad()
 def compile_step(
     model: Transformer,
     directory: Path | None = None,
