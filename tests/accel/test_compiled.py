@@ -305,6 +305,11 @@ def test_found_again_by_key_and_only_for_the_same_weights(
     longer = Transformer(ModelConfig(**{**vars(model.config), "max_positions": 512}))
     longer.load_state_dict(packing_model().state_dict())
     assert step_key(longer) != step_key(model)
+    from torch._inductor import config
+
+    with config.patch({"cpp.march": "x86-64-v3"}):  # TORCHINDUCTOR_CPP_MARCH: other code
+        assert step_key(model) != key
+    assert step_key(model) == key
 
 
 def test_a_step_that_is_not_trusted_or_does_not_load_is_not_used(

@@ -443,7 +443,8 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
     step is tuned for: its weights and configuration, the sources and options it is compiled
     from (the rows among them), aiayn's and PyTorch's versions, the thread count (the
     library's kernels are built for it) and the CPU (architecture, the instruction sets
-    PyTorch uses, /proc/cpuinfo's flags). The weights are read once for all of them."""
+    PyTorch uses, /proc/cpuinfo's flags, the compiler's target where one is set). The weights
+    are read once for all of them."""
     digest = hashlib.sha256()
     config = {k: str(v) for k, v in vars(model.config).items()}
     cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
@@ -452,6 +453,8 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
             if line.startswith(("flags", "Features")):
                 cpu.append(line)
                 break
+    # The compiler's target, where it is set (TORCHINDUCTOR_CPP_MARCH; else the host's own).
+    cpu.append(f"march {_inductor_march()}")
     package = Path(aiayn.__file__).parent
     head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
     head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE_LENGTHS)]
@@ -467,6 +470,13 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
         tuned.update(f"\nrows {n}".encode())
         keys[n] = tuned.hexdigest()[:32]
     return keys
+
+
+def _inductor_march() -> str | None:
+    from torch._inductor import config
+
+    march: str | None = getattr(config.cpp, "march", None)
+    return march
 
 
 def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
