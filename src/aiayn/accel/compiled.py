@@ -454,7 +454,9 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
                 cpu.append(line)
                 break
     # The compiler's target, where it is set (TORCHINDUCTOR_CPP_MARCH; else the host's own).
-    cpu.append(f"march {_inductor_march()}")
+    from torch._inductor import config as inductor
+
+    cpu.append(f"march {inductor.cpp.march}")
     package = Path(aiayn.__file__).parent
     head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
     head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE_LENGTHS)]
@@ -470,13 +472,6 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
         tuned.update(f"\nrows {n}".encode())
         keys[n] = tuned.hexdigest()[:32]
     return keys
-
-
-def _inductor_march() -> str | None:
-    from torch._inductor import config
-
-    march: str | None = getattr(config.cpp, "march", None)
-    return march
 
 
 def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
