@@ -6,7 +6,10 @@ it does not serve. Two compiles for the module, the libraries tuned for few rows
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from aiayn.accel import BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
     FIRST_SLOTS,
     MANY_ROWS,
+    MARCH_VAR,
     MAX_ROWS,
     CompiledCache,
     CompiledStep,
@@ -35,7 +39,7 @@ from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
-from tests.helpers import LetterTokenizer, packing_model
+from tests.helpers import ROOT, LetterTokenizer, packing_model
 
 pytestmark = pytest.mark.skipif(
     cannot_build() is not None, reason=f"compiling the decoder step: {cannot_build()}"
@@ -310,6 +314,42 @@ def test_found_again_by_key_and_only_for_the_same_weights(
     with config.patch({"cpp.march": "x86-64-v3"}):  # TORCHINDUCTOR_CPP_MARCH: other code
         assert step_key(model) != key
     assert step_key(model) == key
+
+
+def test_a_decoding_process_imports_nothing_of_the_compiler(step: CompiledStep) -> None:
+    """Naming, loading and running a library import nothing of Inductor (which costs a
+    decoding process 68 MB), and the key is the one Inductor's own setting gives, with a
+    target set and without."""
+    script = (
+        "import sys, torch\n"
+        "from aiayn.accel import accelerate\n"
+        "from aiayn.accel.compiled import load_compiled_step, step_key\n"
+        "from tests.helpers import packing_model\n"
+        "model = packing_model()\n"
+        "accelerate(model, 'decode', precision='fp32')\n"
+        "key = step_key(model)\n"
+        "step = load_compiled_step(model)\n"
+        "if step is not None:\n"
+        "    memory = model.encode(torch.ones(2, 5, dtype=torch.long), None)\n"
+        "    cache = step.init_cache(model, memory, None, 8, 1)\n"
+        "    assert step.log_probs_step(torch.ones(2, dtype=torch.long), cache).shape == (2, 50)\n"
+        "imported = 'torch._inductor.config' in sys.modules\n"
+        "from torch._inductor import config\n"
+        "print(imported, step is not None, key, step_key(model), config.cpp.march)\n"
+    )
+    keys = []
+    for march in (None, "x86-64-v3"):
+        env = {k: v for k, v in os.environ.items() if k != MARCH_VAR}  # AIAYN_CACHE: the step's
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src")])
+        if march is not None:
+            env[MARCH_VAR] = march
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
+        # The library is found for the environment it was compiled in, not for another target.
+        assert out == ["False", str(march is None), out[2], out[2], str(march)]
+        keys.append(out[2])
+    assert keys[0] == step_key(packing_model()) != keys[1]
 
 
 def test_a_step_that_is_not_trusted_or_does_not_load_is_not_used(

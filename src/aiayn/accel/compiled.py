@@ -47,6 +47,7 @@ import os
 import platform
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ _EXAMPLE_LENGTHS = (24, 32)
 # output (max_len: the source's length + 50 by default) would cost each step attention over
 # that many positions, the unwritten ones masked.
 FIRST_SLOTS = 16
+# Inductor's setting of the compiler's target (-march).
+MARCH_VAR = "TORCHINDUCTOR_CPP_MARCH"
 _INDUCTOR = {
     "freezing": True,
     "max_autotune": True,
@@ -453,10 +456,13 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
             if line.startswith(("flags", "Features")):
                 cpu.append(line)
                 break
-    # The compiler's target, where it is set (TORCHINDUCTOR_CPP_MARCH; else the host's own).
-    from torch._inductor import config as inductor
-
-    cpu.append(f"march {inductor.cpp.march}")
+    # The compiler's target, where it is set (Inductor's cpp.march, TORCHINDUCTOR_CPP_MARCH by
+    # default; else the host's own). Read from Inductor's config only where a compile has
+    # imported it: the import costs a decoding process 68 MB (docs/performance.md), and
+    # until then the setting is the environment's.
+    inductor = sys.modules.get("torch._inductor.config")
+    march = os.environ.get(MARCH_VAR) if inductor is None else inductor.cpp.march
+    cpu.append(f"march {march}")
     package = Path(aiayn.__file__).parent
     head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
     head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE_LENGTHS)]
