@@ -616,6 +616,44 @@ def test_the_weights_are_read_from_the_librarys_file(
     assert CompiledStep(copied, model).constants is None
 
 
+def test_weights_packed_for_onednn_are_read_from_the_file_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where freezing packs a product's weight for oneDNN (blocks that strides do not
+    describe: Inductor's ATen products, as without autotuning), the runner reads those from
+    the library's file too, and the step's log-probabilities are those with the copy."""
+    from aiayn.accel import compiled
+    from aiayn.accel.library_constants import data_pointer
+    from aiayn.accel.memory import file_mappings
+
+    monkeypatch.setenv("AIAYN_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled, "_INDUCTOR", {**compiled._INDUCTOR, "max_autotune": False})
+    fresh = packing_model()
+    accelerate(fresh, "decode", precision="fp32")
+    step = compile_step(fresh)
+    assert step.constants is not None
+    in_use = step.runner.extract_constants_map(False)
+    packed = [t for t in in_use.values() if t.is_mkldnn]
+    assert len(packed) == 12  # the two layers' six products each
+    spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
+    assert all(any(lo <= data_pointer(t) < hi for lo, hi in spans) for t in in_use.values())
+    copied = tmp_path / "copy" / step.path.name  # no index beside it: the loader's copy
+    copied.parent.mkdir(mode=0o700)
+    shutil.copy(step.path, copied)
+    with_copy = CompiledStep(copied, fresh)
+    assert with_copy.constants is None
+
+    def log_probs(compiled_step: CompiledStep) -> torch.Tensor:
+        src, src_pad = sources(3, 9)
+        with torch.inference_mode():
+            memory = fresh.encode(src, src_pad)
+            cache = compiled_step.init_cache(fresh, memory, src_pad, 6, 2)
+            tokens = torch.ones(6, dtype=torch.long)
+            return torch.stack([compiled_step.log_probs_step(tokens, cache) for _ in range(5)])
+
+    assert torch.equal(log_probs(with_copy), log_probs(step))
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
 def test_file_pages_are_handed_back_and_read_again(tmp_path: Path) -> None:
     """What the loader leaves mapped of a library is advised away; nothing is lost."""

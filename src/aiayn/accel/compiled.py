@@ -376,7 +376,9 @@ class CompiledStep:
         # What the step takes from the model rather than holding a copy (DecoderStep).
         self.token_table = model.tgt_embed.token.weight.detach()  # its storage, once
         self.out_proj = model.out_proj
-        release_file_pages(path)
+        # The file's pages leave the process: the loader's mapping and the views' share them,
+        # and MADV_PAGEOUT skips a page that two mappings hold.
+        release_file_pages(path, cached=True)
 
     def serves(self, model: nn.Module, memory: Tensor) -> bool:
         """Whether this step is ``model``'s as it is now (the same parameter tensors,

@@ -6,12 +6,14 @@ process for as long as the library is loaded. :func:`write_index` records, when 
 is built, where each constant lies in the file, through the library's own C interface
 (``AOTInductorModelContainerGetConstant*``), and checks every one byte for byte against the
 copy its loader made. :func:`map_constants` then hands a loaded runner the constants as views
-of a mapping of the file (``update_constant_buffer`` with user-managed tensors) and frees the
-copy, once the index is found to fit the runner: the same constants and dtypes, each view
-within its bytes, and equal to the loader's copy wherever the runner names a constant
-uniquely (AOTInductor's ``extract_constants_map`` gives them by original name, which a few
-derived constants share). The constants are then pages of a file: read when a decoder step
-needs them, handed back by :func:`aiayn.accel.memory.release_file_pages`, and shared by every
+of a mapping of the file (``update_constant_buffer`` with user-managed tensors; a weight that
+freezing packed for oneDNN, whose blocks strides do not describe, as a oneDNN tensor over the
+same bytes, made as the loader makes it) and frees the copy, once the index is found to fit
+the runner: the same constants and dtypes, each view within its bytes, and equal to the
+loader's copy wherever the runner names a constant uniquely (AOTInductor's
+``extract_constants_map`` gives them by original name, which a few derived constants
+share). The constants are then pages of a file: read when a decoder step needs them, handed
+back by :func:`aiayn.accel.memory.release_file_pages`, and shared by every
 process that maps them. Where anything does not add up, the loader's copy stays (figures:
 docs/performance.md).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -29,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from aiayn.accel.memory import file_mappings, page_out, release_file_pages
 
 INDEX_VERSION = 1
 # c10::ScalarType codes, as the library's C interface gives a constant's dtype.
@@ -218,6 +223,10 @@ def _views(path: Path, index: object, runner: Any) -> dict[str, Tensor] | None:
     if sorted(c["name"] for c in constants) != sorted(dtypes):
         return None
     whole = _mapping(path)
+    mappings = file_mappings()
+    fqns = runner.get_constant_names_to_original_fqns()
+    counts = collections.Counter(fqns.values())
+    copied = runner.extract_constants_map(False)
     views: dict[str, Tensor] = {}
     for constant in constants:
         dtype = _BY_NAME.get(constant["dtype"])
@@ -235,29 +244,101 @@ def _views(path: Path, index: object, runner: Any) -> dict[str, Tensor] | None:
             all(sizes) and reach >= constant["nbytes"] // dtype.itemsize
         ):
             return None
-        flat = whole[first:last].view(dtype)  # (as_strided's offset counts from the file's start)
-        views[constant["name"]] = flat.as_strided(sizes, strides, flat.storage_offset() + offset)
-    # The loader's copy, by each constant's original name: where a name is a single constant's,
-    # its view must hold the same values in the same shape.
-    fqns = runner.get_constant_names_to_original_fqns()
-    counts = collections.Counter(fqns.values())
-    copied = runner.extract_constants_map(False)
-    for name, fqn in fqns.items():
-        if counts[fqn] == 1 and fqn in copied:
-            want, got = copied[fqn], views[name]
-            if (
-                want.shape != got.shape
-                or want.stride() != got.stride()
-                or not torch.equal(want, got)
+        # The loader's copy, by the constant's original name: where the name is this
+        # constant's alone, the view must hold the same values in the same shape.
+        fqn = fqns.get(constant["name"])
+        copy = copied.get(fqn) if fqn is not None and counts[fqn] == 1 else None
+        if copy is not None and copy.is_mkldnn:  # a weight packed for oneDNN: its blocks
+            view = _packed_view(whole, first, constant, dtypes[constant["name"]], copy)
+        else:
+            flat = whole[first:last].view(dtype)  # (as_strided's offset counts from the start)
+            view = flat.as_strided(sizes, strides, flat.storage_offset() + offset)
+            if copy is not None and (
+                copy.shape != view.shape
+                or copy.stride() != view.stride()
+                or not torch.equal(copy, view)
             ):
-                return None
+                view = None
+        if view is None:
+            return None
+        views[constant["name"]] = view
+        # Its pages, read to compare, go back now: not all of the file's at once beside the
+        # loader's copy (docs/performance.md).
+        page_out(whole[first:last], mappings, cached=True)
     return views
+
+
+def _packed_view(
+    whole: Tensor, first: int, constant: dict[str, Any], dtype: int, copy: Tensor
+) -> Tensor | None:
+    """A weight that freezing packed for oneDNN (an ``is_mkldnn`` tensor, its blocks opaque to
+    strides) over the file's bytes from ``first``, made as the library's loader makes it
+    (``aoti_torch_create_tensor_from_blob_v2`` with the blocks' description, which the
+    loader's copy gives); None unless it holds the copy's bytes and values."""
+    if torch.ops.mkldnn._nbytes(copy) != constant["nbytes"]:
+        return None
+    library = _libtorch()
+    described = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(copy).tolist())
+    sizes, strides = constant["sizes"], constant["strides"]
+    handle = ctypes.c_void_p()
+    made = library.aoti_torch_create_tensor_from_blob_v2(
+        ctypes.c_void_p(whole.data_ptr() + first),
+        ctypes.c_int64(len(sizes)),
+        (ctypes.c_int64 * len(sizes))(*sizes),
+        (ctypes.c_int64 * len(strides))(*strides),
+        ctypes.c_int64(constant["storage_offset"]),
+        ctypes.c_int32(dtype),
+        ctypes.c_int32(library.aoti_torch_device_type_cpu()),
+        ctypes.c_int32(0),
+        ctypes.byref(handle),
+        ctypes.c_int32(library.aoti_torch_layout__mkldnn()),
+        ctypes.c_char_p(described),
+        ctypes.c_int64(len(described)),
+    )
+    if made != 0 or not handle.value:
+        return None
+    capsule = ctypes.pythonapi.PyCapsule_New
+    capsule.restype, capsule.argtypes = (
+        ctypes.py_object,
+        [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p],
+    )
+    # The tensor takes the handle over (it describes the mapping's bytes; it never frees them).
+    view = torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(capsule(handle.value, None, None))
+    if not view.is_mkldnn or view.shape != copy.shape:
+        return None
+    return view if torch.equal(view.to_dense(), copy.to_dense()) else None
+
+
+def data_pointer(tensor: Tensor) -> int:
+    """Where ``tensor``'s data starts, for a oneDNN-packed tensor too (which has no
+    ``data_ptr()``): as AOTInductor's C shim gives it to a library's kernels."""
+    library = _libtorch()
+    capsule = torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(tensor)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    handle = ctypes.c_void_p(get(capsule, None))  # a new tensor object: deleted below
+    pointer = ctypes.c_void_p()
+    try:
+        if library.aoti_torch_get_data_ptr(handle, ctypes.byref(pointer)) != 0:
+            raise RuntimeError("AOTInductor's C shim gave no data pointer")
+    finally:
+        library.aoti_torch_delete_tensor_object(handle)
+    return pointer.value or 0
+
+
+@functools.cache
+def _libtorch() -> ctypes.CDLL:
+    """PyTorch's library that holds AOTInductor's C shim."""
+    return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
 
 
 def map_constants(runner: Any, path: Path, index: Path) -> dict[str, Tensor] | None:
     """Have ``runner`` (an ``AOTIModelContainerRunnerCpu`` of the library ``path``) read its
     constants from a mapping of the file, as ``index`` places them, and free its copy; the
     views (the runner holds its own references to them), or None where the copy stays."""
+    # The pages the loader read to copy them go back first (to the page cache: they are read
+    # again through the views, and are shared with its mapping until then).
+    release_file_pages(path, cached=True)
     try:
         views = _views(path, json.loads(index.read_text()), runner)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):

@@ -206,15 +206,18 @@ def _mapped_span(tensor: Tensor, mappings: list[Mapping]) -> tuple[int, int, str
     return None
 
 
-def page_out(tensor: Tensor, mappings: list[Mapping] | None = None) -> int:
+def page_out(tensor: Tensor, mappings: list[Mapping] | None = None, *, cached: bool = False) -> int:
     """Hand back the pages of ``tensor`` if its bytes are mapped from a file whose pages Linux
     hands back for this process, and return how many bytes were advised (0 for memory of the
     process's own). Nothing is lost: a page read again comes back from the file (a file on a
-    disk; tmpfs keeps its pages in memory, where they stay)."""
+    disk; tmpfs keeps its pages in memory, where they stay). ``cached``: they leave this
+    process and stay in the kernel's page cache (``MADV_DONTNEED``, which also takes a page
+    that another mapping holds, where ``MADV_PAGEOUT`` leaves it; for a mapping nothing
+    writes)."""
     span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
-    if span is None or not _pages_can_go(span[2]):
+    if span is None or not (cached or _pages_can_go(span[2])):
         return 0
-    return _madvise(span[0], span[1], _MADV_PAGEOUT)
+    return _madvise(span[0], span[1], _MADV_DONTNEED if cached else _MADV_PAGEOUT)
 
 
 def read_by_rows(
