@@ -1,7 +1,7 @@
 """The decoder step compiled ahead of time (aiayn.accel.compiled): the eager step's
 log-probabilities and hypotheses, the cache search drives, where it is found again, and where
-it does not serve. Two compiles for the module, the libraries tuned for few rows and for many
-(AOTInductor, about half a minute each here)."""
+it does not serve. Three compiles for the module, the libraries tuned for few rows, for many
+and for beam searches over many (AOTInductor, about half a minute each here)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,19 @@ import torch
 
 from aiayn.accel import BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
+    BEAM,
+    BEAM_ROWS,
     FIRST_SLOTS,
     MANY_ROWS,
     MARCH_VAR,
     MAX_ROWS,
+    CompiledBeamCache,
     CompiledCache,
     CompiledStep,
     OneQueryAttention,
     cannot_build,
     compile_step,
+    library_products,
     load_compiled_step,
     step_key,
     step_path,
@@ -74,6 +78,12 @@ def batch_step(model: Transformer, step: CompiledStep) -> CompiledStep:
     """The library tuned for many rows (greedy batches); compiled after the other, so that
     every test that asks for it finds both in the module's cache."""
     return compile_step(model, rows=MANY_ROWS)
+
+
+@pytest.fixture(scope="module")
+def beam_step(model: Transformer, batch_step: CompiledStep) -> CompiledStep:
+    """The library for beam searches over many rows, compiled after the other two."""
+    return compile_step(model, rows=BEAM_ROWS)
 
 
 def sources(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,12 +173,16 @@ def test_one_query_attention_is_sdpa() -> None:
         got = attn.scaled_dot_product(q, k, v, mask, False)
         attn.__class__ = MultiHeadAttention
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    attn.__class__ = OneQueryAttention
-    several = torch.randn(rows, heads, 3, dk, generator=gen)  # more than one query: SDPA
-    assert torch.equal(
-        attn.scaled_dot_product(several, k, v, allowed, False),
-        MultiHeadAttention.scaled_dot_product(attn, several, k, v, allowed, False),
-    )
+    # A sentence's beams: several queries, each with its own mask of keys (lineages).
+    several = torch.randn(rows, heads, 3, dk, generator=gen)
+    lineages = torch.rand(rows, 1, 3, keys, generator=gen) > 0.5
+    lineages[..., 0] = True
+    for mask in (None, allowed, lineages, additive):
+        want = attn.scaled_dot_product(several, k, v, mask, False)
+        attn.__class__ = OneQueryAttention
+        got = attn.scaled_dot_product(several, k, v, mask, False)
+        attn.__class__ = MultiHeadAttention
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_models_own_variants_are_compiled(
@@ -232,6 +246,58 @@ def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep
         assert cache.batch_size == 2 and cache.cross_mask.size(0) == 2
         assert torch.equal(cache.self_k[1][0], before[1][2])
         assert torch.equal(cache.self_v[1][1], before_v[1][3])
+
+
+@pytest.mark.parametrize("rows", [5, 20])
+def test_beam_searches_over_many_rows_find_the_eager_hypotheses(
+    model: Transformer, beam_step: CompiledStep, rows: int
+) -> None:
+    got = decode(model, beam_step, rows, BEAM)
+    assert got == decode(model, None, rows, BEAM)
+    # Sentences of several lengths: the batch shrank as they finished.
+    assert len({len(hyps[0][0]) for hyps in got}) > 1
+
+
+def test_the_beam_cache_steps_reorders_and_keeps_as_the_eager_one(
+    model: Transformer, beam_step: CompiledStep
+) -> None:
+    src, src_pad = sources(5, 9)
+    generator = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        eager = model.init_cache(memory, src_pad, 12, beam_size=BEAM)
+        compiled = beam_step.init_cache(model, memory, src_pad, 12, BEAM)
+        assert isinstance(compiled, CompiledBeamCache) and compiled.batch_size == 5 * BEAM
+        storage = compiled.layers[0].self_k.data_ptr()
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                tokens = torch.randint(4, 50, (eager.batch_size,), generator=generator)
+                want = model.log_probs_step(tokens, eager)
+                got = beam_step.log_probs_step(tokens, compiled)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+        steps(3)
+        order = torch.arange(5 * BEAM).view(5, BEAM)[:, [2, 0, 0, 3]].flatten()
+        eager.reorder(order)
+        compiled.reorder(order)
+        steps(2)
+        # Sentences 3 and 1 kept, in that order: their positions become a prefix of the
+        # same storage, laid out for two sentences.
+        kept = torch.cat([torch.arange(3 * BEAM, 4 * BEAM), torch.arange(BEAM, 2 * BEAM)])
+        before = compiled.layers[1].self_v[: compiled.length].clone()
+        eager.keep(kept)
+        compiled.keep(kept)
+        assert compiled.batch_size == 2 * BEAM and compiled.cross_mask is not None
+        assert compiled.cross_mask.size(0) == 2
+        after = compiled.layers[1].self_v
+        assert after.is_contiguous() and compiled.layers[0].self_k.data_ptr() == storage
+        assert torch.equal(after[: compiled.length], before[:, [3, 1]])
+        steps(3)
+        with pytest.raises(ValueError, match="whole groups"):
+            compiled.keep(torch.tensor([0, 1]))
+        with pytest.raises(ValueError, match="beam 4, not 2"):
+            beam_step.init_cache(model, memory, src_pad, 12, 2)
 
 
 def test_one_buffer_and_a_buffer_per_layer_move_alike() -> None:
@@ -300,6 +366,7 @@ def test_found_again_by_key_and_only_for_the_same_weights(
     key = step_key(model)
     assert key == step_key(packing_model())
     assert step_key(model, MANY_ROWS) != key  # tuned for other rows: another library
+    assert step_key(model, BEAM_ROWS) not in (key, step_key(model, MANY_ROWS))
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:  # the library's kernels are built for a thread count
@@ -400,7 +467,7 @@ def test_it_is_compiled_without_autograd_however_it_is_asked_for(
 
 
 def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
-    step: CompiledStep, batch_step: CompiledStep
+    step: CompiledStep, batch_step: CompiledStep, beam_step: CompiledStep
 ) -> None:
     model = packing_model()
     acceleration = accelerate(model, "decode", precision="fp32")
@@ -410,13 +477,17 @@ def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     with torch.inference_mode():
         small = model.init_cache(memory[:4], None, 5, beam_size=4)
         large = model.init_cache(memory, None, 5, beam_size=4)
+        other_beam = model.init_cache(torch.zeros(MAX_ROWS // 3 + 1, 3, 32), None, 5, 3)
         greedy = model.init_cache(torch.zeros(MAX_ROWS + 1, 3, 32), None, 5)
     with torch.enable_grad():
         training = model.init_cache(memory[:1], None, 5)
     assert isinstance(small, CompiledCache) and small.step is model.compiled_step
     assert isinstance(greedy, CompiledCache) and greedy.step is model.compiled_batch_step
     assert greedy.step.path == batch_step.path
-    assert isinstance(large, DecoderCache) and isinstance(training, DecoderCache)
+    assert isinstance(large, CompiledBeamCache) and large.step is model.compiled_beam_step
+    assert large.step is not None and large.step.path == beam_step.path
+    for eager in (other_beam, training):  # beam 3 over 18 rows; autograd on
+        assert type(eager) is not CompiledBeamCache and isinstance(eager, DecoderCache)
     step = model.compiled_step
     assert step is not None and not step.serves(model, memory.bfloat16())
     with pytest.raises(TypeError, match="log-probabilities only"):
@@ -426,12 +497,15 @@ def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     with torch.inference_mode():
         assert isinstance(model.init_cache(memory[:1], None, 5), DecoderCache)
     acceleration.undo()
-    assert "compiled_step" not in vars(model) and "compiled_batch_step" not in vars(model)
+    assert not {"compiled_step", "compiled_batch_step", "compiled_beam_step"} & set(vars(model))
     assert type(model) is Transformer
 
 
 def test_a_switch_between_paths_hands_back_what_is_idle(
-    step: CompiledStep, batch_step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+    step: CompiledStep,
+    batch_step: CompiledStep,
+    beam_step: CompiledStep,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import aiayn.accel.decoding as decoding
 
@@ -442,20 +516,25 @@ def test_a_switch_between_paths_hands_back_what_is_idle(
     model = packing_model()
     acceleration = accelerate(model, "decode", precision="fp32")
     few = use_compiled_step(model, acceleration, False, print)
-    many = model.compiled_batch_step
-    assert few is not None and many is not None and not few.idle and not many.idle
+    many, beams = model.compiled_batch_step, model.compiled_beam_step
+    assert few is not None and many is not None and beams is not None
+    assert not few.idle and not many.idle and not beams.idle
     memory = torch.zeros(MAX_ROWS // 4 + 1, 3, 32)
     with torch.inference_mode():
         model.init_cache(memory[:1], None, 5, beam_size=4)  # few rows
-        assert trims == [] and released == [many.path]  # nothing before; the other idle
-        model.init_cache(memory, None, 5, beam_size=4)  # eager: a beam over many rows
-        model.init_cache(memory, None, 5, beam_size=4)
-        assert few.idle and many.idle and trims == [] and released == [many.path, few.path]
+        assert trims == [] and released == [many.path, beams.path]  # the others idle
+        eager = torch.zeros(MAX_ROWS // 3 + 1, 3, 32)  # eager: beam 3 over many rows
+        model.init_cache(eager, None, 5, beam_size=3)
+        model.init_cache(eager, None, 5, beam_size=3)
+        assert few.idle and many.idle and beams.idle and trims == []
+        assert released[2:] == [few.path]
         model.init_cache(memory[:1], None, 5, beam_size=4)
         model.init_cache(memory[:2], None, 5, beam_size=4)
-        assert trims == [1] and not few.idle and len(released) == 2
+        assert trims == [1] and not few.idle and len(released) == 3
         model.init_cache(torch.zeros(MAX_ROWS + 1, 3, 32), None, 5)  # greedy, many rows
-        assert trims == [1, 1] and not many.idle and released[2:] == [few.path]
+        assert trims == [1, 1] and not many.idle and released[3:] == [few.path]
+        model.init_cache(memory, None, 5, beam_size=4)  # beam 4 over many rows
+        assert trims == [1, 1, 1] and not beams.idle and released[4:] == [many.path]
     acceleration.undo()
 
 
@@ -477,12 +556,16 @@ def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_translator_finds_it_and_translates_as_without(
-    step: CompiledStep, batch_step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+    step: CompiledStep,
+    batch_step: CompiledStep,
+    beam_step: CompiledStep,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from aiayn.config import DecodeConfig
     from aiayn.inference.translator import Translator
 
-    lines = ["abc de", "fgh", "a b c d e f", ""]
+    # Six lines: beam 4 over 24 rows, through the beam library.
+    lines = ["abc de", "fgh", "a b c d e f", "", "hgf edc", "b"]
     steps = 0
     run = CompiledStep.log_probs_step
 
@@ -502,6 +585,10 @@ def test_a_translator_finds_it_and_translates_as_without(
             assert translator.acceleration is not None
             uses = "compiled decoder step" in translator.acceleration.levers
             assert uses == (setting is None)  # found: the same weights as the module's model
+            # With the three libraries the products they hold are not packed.
+            held = library_products(translator.model)
+            assert bool(held) == uses
+            assert all(getattr(m, "pack", None) is None for m in held)
             found[setting] = translator.translate_nbest(lines)
         for compiled, eager in zip(found[None], found[False], strict=True):
             assert [h.tokens for h in compiled] == [h.tokens for h in eager]
@@ -685,8 +772,11 @@ def test_a_training_run_ends_with_the_step_that_translate_then_uses(
     from aiayn.accel import compiled
     from aiayn.cli import main
 
-    # Without autotuning the products: the same library otherwise, compiled in less time.
+    # Without autotuning the products: the same library otherwise, compiled in less time; and
+    # the first two libraries only (the path from training to translate is what is checked).
     monkeypatch.setattr(compiled, "_INDUCTOR", compiled._INDUCTOR | {"max_autotune": False})
+    monkeypatch.setattr(compiled, "LIBRARIES", compiled.LIBRARIES[:2])
+    monkeypatch.setattr(compiled, "_ATTRIBUTES", compiled._ATTRIBUTES[:2])
     from aiayn.inference.translator import Translator
     from tests.helpers import TINY
 

@@ -30,9 +30,10 @@ packed weights               decode: bf16 (oneDNN);      ``nn.Linear`` → :clas
 one buffer per decode        decode                      ``Transformer`` →
                                                          :class:`BufferedDecoding`
 compiled decoder step        decode, fp32, up to 16      ``BufferedDecoding.compiled_step``,
-                             rows, and greedy decodes     ``compiled_batch_step`` (set by
-                             of more, once compiled on    :func:`.compiled.use_compiled_step`)
-                             the machine (``Translator``)
+                             rows, greedy decodes and     ``compiled_batch_step``,
+                             beam 4 searches of more,     ``compiled_beam_step`` (set by
+                             once compiled on the         :func:`.compiled.use_compiled_step`)
+                             machine (``Translator``)
 fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
                                                          :func:`.loss.projected_label_smoothed_nll`
 mapped weights handed back   decode (weights mapped      the pages of each weight a oneDNN
@@ -70,6 +71,7 @@ from torch import nn
 
 from aiayn.accel import memory
 from aiayn.accel.attention import Float32Attention, StepAttention
+from aiayn.accel.compiled import library_products
 from aiayn.accel.cpu import cpu_has_bfloat16
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
@@ -299,7 +301,15 @@ def accelerate(
             made: list[bool] = []  # for each new pack: whether it is oneDNN's
             mappings = memory.file_mappings()
             handed: set[int] = set()  # weights whose pages were handed back
+            # The products the compiled steps hold (where the model has all of them): not
+            # packed, and their pages go back too (read to name the libraries).
+            held = {id(m) for m in library_products(model)}
             for layer in linears:
+                if id(layer) in held:
+                    if id(layer.weight) not in handed:
+                        handed.add(id(layer.weight))
+                        acceleration.handed_back += memory.page_out(layer.weight, mappings)
+                    continue
                 if layer.pack_serves():
                     continue
                 new = pack(layer, fp32_library)

@@ -8,8 +8,8 @@ that overhead is most of the step (figures: docs/performance.md). Here the step 
 the final norm) is exported (``torch.export``) and compiled by AOTInductor into a shared
 library, with the decoder layers' weights frozen in and each matrix product either generated
 for its weight (Inductor's C++ GEMM template) or ATen's on the weight packed for oneDNN,
-whichever measured faster at compile time, once tuned for a few rows (one sentence, its beams)
-and once for many (a greedy batch).
+whichever measured faster at compile time, once tuned for a few rows (one sentence, its beams),
+once for many (a greedy batch) and once for beam searches over many (:class:`BeamDecoderStep`).
 The embedding table is an input and the pre-softmax projection and log-softmax run outside,
 through the model's own modules, so that the library holds no copy of the model's largest
 matrix. The step is the model's own: :class:`DecoderStep` calls the decoder layers'
@@ -30,10 +30,11 @@ loader holds about twice the weights' size more. Its weights are read from the f
 the copy AOTInductor's loader makes, which is freed. A library that fails to load or to
 compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
 
-:class:`CompiledCache` is the incremental decoder's state for it, with the interface search
-uses (``reorder``, ``keep``): one row of keys and values per beam, gathered when beams are
-reordered, which is cheap at the row counts the compiled step serves beams (:data:`MAX_ROWS`);
-larger beam searches decode eagerly.
+:class:`CompiledCache` is the incremental decoder's state for the first two, with the
+interface search uses (``reorder``, ``keep``): one row of keys and values per beam, gathered
+when beams are reordered, which is cheap at the row counts they serve beams
+(:data:`MAX_ROWS`). :class:`CompiledBeamCache` is the third's: the eager cache's lineage, so
+that a reorder moves no keys. Beam searches of other sizes over more rows decode eagerly.
 """
 
 from __future__ import annotations
@@ -59,23 +60,43 @@ from torch import Tensor, nn
 
 import aiayn
 from aiayn.accel.library_constants import index_path, map_constants, write_index
-from aiayn.accel.memory import release_file_pages
+from aiayn.accel.memory import release_file_pages, trim
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
-from aiayn.model.cache import keep_rows, row_moves
+from aiayn.model.cache import DecoderCache, LayerCache, keep_rows, row_moves
 from aiayn.model.transformer import Transformer, check_cache_size
 
 if TYPE_CHECKING:
     from aiayn.accel import Acceleration
 
-# A model has two libraries, the same step tuned for two row counts (Inductor's GEMM kernels
-# are generated for the rows they are tuned with): FEW_ROWS serves decodes of up to MAX_ROWS
-# rows (sentences × beam), MANY_ROWS greedy decodes of more. Beam searches over more rows run
-# eagerly: there a reorder would gather every row's keys, where the eager cache moves a lineage
+# A model has three libraries, the same step tuned for three row counts (Inductor's GEMM
+# kernels are generated for the rows they are tuned with): FEW_ROWS serves decodes of up to
+# MAX_ROWS rows (sentences × beam), MANY_ROWS greedy decodes of more. Not beam searches over
+# more: there a reorder would gather every row's keys, where the eager cache moves a lineage
 # index only; at 256 rows of SMALL the library was 25% slower (docs/performance.md).
 MAX_ROWS = 16
 FEW_ROWS = 4
 MANY_ROWS = 64
+# A third library serves beam searches of BEAM beams over more than MAX_ROWS rows, tuned for
+# BEAM_ROWS rows: its cache keeps one set of keys and values per sentence with its beams side
+# by side and a lineage, as the eager one does (model/cache.py), so that a reorder moves no
+# keys and the beams read their sentence's memory together. 24 steps of 64 SMALL sentences
+# with beam 4 took 379 ms against 464-468 ms eagerly (docs/performance.md). Other beam sizes
+# over MAX_ROWS rows decode eagerly.
+BEAM = 4
+BEAM_ROWS = 256
+# The libraries of a model, by the rows each is tuned for, and the attributes of the
+# accelerated model (BufferedDecoding) that hold them.
+LIBRARIES = (FEW_ROWS, MANY_ROWS, BEAM_ROWS)
+_ATTRIBUTES = ("compiled_step", "compiled_batch_step", "compiled_beam_step")
+
+
+def beam_of(rows: int) -> int:
+    """The beams a sentence of the library tuned for ``rows`` rows: :data:`BEAM` for
+    :data:`BEAM_ROWS`, else 1 (a set of keys and values a row)."""
+    return BEAM if rows == BEAM_ROWS else 1
+
+
 # The source length and cache length the step is exported and tuned with, beside its rows
 # (at most the model's positions).
 _EXAMPLE_LENGTHS = (24, 32)
@@ -188,32 +209,66 @@ class StaticLayerCache:
         return self.self_k, self.self_v
 
 
+class BeamLayerCache:
+    """One decoder layer's keys and values for :class:`BeamDecoderStep`, position-major:
+    (positions, sentences, H, beam, Dh), a sentence's beams side by side at each position, so
+    that the positions decoded so far are a contiguous prefix, which is what the step is given.
+    ``write`` puts the step's keys at ``position`` (a tensor, the last one given);
+    ``keys_values`` gives (sentences, H, positions × beam, Dh), key ``j * beam + b`` beam slot
+    b's at position j, as :class:`~aiayn.model.cache.LayerCache` does (the step's mask keeps
+    each beam to its lineage)."""
+
+    def __init__(
+        self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor, position: Tensor
+    ) -> None:
+        self.self_k, self.self_v = self_k, self_v
+        self.cross_k, self.cross_v = cross_k, cross_v  # (sentences, H, S, Dh)
+        self.position = position
+
+    def write(self, slot: int, k: Tensor, v: Tensor) -> None:
+        self.self_k.index_copy_(0, self.position, k.unsqueeze(0))  # k, v: (sentences, H, beam, Dh)
+        self.self_v.index_copy_(0, self.position, v.unsqueeze(0))
+
+    def keys_values(self, length: int) -> tuple[Tensor, Tensor]:
+        return (
+            self.self_k.permute(1, 2, 0, 3, 4).flatten(2, 3),
+            self.self_v.permute(1, 2, 0, 3, 4).flatten(2, 3),
+        )
+
+
 class OneQueryAttention(MultiHeadAttention):
-    """The attention the step is compiled with: each row attends from one query position,
-    ``softmax(q·kᵀ/√d_k)·v`` written as products and sums over the key positions, which
-    Inductor fuses into loops of the library. ``F.scaled_dot_product_attention`` there is a
-    call out of the library to ATen's kernel per attention: 29 µs each against 8 µs for the
-    fused loops at four SMALL rows, six of them a step (docs/performance.md). The products add
-    in another order than SDPA's, within float32 rounding of it. A row that may attend to no
-    position gets NaN here (SDPA gives zeros); the step has none: each row attends to its own
-    first position and to its source's EOS."""
+    """The attention the step is compiled with: each row attends from one query position (a
+    sentence's beams from one each), ``softmax(q·kᵀ/√d_k)·v`` written as products and sums
+    over the key positions, which Inductor fuses into loops of the library.
+    ``F.scaled_dot_product_attention`` there is a call out of the library to ATen's kernel per
+    attention: 29 µs each against 8 µs for the fused loops at four SMALL rows, six of them a
+    step (docs/performance.md). The products add in another order than SDPA's, within float32
+    rounding of it. A row that may attend to no position gets NaN here (SDPA gives zeros); the
+    step has none: each row attends to its own first position and to its source's EOS."""
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     ) -> Tensor:
-        if q.size(-2) != 1 or causal or self.training:
+        if causal or self.training:
             return super().scaled_dot_product(q, k, v, mask, causal)
-        # q (B, H, 1, Dk), k (B, H, S, Dk), v (B, H, S, Dv)
-        scores = (q * k).sum(-1) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, S)
-        if mask is not None:  # (B or 1, 1, 1, S): boolean (True = attend) or additive
-            mask = mask.squeeze(-2)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        if q.size(-2) == 1:
+            # q (B, H, 1, Dk), k (B, H, S, Dk), v (B, H, S, Dv)
+            scores = (q * k).sum(-1) * scale  # (B, H, S)
+            if mask is not None:  # (B or 1, 1, 1, S): boolean (True = attend) or additive
+                mask = mask.squeeze(-2)
+        else:  # a sentence's beams: q (B, H, beam, Dk)
+            scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * scale  # (B, H, beam, S)
+        if mask is not None:  # (B or 1, 1, beam or 1, S) for the beams
             scores = (
                 scores.masked_fill(~mask, float("-inf"))
                 if mask.dtype == torch.bool
                 else scores + mask
             )
         weights = scores.softmax(dim=-1)
-        return (weights.unsqueeze(-1) * v).sum(-2, keepdim=True)  # (B, H, 1, Dv)
+        if q.size(-2) == 1:
+            return (weights.unsqueeze(-1) * v).sum(-2, keepdim=True)  # (B, H, 1, Dv)
+        return (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)  # (B, H, beam, Dv)
 
 
 class DecoderStep(nn.Module):
@@ -244,21 +299,61 @@ class DecoderStep(nn.Module):
         cross_v: list[Tensor],
         cross_mask: Tensor,
     ) -> Tensor:
-        # Embeddings.forward at a position given as a tensor (its dropout is off in eval).
-        positions = self.positions
-        table = (
-            positions.learned if positions.learned is not None else positions.get_buffer("table")
-        )
-        x = token_table[tokens[:, None]] * self.scale + table.index_select(0, position)
+        x = self.embed(tokens, position, token_table)
         slots = self_k[0].size(2)
         self_mask = (torch.arange(slots, device=position.device) <= position).view(1, 1, 1, -1)
         caches = zip(self_k, self_v, cross_k, cross_v, strict=True)
         for layer, (sk, sv, ck, cv) in zip(self.decoder.layers, caches, strict=True):
             cache: Any = StaticLayerCache(sk, sv, ck, cv, position)  # a LayerCache to .step
             x = layer.step(x, cache, 0, 0, self_mask, cross_mask)
+        return self.output(x)
+
+    def embed(self, tokens: Tensor, position: Tensor, token_table: Tensor) -> Tensor:
+        """Embeddings.forward at a position given as a tensor (its dropout is off in eval)."""
+        positions = self.positions
+        table = (
+            positions.learned if positions.learned is not None else positions.get_buffer("table")
+        )
+        return token_table[tokens[:, None]] * self.scale + table.index_select(0, position)
+
+    def output(self, x: Tensor) -> Tensor:
         if self.decoder.final_norm is not None:
             x = self.decoder.final_norm(x)
         return x[:, 0]
+
+
+class BeamDecoderStep(DecoderStep):
+    """:class:`DecoderStep` for a beam search of ``beam`` beams a sentence
+    (:class:`BeamLayerCache`): ``tokens`` (sentences × beam,) at ``position``, ``self_k`` and
+    ``self_v`` per layer (position + 1, sentences, H, beam, Dh), ``cross_k`` and ``cross_v``
+    (sentences, H, S, Dh), ``cross_mask`` (sentences, 1, 1, S) True where attended, and
+    ``self_mask`` (sentences, 1, beam, (position + 1) × beam), 0 where a beam attends (the
+    slots of its lineage) and -inf elsewhere, the eager cache's
+    (:meth:`~aiayn.model.cache.DecoderCache.self_attention_mask`). The beams of a sentence
+    attend together, as in the eager step (``DecoderLayer.step``)."""
+
+    def __init__(self, model: Transformer, beam: int) -> None:
+        super().__init__(model)
+        self.beam = beam
+
+    def forward(  # type: ignore[override]
+        self,
+        tokens: Tensor,
+        position: Tensor,
+        token_table: Tensor,
+        self_k: list[Tensor],
+        self_v: list[Tensor],
+        cross_k: list[Tensor],
+        cross_v: list[Tensor],
+        cross_mask: Tensor,
+        self_mask: Tensor,
+    ) -> Tensor:
+        x = self.embed(tokens, position, token_table)
+        caches = zip(self_k, self_v, cross_k, cross_v, strict=True)
+        for layer, (sk, sv, ck, cv) in zip(self.decoder.layers, caches, strict=True):
+            cache: Any = BeamLayerCache(sk, sv, ck, cv, position)
+            x = layer.step(x, cache, 0, 0, self_mask, cross_mask, self.beam)
+        return self.output(x)
 
 
 @dataclass(eq=False)
@@ -308,6 +403,15 @@ class CompiledCache:
             self.self_k = [grown(t) for t in self.self_k]
             self.self_v = [grown(t) for t in self.self_v]
 
+    def step_inputs(self, tokens: Tensor, token_table: Tensor) -> list[Tensor]:
+        """:class:`DecoderStep`'s arguments for the next step, flattened in their order (room
+        made for its position first)."""
+        if self.length == self.capacity:
+            self.grow()
+        position = torch.tensor([self.length])
+        caches = [*self.self_k, *self.self_v, *self.cross_k, *self.cross_v]
+        return [tokens.contiguous(), position, token_table, *caches, self.cross_mask]
+
     def reorder(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays).
         Only the positions decoded so far are moved, in place; nothing where every row stays,
@@ -356,14 +460,87 @@ class CompiledCache:
         self.cross_mask = keep_rows(self.cross_mask, moves, n)
 
 
+@dataclass(eq=False)
+class CompiledBeamCache(DecoderCache):
+    """The incremental state of a beam search through a step compiled for beams
+    (:class:`BeamDecoderStep`): the eager cache (:class:`~aiayn.model.cache.DecoderCache`:
+    keys and values per sentence, the beams side by side, a lineage that reorders move instead
+    of keys) with its layers' self-attention keys and values position-major, (max_len,
+    sentences, H, beam, Dh), of which the step is given the positions decoded so far, and a
+    cross-attention mask always (all True without padding). The lineage is given: the
+    layers' first dimension is not the sentences'."""
+
+    step: CompiledStep | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Decoder rows (sentences × beam_size)."""
+        return self.layers[0].self_k.size(1) * self.beam_size
+
+    def step_inputs(self, tokens: Tensor, token_table: Tensor) -> list[Tensor]:
+        """:class:`BeamDecoderStep`'s arguments for the next step, flattened in their order."""
+        mask = self.self_attention_mask()  # (sentences, 1, beam, (length + 1) × beam)
+        assert mask is not None and self.cross_mask is not None
+        filled = self.length + 1
+        layers = self.layers
+        inputs = [tokens.contiguous(), torch.tensor([self.length]), token_table]
+        inputs += [layer.self_k[:filled] for layer in layers]
+        inputs += [layer.self_v[:filled] for layer in layers]
+        inputs += [layer.cross_k for layer in layers if layer.cross_k is not None]
+        inputs += [layer.cross_v for layer in layers if layer.cross_v is not None]
+        return [*inputs, self.cross_mask, mask]
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only ``rows`` (whole sentences' beams, in that order). The cross-attention
+        tensors move the rows that change place, as the eager cache's do; the positions
+        decoded so far of the self-attention keys and values are gathered once and written
+        back as a contiguous prefix of the same storage: a prefix of positions holding fewer
+        sentences is no prefix of the old layout."""
+        n = rows.numel()
+        if n > self.batch_size:
+            raise ValueError(f"keep got {n} rows for a batch of {self.batch_size}")
+        if n % self.beam_size != 0:
+            raise ValueError(f"keep needs whole groups of {self.beam_size} rows, got {n}")
+        assert self.lineage is not None and self.cross_mask is not None
+        self.lineage = self.lineage.index_select(0, rows)
+        sentences = rows[:: self.beam_size] // self.beam_size
+        moves = row_moves(sentences)
+        count = sentences.numel()
+        for layer in self.layers:
+            layer.self_k = _keep_sentences(layer.self_k, sentences, moves, count, self.length)
+            layer.self_v = _keep_sentences(layer.self_v, sentences, moves, count, self.length)
+            if layer.cross_k is not None and layer.cross_v is not None:
+                layer.cross_k = keep_rows(layer.cross_k, moves, count)
+                layer.cross_v = keep_rows(layer.cross_v, moves, count)
+        self.cross_mask = self.cross_mask.index_select(0, sentences)
+
+
+def _keep_sentences(
+    buffer: Tensor, sentences: Tensor, moves: tuple[Tensor, Tensor] | None, n: int, length: int
+) -> Tensor:
+    """``buffer`` (positions, sentences, ...) with only ``sentences`` (their ``length``
+    positions decoded so far), laid out contiguously for ``n`` sentences in its storage."""
+    if moves is None and n == buffer.size(1):
+        return buffer
+    kept = buffer[:length].index_select(1, sentences)  # read whole before any write
+    new = buffer.view(-1)[: buffer.size(0) * n * buffer[0, 0].numel()].view(
+        buffer.size(0), n, *buffer.shape[2:]
+    )
+    new[:length] = kept
+    return new
+
+
 class CompiledStep:
     """A loaded compiled decoder step (:func:`load_compiled_step`, :func:`compile_step`) for
     one model: :meth:`init_cache` and :meth:`log_probs_step` stand in for the model's while
     the model's parameters are the ones it was made from (:meth:`serves`)."""
 
-    def __init__(self, path: Path, model: Transformer) -> None:
+    def __init__(self, path: Path, model: Transformer, beam: int = 1) -> None:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
+        # 1: a DecoderStep, one set of keys and values a row; more: a BeamDecoderStep for
+        # beam searches of that many beams.
+        self.beam = beam
         # Whether another path decoded since this step last served, its file's pages handed
         # back then (BufferedDecoding).
         self.idle = False
@@ -391,10 +568,14 @@ class CompiledStep:
 
     def init_cache(
         self, model: Transformer, memory: Tensor, src_pad: Tensor | None, max_len: int, beam: int
-    ) -> CompiledCache:
+    ) -> CompiledCache | CompiledBeamCache:
         if model.out_proj is not self.out_proj:
             raise ValueError("a compiled step decodes for the model it was loaded for")
         check_cache_size(model.config, max_len, beam)
+        if self.beam > 1:
+            if beam != self.beam:
+                raise ValueError(f"this compiled step decodes with beam {self.beam}, not {beam}")
+            return self._beam_cache(model, memory, src_pad, max_len)
         rows = memory.size(0) * beam
         slots = min(max_len, FIRST_SLOTS)
         cross_k, cross_v, self_k, self_v = [], [], [], []
@@ -422,16 +603,29 @@ class CompiledStep:
             self, self_k, self_v, cross_k, cross_v, mask, 0, max_len, beam, self_kv=self_kv
         )
 
-    def log_probs_step(self, tokens: Tensor, cache: CompiledCache) -> Tensor:
+    def _beam_cache(
+        self, model: Transformer, memory: Tensor, src_pad: Tensor | None, max_len: int
+    ) -> CompiledBeamCache:
+        sentences, beam = memory.size(0), self.beam
+        layers = []
+        for layer in model.decoder.layers:
+            assert layer.cross_attn is not None
+            k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh), the memory once
+            attn = layer.self_attn
+            # Uninitialised: the step reads only the positions written before it.
+            self_k = memory.new_empty(max_len, sentences, attn.n_heads, beam, attn.d_k)
+            self_v = memory.new_empty(max_len, sentences, attn.n_heads, beam, attn.d_v)
+            layers.append(LayerCache(self_k, self_v, k.contiguous(), v.contiguous()))
+        mask = attention_mask(src_pad)
+        if mask is None:
+            mask = torch.ones(sentences, 1, 1, memory.size(1), dtype=torch.bool)
+        lineage = torch.zeros(sentences * beam, max_len, dtype=torch.long)
+        return CompiledBeamCache(layers, mask, 0, max_len, beam, lineage, step=self)
+
+    def log_probs_step(self, tokens: Tensor, cache: CompiledCache | CompiledBeamCache) -> Tensor:
         if cache.length >= cache.max_len:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
-        if cache.length == cache.capacity:
-            cache.grow()
-        position = torch.tensor([cache.length])
-        # DecoderStep's arguments, flattened in their order.
-        inputs = [tokens.contiguous(), position, self.token_table]
-        inputs += [*cache.self_k, *cache.self_v, *cache.cross_k, *cache.cross_v, cache.cross_mask]
-        (hidden,) = self.runner.run(inputs)
+        (hidden,) = self.runner.run(cache.step_inputs(tokens, self.token_table))
         cache.length += 1
         with torch.no_grad():
             logits = self.out_proj(hidden)
@@ -443,7 +637,7 @@ def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
     return [(id(p), p.data_ptr(), p._version) for p in model.parameters()]
 
 
-def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -> dict[int, str]:
+def step_keys(model: Transformer, rows: Sequence[int] = LIBRARIES) -> dict[int, str]:
     """The digests that name a model's compiled steps, one for each row count in ``rows`` a
     step is tuned for: its weights and configuration, the sources and options it is compiled
     from (the rows among them), aiayn's and PyTorch's versions, the thread count (the
@@ -477,7 +671,7 @@ def step_keys(model: Transformer, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)) -
     keys = {}
     for n in rows:
         tuned = digest.copy()
-        tuned.update(f"\nrows {n}".encode())
+        tuned.update(f"\nrows {n}{f' beam {beam_of(n)}' if beam_of(n) > 1 else ''}".encode())
         keys[n] = tuned.hexdigest()[:32]
     return keys
 
@@ -488,7 +682,7 @@ def step_key(model: Transformer, rows: int = FEW_ROWS) -> str:
 
 
 def step_paths(
-    model: Transformer, directory: Path | None = None, rows: Sequence[int] = (FEW_ROWS, MANY_ROWS)
+    model: Transformer, directory: Path | None = None, rows: Sequence[int] = LIBRARIES
 ) -> dict[int, Path]:
     """Where ``model``'s compiled steps tuned for ``rows`` rows are kept (:func:`step_keys`)."""
     folder = directory or compiled_dir()
@@ -521,7 +715,7 @@ def load_compiled_step(
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not _any_compiled(folder):
         return None
-    return _load(step_path(model, folder, rows), model)
+    return _load(step_path(model, folder, rows), model, beam_of(rows))
 
 
 def _any_compiled(folder: Path) -> bool:
@@ -530,12 +724,12 @@ def _any_compiled(folder: Path) -> bool:
     return any(folder.glob("decoder-step-*.so"))
 
 
-def _load(path: Path, model: Transformer) -> CompiledStep | None:
+def _load(path: Path, model: Transformer, beam: int = 1) -> CompiledStep | None:
     if not path.is_file():
         return None
     if not trusted(path):
         raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
-    return CompiledStep(path, model)
+    return CompiledStep(path, model, beam)
 
 
 def compile_step(
@@ -556,12 +750,12 @@ def compile_step(
 def _load_or_compile(
     model: Transformer, path: Path, rows: int, on_compile: Callable[[], None] | None
 ) -> CompiledStep:
-    step = _load(path, model)
+    step = _load(path, model, beam_of(rows))
     if step is None:
         if on_compile is not None:
             on_compile()
         _export_and_compile(model, path, rows)
-        step = CompiledStep(path, model)
+        step = CompiledStep(path, model, beam_of(rows))
     return step
 
 
@@ -572,11 +766,12 @@ def use_compiled_step(
     warn: Callable[[str], None],
 ) -> CompiledStep | None:
     """Give the accelerated ``model`` (a :class:`~aiayn.accel.BufferedDecoding`) its compiled
-    steps, tuned for few rows (``compiled_step``) and for many (``compiled_batch_step``), those
-    compiled on this machine before or (``build``) compiled now, and return the first of them
-    it has, or None. What goes wrong is told to ``warn`` (a failed load or compile always; a
-    model the step does not serve with ``build``), and the decodes the step would have served
-    stay eager. :meth:`Acceleration.undo` takes the steps away."""
+    steps, tuned for few rows (``compiled_step``), for many (``compiled_batch_step``) and for
+    beam searches over many (``compiled_beam_step``), those compiled on this machine before or
+    (``build``) compiled now, and return the first of them it has, or None. What goes wrong
+    is told to ``warn`` (a failed load or compile always; a model the step does not serve with
+    ``build``), and the decodes the step would have served stay eager.
+    :meth:`Acceleration.undo` takes the steps away."""
     from aiayn.accel.decoding import BufferedDecoding
 
     reason = unsupported(model)
@@ -602,10 +797,12 @@ def use_compiled_step(
     steps: list[CompiledStep] = []
     try:
         paths = step_paths(model, folder)  # the weights' digest, once for both
-        for rows, name in ((FEW_ROWS, "compiled_step"), (MANY_ROWS, "compiled_batch_step")):
+        for rows, name in zip(LIBRARIES, _ATTRIBUTES, strict=True):
             path = paths[rows]
             step = (
-                _load_or_compile(model, path, rows, say_compiling) if build else _load(path, model)
+                _load_or_compile(model, path, rows, say_compiling)
+                if build
+                else _load(path, model, beam_of(rows))
             )
             if step is not None:
                 acceleration._set(model, name, step)
@@ -615,7 +812,28 @@ def use_compiled_step(
         warn(f"compiled step: {first[:300]}; decoding without it")
     if steps:
         acceleration.levers.append("compiled decoder step")
+        trim()  # what the libraries' loader freed (its copy of their weights) goes back
     return steps[0] if steps else None
+
+
+def library_products(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' linear modules whose weights every library of ``model`` holds (all
+    but the cross-attention keys' and values', which ``init_cache`` projects eagerly), where
+    ``model`` has its three libraries; else none. Their products need no pack then: every
+    float32 decode but a beam search of another size over more than :data:`MAX_ROWS` rows goes
+    through a library, and those take the unpacked products, so that the weights are not in
+    memory twice, a library's and a pack of them (figures: docs/performance.md)."""
+    if not isinstance(model, Transformer) or any(
+        vars(model).get(name) is None for name in _ATTRIBUTES
+    ):
+        return []
+    products: list[nn.Module] = []
+    for layer in model.decoder.layers:
+        products += [layer.self_attn.qkv_proj, layer.self_attn.out_proj]
+        if layer.cross_attn is not None:
+            products += [layer.cross_attn.q_proj, layer.cross_attn.out_proj]
+        products += [layer.ffn.w1, layer.ffn.w2]
+    return products
 
 
 # Without autograd: freezing packs a product's weight for oneDNN only where the weight needs
@@ -633,35 +851,49 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     for module in plain.modules():  # not the accelerated attention: it is not traced
         if isinstance(module, MultiHeadAttention):
             module.__class__ = OneQueryAttention
-    step = DecoderStep(plain).eval()
+    beam = beam_of(rows)
+    step = (DecoderStep(plain) if beam == 1 else BeamDecoderStep(plain, beam)).eval()
     positions = plain.config.max_positions
     rows, src, slots = (min(n, positions) for n in (rows, *_EXAMPLE_LENGTHS))
     layers = len(plain.decoder.layers)
     attn = plain.decoder.layers[0].self_attn
     heads, dk, dv = attn.n_heads, attn.d_k, attn.d_v
-    args = (
-        torch.ones(rows, dtype=torch.long),
-        torch.tensor([min(3, slots - 1)]),
-        plain.tgt_embed.token.weight.detach(),
-        [torch.zeros(rows, heads, slots, dk) for _ in range(layers)],
-        [torch.zeros(rows, heads, slots, dv) for _ in range(layers)],
-        [torch.randn(rows, heads, src, dk) for _ in range(layers)],
-        [torch.randn(rows, heads, src, dv) for _ in range(layers)],
-        torch.ones(rows, 1, 1, src, dtype=torch.bool),
-    )
-    r = Dim("rows", min=1, max=4096)
     s = Dim("source", min=1, max=positions)
     t = Dim("slots", min=1, max=positions)
-    shapes = (
-        {0: r},
+    if beam == 1:
+        r = Dim("rows", min=1, max=4096)
+        self_shape: tuple[int, ...] = (rows, heads, slots)
+        n, tokens, mask_shape = rows, {0: r}, None
+        self_dims = {0: r, 2: t}
+    else:  # (positions, sentences, H, beam, Dh) keys and values, the mask's positions × beam
+        n = max(1, rows // beam)
+        r = Dim("sentences", min=1, max=4096 // beam)
+        self_shape = (slots, n, heads, beam)
+        tokens, mask_shape = {0: beam * r}, {0: r, 3: beam * t}
+        self_dims = {0: t, 1: r}
+    args: tuple[Any, ...] = (
+        torch.ones(n * beam, dtype=torch.long),
+        torch.tensor([min(3, slots - 1)]),
+        plain.tgt_embed.token.weight.detach(),
+        [torch.zeros(*self_shape, dk) for _ in range(layers)],
+        [torch.zeros(*self_shape, dv) for _ in range(layers)],
+        [torch.randn(n, heads, src, dk) for _ in range(layers)],
+        [torch.randn(n, heads, src, dv) for _ in range(layers)],
+        torch.ones(n, 1, 1, src, dtype=torch.bool),
+    )
+    shapes: tuple[Any, ...] = (
+        tokens,
         None,
         None,
-        [{0: r, 2: t}] * layers,
-        [{0: r, 2: t}] * layers,
+        [self_dims] * layers,
+        [self_dims] * layers,
         [{0: r, 2: s}] * layers,
         [{0: r, 2: s}] * layers,
         {0: r, 3: s},
     )
+    if mask_shape is not None:  # the beams' self-attention mask, 0 or -inf
+        args += (torch.zeros(n, 1, beam, slots * beam),)
+        shapes += (mask_shape,)
     exported = torch.export.export(step, args, dynamic_shapes=shapes)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # AOTInductor writes its sources beside the library: a directory of its own, then only

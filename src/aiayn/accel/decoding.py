@@ -8,8 +8,8 @@ matrix (figures: docs/performance.md). The result is valid until the next step o
 which is how search uses it.
 
 With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.compiled.use_compiled_step`),
-decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows and greedy decodes of more go
-through it instead.
+decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and beam
+searches of :data:`~aiayn.accel.compiled.BEAM` beams over more go through it instead.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from aiayn.accel.compiled import MAX_ROWS, CompiledCache, CompiledStep
+from aiayn.accel.compiled import BEAM, MAX_ROWS, CompiledBeamCache, CompiledCache, CompiledStep
 from aiayn.accel.linear import CpuLinear
 from aiayn.accel.memory import release_file_pages, trim
 from aiayn.model.cache import DecoderCache
@@ -48,24 +48,31 @@ class BufferedDecoding(Transformer):
     dtype, then the log-softmax into the buffer. With autograd or autocast on, on an int8
     model, or with a plain cache, the plain step.
 
-    ``compiled_step`` and ``compiled_batch_step``: the model's compiled decoder step tuned for
-    few rows and for many, which serve, without autograd and while the model's parameters are
-    those they were compiled from, decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS`
-    rows and greedy decodes of more (:func:`aiayn.accel.compiled.use_compiled_step` sets
-    them)."""
+    ``compiled_step``, ``compiled_batch_step`` and ``compiled_beam_step``: the model's compiled
+    decoder step tuned for few rows, for many and for beam searches over many, which serve,
+    without autograd and while the model's parameters are those they were compiled from,
+    decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and
+    beam searches of :data:`~aiayn.accel.compiled.BEAM` beams over more
+    (:func:`aiayn.accel.compiled.use_compiled_step` sets them)."""
 
     compiled_step: CompiledStep | None = None
     compiled_batch_step: CompiledStep | None = None
+    compiled_beam_step: CompiledStep | None = None
 
     def init_cache(  # type: ignore[override]
         self, memory: Tensor, src_pad: Tensor | None, max_len: int, beam_size: int = 1
     ) -> DecoderCache | CompiledCache:
-        few, many = self.compiled_step, self.compiled_batch_step
+        few, many, beams = self.compiled_step, self.compiled_batch_step, self.compiled_beam_step
         rows = memory.size(0) * beam_size
-        chosen = few if rows <= MAX_ROWS else many if beam_size == 1 else None
+        if rows <= MAX_ROWS:
+            chosen = few
+        elif beam_size == 1:
+            chosen = many
+        else:
+            chosen = beams if beam_size == BEAM else None
         if chosen is not None and (torch.is_grad_enabled() or not chosen.serves(self, memory)):
             chosen = None
-        for step in (few, many):
+        for step in (few, many, beams):
             if step is not None and step is not chosen and not step.idle:
                 # The path that serves now reads other weights (the packs, the other
                 # library's): this library's pages go back until it serves again (read from
@@ -84,7 +91,7 @@ class BufferedDecoding(Transformer):
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
 
     def step_hidden(self, tokens: Tensor, cache: DecoderCache | CompiledCache) -> Tensor:
-        if isinstance(cache, CompiledCache):
+        if isinstance(cache, (CompiledCache, CompiledBeamCache)):
             raise TypeError(
                 "a compiled decoder step's cache gives log-probabilities only "
                 "(log_probs_step); decode with compiled_step=None on the model for the rest"
@@ -93,6 +100,9 @@ class BufferedDecoding(Transformer):
 
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache | CompiledCache) -> Tensor:
         if isinstance(cache, CompiledCache):
+            return cache.step.log_probs_step(tokens, cache)
+        if isinstance(cache, CompiledBeamCache):
+            assert cache.step is not None
             return cache.step.log_probs_step(tokens, cache)
         out_proj = self.out_proj
         if (

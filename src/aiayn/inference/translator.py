@@ -257,11 +257,11 @@ class Translator(TextTranslator):
     size), True also for MKL on an Intel CPU (faster steps over 4 to 128 rows), False never;
     a pack takes memory besides the weights (docs/translation.md).
 
-    ``compiled_step``: decodes of up to 16 rows (sentences × beam), and greedy decodes of
-    more, through the model's decoder step compiled ahead of time (:mod:`aiayn.accel.compiled`,
-    float32 Transformers on the CPU): by default (None) when it has been compiled on this
-    machine before, True compiles it first where it has not (its two libraries, a minute or
-    two for a small model), False never.
+    ``compiled_step``: decodes of up to 16 rows (sentences × beam), greedy decodes of more
+    and beam 4 searches of more, through the model's decoder step compiled ahead of time
+    (:mod:`aiayn.accel.compiled`, float32 Transformers on the CPU): by default (None) when it
+    has been compiled on this machine before, True compiles it first where it has not (its
+    three libraries, one to two minutes for a small model), False never.
     """
 
     engine_name = "torch"
