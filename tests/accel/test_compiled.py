@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from aiayn.accel import BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
     BEAM,
     BEAM_ROWS,
+    FEW_ROWS,
     FIRST_SLOTS,
     MANY_ROWS,
     MARCH_VAR,
@@ -68,21 +69,48 @@ def model(cache_dir: Path) -> Transformer:
     return plain
 
 
+def compile_side_by_side(rows: Sequence[int]) -> None:
+    """Compile the module model's libraries tuned for ``rows`` into its cache, each in a
+    process of its own and all at once: the machine's cores compile them together (20-27 s
+    each on two cores, one after another)."""
+    script = (
+        "import sys, torch\n"
+        "from aiayn.accel import accelerate\n"
+        "from aiayn.accel.compiled import compile_step\n"
+        "from tests.helpers import packing_model\n"
+        "torch.set_num_threads(int(sys.argv[1]))  # the key names the thread count\n"
+        "model = packing_model()\n"
+        "accelerate(model, 'decode', precision='fp32')\n"
+        "compile_step(model, rows=int(sys.argv[2]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    threads = str(torch.get_num_threads())
+    run = [[sys.executable, "-c", script, threads, str(n)] for n in rows]
+    processes = [subprocess.Popen(args, env=env, stderr=subprocess.PIPE) for args in run]
+    for process in processes:
+        _, err = process.communicate()
+        assert process.returncode == 0, err.decode(errors="replace")[-2000:]
+
+
 @pytest.fixture(scope="module")
 def step(model: Transformer) -> CompiledStep:
-    return compile_step(model)
+    """The library tuned for few rows, the three compiled together first, so that every test
+    that asks for one finds all three in the module's cache."""
+    compile_side_by_side((FEW_ROWS, MANY_ROWS, BEAM_ROWS))
+    found = load_compiled_step(model)
+    assert found is not None  # the processes' key is this process's
+    return found
 
 
 @pytest.fixture(scope="module")
 def batch_step(model: Transformer, step: CompiledStep) -> CompiledStep:
-    """The library tuned for many rows (greedy batches); compiled after the other, so that
-    every test that asks for it finds both in the module's cache."""
+    """The library tuned for many rows (greedy batches)."""
     return compile_step(model, rows=MANY_ROWS)
 
 
 @pytest.fixture(scope="module")
-def beam_step(model: Transformer, batch_step: CompiledStep) -> CompiledStep:
-    """The library for beam searches over many rows, compiled after the other two."""
+def beam_step(model: Transformer, step: CompiledStep) -> CompiledStep:
+    """The library for beam searches over many rows."""
     return compile_step(model, rows=BEAM_ROWS)
 
 
