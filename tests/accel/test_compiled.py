@@ -195,20 +195,15 @@ def test_one_query_attention_is_sdpa() -> None:
     allowed[..., 0] = True  # every row attends somewhere
     per_key = (torch.arange(keys) <= 4).view(1, 1, 1, keys)  # the step's mask of slots
     additive = torch.randn(rows, 1, 1, keys, generator=gen)
-    for mask in (None, allowed, per_key, additive):
-        want = attn.scaled_dot_product(q, k, v, mask, False)
-        attn.__class__ = OneQueryAttention
-        got = attn.scaled_dot_product(q, k, v, mask, False)
-        attn.__class__ = MultiHeadAttention
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # A sentence's beams: several queries, each with its own mask of keys (lineages).
     several = torch.randn(rows, heads, 3, dk, generator=gen)
     lineages = torch.rand(rows, 1, 3, keys, generator=gen) > 0.5
     lineages[..., 0] = True
-    for mask in (None, allowed, lineages, additive):
-        want = attn.scaled_dot_product(several, k, v, mask, False)
+    one = [(q, mask) for mask in (None, allowed, per_key, additive)]
+    for queries, mask in one + [(several, m) for m in (None, allowed, lineages, additive)]:
+        want = attn.scaled_dot_product(queries, k, v, mask, False)
         attn.__class__ = OneQueryAttention
-        got = attn.scaled_dot_product(several, k, v, mask, False)
+        got = attn.scaled_dot_product(queries, k, v, mask, False)
         attn.__class__ = MultiHeadAttention
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -657,6 +652,26 @@ def test_the_command_line_passes_the_setting(
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def without_index(step: CompiledStep, model: Transformer, folder: Path) -> CompiledStep:
+    """``step``'s library copied into ``folder`` with no index beside it, loaded for ``model``:
+    its runner reads the loader's copy of the weights."""
+    copied = folder / step.path.name
+    shutil.copy(step.path, copied)
+    loaded = CompiledStep(copied, model)
+    assert loaded.constants is None
+    return loaded
+
+
+def five_steps(model: Transformer, compiled: CompiledStep) -> torch.Tensor:
+    """The log-probabilities of five steps of three sentences, beam 2, through ``compiled``."""
+    src, src_pad = sources(3, 9)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        cache = compiled.init_cache(model, memory, src_pad, 6, 2)
+        tokens = torch.ones(6, dtype=torch.long)
+        return torch.stack([compiled.log_probs_step(tokens, cache) for _ in range(5)])
+
+
 def test_the_weights_are_read_from_the_librarys_file(
     model: Transformer, step: CompiledStep, tmp_path: Path
 ) -> None:
@@ -670,20 +685,9 @@ def test_the_weights_are_read_from_the_librarys_file(
     spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
     in_use = step.runner.extract_constants_map(False)  # what the runner reads now
     assert in_use and all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in in_use.values())
-    copied = tmp_path / step.path.name  # no index beside it: the loader's copy is used
-    shutil.copy(step.path, copied)
-    with_copy = CompiledStep(copied, model)
-    assert with_copy.constants is None
-
-    def log_probs(compiled: CompiledStep) -> torch.Tensor:
-        src, src_pad = sources(3, 9)
-        with torch.inference_mode():
-            memory = model.encode(src, src_pad)
-            cache = compiled.init_cache(model, memory, src_pad, 6, 2)
-            tokens = torch.ones(6, dtype=torch.long)
-            return torch.stack([compiled.log_probs_step(tokens, cache) for _ in range(5)])
-
-    assert torch.equal(log_probs(with_copy), log_probs(step))
+    with_copy = without_index(step, model, tmp_path)
+    copied = with_copy.path
+    assert torch.equal(five_steps(model, with_copy), five_steps(model, step))
     assert decode(model, with_copy, 1, 4) == decode(model, step, 1, 4)
     # An index that does not fit the library leaves the copy; each case keeps the rest.
     index = index_path(copied)
@@ -722,7 +726,7 @@ def test_the_weights_are_read_from_the_librarys_file(
         index.chmod(0o600)
         fallback = CompiledStep(copied, model)
         assert fallback.constants is None
-        assert torch.equal(log_probs(fallback), log_probs(step))
+        assert torch.equal(five_steps(model, fallback), five_steps(model, step))
     index.write_text("not json")
     assert CompiledStep(copied, model).constants is None
     index.write_text(json.dumps(good))
@@ -752,21 +756,9 @@ def test_weights_packed_for_onednn_are_read_from_the_file_too(
     assert len(packed) == 12  # the two layers' six products each
     spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
     assert all(any(lo <= data_pointer(t) < hi for lo, hi in spans) for t in in_use.values())
-    copied = tmp_path / "copy" / step.path.name  # no index beside it: the loader's copy
-    copied.parent.mkdir(mode=0o700)
-    shutil.copy(step.path, copied)
-    with_copy = CompiledStep(copied, fresh)
-    assert with_copy.constants is None
-
-    def log_probs(compiled_step: CompiledStep) -> torch.Tensor:
-        src, src_pad = sources(3, 9)
-        with torch.inference_mode():
-            memory = fresh.encode(src, src_pad)
-            cache = compiled_step.init_cache(fresh, memory, src_pad, 6, 2)
-            tokens = torch.ones(6, dtype=torch.long)
-            return torch.stack([compiled_step.log_probs_step(tokens, cache) for _ in range(5)])
-
-    assert torch.equal(log_probs(with_copy), log_probs(step))
+    (tmp_path / "copy").mkdir(mode=0o700)
+    with_copy = without_index(step, fresh, tmp_path / "copy")
+    assert torch.equal(five_steps(fresh, with_copy), five_steps(fresh, step))
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
