@@ -490,20 +490,12 @@ class CompiledBeamCache(DecoderCache):
         inputs += [layer.cross_v for layer in layers if layer.cross_v is not None]
         return [*inputs, self.cross_mask, mask]
 
-    def keep(self, rows: Tensor) -> None:
-        """Keep only ``rows`` (whole sentences' beams, in that order). The cross-attention
-        tensors move the rows that change place, as the eager cache's do; the positions
-        decoded so far of the self-attention keys and values are gathered once and written
-        back as a contiguous prefix of the same storage: a prefix of positions holding fewer
-        sentences is no prefix of the old layout."""
-        n = rows.numel()
-        if n > self.batch_size:
-            raise ValueError(f"keep got {n} rows for a batch of {self.batch_size}")
-        if n % self.beam_size != 0:
-            raise ValueError(f"keep needs whole groups of {self.beam_size} rows, got {n}")
-        assert self.lineage is not None and self.cross_mask is not None
-        self.lineage = self.lineage.index_select(0, rows)
-        sentences = rows[:: self.beam_size] // self.beam_size
+    def _select(self, sentences: Tensor) -> None:
+        """Keep only ``sentences`` (:meth:`keep` checks the rows and moves the lineage). The
+        cross-attention tensors move the rows that change place, as the eager cache's do; the
+        positions decoded so far of the self-attention keys and values are gathered once and
+        written back as a contiguous prefix of the same storage: a prefix of positions
+        holding fewer sentences is no prefix of the old layout."""
         moves = row_moves(sentences)
         count = sentences.numel()
         for layer in self.layers:
@@ -512,7 +504,8 @@ class CompiledBeamCache(DecoderCache):
             if layer.cross_k is not None and layer.cross_v is not None:
                 layer.cross_k = keep_rows(layer.cross_k, moves, count)
                 layer.cross_v = keep_rows(layer.cross_v, moves, count)
-        self.cross_mask = self.cross_mask.index_select(0, sentences)
+        if self.cross_mask is not None:
+            self.cross_mask = self.cross_mask.index_select(0, sentences)
 
 
 def _keep_sentences(

@@ -99,9 +99,7 @@ class BufferedDecoding(Transformer):
         return super().step_hidden(tokens, cache)
 
     def log_probs_step(self, tokens: Tensor, cache: DecoderCache | CompiledCache) -> Tensor:
-        if isinstance(cache, CompiledCache):
-            return cache.step.log_probs_step(tokens, cache)
-        if isinstance(cache, CompiledBeamCache):
+        if isinstance(cache, (CompiledCache, CompiledBeamCache)):
             assert cache.step is not None
             return cache.step.log_probs_step(tokens, cache)
         out_proj = self.out_proj
