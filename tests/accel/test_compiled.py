@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.accel import BufferedDecoding, accelerate
+from aiayn.accel import Acceleration, BufferedDecoding, accelerate
 from aiayn.accel.compiled import (
     BEAM,
     BEAM_ROWS,
@@ -763,6 +763,53 @@ def test_weights_packed_for_onednn_are_read_from_the_file_too(
     (tmp_path / "copy").mkdir(mode=0o700)
     with_copy = without_index(step, fresh, tmp_path / "copy")
     assert torch.equal(five_steps(fresh, with_copy), five_steps(fresh, step))
+
+
+@pytest.mark.parametrize("pack_weights", [False, True])
+def test_the_weights_the_libraries_hold_are_handed_back(tmp_path: Path, pack_weights: bool) -> None:
+    """A model mapped from a file, given its three libraries: the pages of the decoder's
+    weights that the libraries hold go back (each decode they serve reads the libraries'
+    copies), whether the other float32 weights are packed or not (``pack_weights=False`` is
+    the default where MKL is the CPU's float32 library, as on Intel CPUs), and those products
+    are not packed."""
+    from aiayn.accel import compiled
+    from aiayn.inference.loading import assign_weights
+    from tests.helpers import pages_stay, resident_bytes, write_to_disk
+
+    reason = pages_stay(tmp_path)
+    if reason is not None:
+        pytest.skip(reason)
+
+    def build() -> Transformer:  # weights of many pages each: a page is handed back whole
+        torch.manual_seed(0)
+        config = ModelConfig(vocab_size=3000, d_model=128, d_ff=512, n_heads=4, n_layers=1)
+        return Transformer(config).eval()
+
+    path = tmp_path / "weights.pt"
+    write_to_disk(path, build().state_dict())
+    model = build()
+    assign_weights(model, torch.load(path, mmap=True, weights_only=True))
+    for parameter in model.parameters():
+        parameter.sum()  # every page read, as naming the libraries reads them
+    before = resident_bytes(path)
+
+    def give_libraries(acceleration: Acceleration) -> None:
+        # Stand-ins: only whether the model has all three is read while accelerating.
+        for name in compiled._ATTRIBUTES:
+            acceleration._set(model, name, object())
+
+    acceleration = accelerate(
+        model,
+        "decode",
+        pack_weights=pack_weights,
+        memory_settings=False,
+        before_packing=give_libraries,
+    )
+    held = library_products(model)
+    assert held and all(getattr(m, "pack", None) is None for m in held)
+    weights = sum(m.weight.numel() * 4 for m in held)
+    assert acceleration.handed_back > 0.9 * weights
+    assert before - resident_bytes(path) > 0.9 * weights
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")

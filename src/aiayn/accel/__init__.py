@@ -300,15 +300,10 @@ def accelerate(
         if mode == "decode":
             made: list[bool] = []  # for each new pack: whether it is oneDNN's
             mappings = memory.file_mappings()
-            handed: set[int] = set()  # weights whose pages were handed back
-            # The products the compiled steps hold (where the model has all of them): not
-            # packed, and their pages go back too (read to name the libraries).
-            held = {id(m) for m in library_products(model)}
+            handed = _hand_back_library_products(model, acceleration, mappings)
+            held = {id(m) for m in library_products(model)}  # not packed
             for layer in linears:
                 if id(layer) in held:
-                    if id(layer.weight) not in handed:
-                        handed.add(id(layer.weight))
-                        acceleration.handed_back += memory.page_out(layer.weight, mappings)
                     continue
                 if layer.pack_serves():
                     continue
@@ -328,6 +323,8 @@ def accelerate(
                 library = "oneDNN" if all(made) else "MKL"
                 acceleration.levers.append(f"packed weights ({library}, {len(made)})")
             _relu_in_products(model, acceleration)
+    elif mode == "decode":
+        _hand_back_library_products(model, acceleration, memory.file_mappings())
     if mode == "decode":
         _tables_by_rows(model, acceleration)
     if mode == "decode" and memory_settings and acceleration.levers:
@@ -342,6 +339,22 @@ def accelerate(
         if acceleration._memory is not None:
             acceleration.levers.append(f"malloc thresholds ({mode})")
     return acceleration
+
+
+def _hand_back_library_products(
+    model: nn.Module, acceleration: Acceleration, mappings: list[memory.Mapping]
+) -> set[int]:
+    """Hand back the pages of the weights the compiled steps hold (where the model has all of
+    them: :func:`~aiayn.accel.compiled.library_products`), mapped from a file and read to
+    name the libraries: every decode they serve reads the libraries' copies. Return the ids
+    of the weights handed back."""
+    handed: set[int] = set()
+    for layer in library_products(model):
+        weight = layer.weight
+        if id(weight) not in handed:
+            handed.add(id(weight))
+            acceleration.handed_back += memory.page_out(weight, mappings)
+    return handed
 
 
 def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
