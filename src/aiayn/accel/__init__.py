@@ -351,7 +351,7 @@ def _hand_back_library_products(
     handed: set[int] = set()
     for layer in library_products(model):
         weight = layer.weight
-        if id(weight) not in handed:
+        if isinstance(weight, torch.Tensor) and id(weight) not in handed:
             handed.add(id(weight))
             acceleration.handed_back += memory.page_out(weight, mappings)
     return handed
