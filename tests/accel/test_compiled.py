@@ -651,7 +651,6 @@ def test_the_command_line_passes_the_setting(
     assert loader_settings(monkeypatch, Translator, [*command, "--no-mmap"])["mmap"] is False
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
 def without_index(step: CompiledStep, model: Transformer, folder: Path) -> CompiledStep:
     """``step``'s library copied into ``folder`` with no index beside it, loaded for ``model``:
     its runner reads the loader's copy of the weights."""
@@ -672,6 +671,7 @@ def five_steps(model: Transformer, compiled: CompiledStep) -> torch.Tensor:
         return torch.stack([compiled.log_probs_step(tokens, cache) for _ in range(5)])
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
 def test_the_weights_are_read_from_the_librarys_file(
     model: Transformer, step: CompiledStep, tmp_path: Path
 ) -> None:

@@ -287,6 +287,8 @@ def accelerate(
             acceleration.levers.append("attention in float32")
     if before_packing is not None:
         before_packing(acceleration)
+    # The products the compiled steps hold: not packed, their weights' pages handed back.
+    held = _hand_back_library_products(model, acceleration) if mode == "decode" else []
     if bf16 or pack_weights:
         acceleration._swap(model, [nn.Linear])
         # Every CpuLinear, also those an earlier call swapped in: calls add up.
@@ -300,12 +302,10 @@ def accelerate(
         if mode == "decode":
             made: list[bool] = []  # for each new pack: whether it is oneDNN's
             mappings = memory.file_mappings()
-            handed = _hand_back_library_products(model, acceleration, mappings)
-            held = {id(m) for m in library_products(model)}  # not packed
+            handed = {id(m.weight) for m in held}  # weights whose pages were handed back
+            unpacked = {id(m) for m in held}
             for layer in linears:
-                if id(layer) in held:
-                    continue
-                if layer.pack_serves():
+                if id(layer) in unpacked or layer.pack_serves():
                     continue
                 new = pack(layer, fp32_library)
                 if new is not None:
@@ -323,8 +323,6 @@ def accelerate(
                 library = "oneDNN" if all(made) else "MKL"
                 acceleration.levers.append(f"packed weights ({library}, {len(made)})")
             _relu_in_products(model, acceleration)
-    elif mode == "decode":
-        _hand_back_library_products(model, acceleration, memory.file_mappings())
     if mode == "decode":
         _tables_by_rows(model, acceleration)
     if mode == "decode" and memory_settings and acceleration.levers:
@@ -341,20 +339,18 @@ def accelerate(
     return acceleration
 
 
-def _hand_back_library_products(
-    model: nn.Module, acceleration: Acceleration, mappings: list[memory.Mapping]
-) -> set[int]:
+def _hand_back_library_products(model: nn.Module, acceleration: Acceleration) -> list[nn.Module]:
     """Hand back the pages of the weights the compiled steps hold (where the model has all of
     them: :func:`~aiayn.accel.compiled.library_products`), mapped from a file and read to
-    name the libraries: every decode they serve reads the libraries' copies. Return the ids
-    of the weights handed back."""
-    handed: set[int] = set()
-    for layer in library_products(model):
-        weight = layer.weight
-        if isinstance(weight, torch.Tensor) and id(weight) not in handed:
-            handed.add(id(weight))
+    name the libraries: every decode they serve reads the libraries' copies, packs or not.
+    Return those products."""
+    products = library_products(model)
+    mappings = memory.file_mappings() if products else []
+    weights = {id(m.weight): m.weight for m in products}
+    for weight in weights.values():
+        if isinstance(weight, torch.Tensor):
             acceleration.handed_back += memory.page_out(weight, mappings)
-    return handed
+    return products
 
 
 def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
