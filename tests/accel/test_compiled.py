@@ -114,6 +114,11 @@ def beam_step(model: Transformer, step: CompiledStep) -> CompiledStep:
     return compile_step(model, rows=BEAM_ROWS)
 
 
+def storages(tensors: list[torch.Tensor | None]) -> set[int]:
+    """The storages ``tensors`` are views of."""
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+
+
 def sources(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(rows * 100 + length)
     src = torch.randint(4, 50, (rows, length), generator=generator)
@@ -254,7 +259,17 @@ def test_search_finds_the_eager_hypotheses(
 def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep) -> None:
     src, src_pad = sources(2, 9)
     with torch.inference_mode():
-        cache = step.init_cache(model, model.encode(src, src_pad), src_pad, 5, 2)
+        memory = model.encode(src, src_pad)
+        cache = step.init_cache(model, memory, src_pad, 5, 2)
+        assert isinstance(cache, CompiledCache)
+        # Each sentence's cross-attention keys and values, once per beam row, every layer's
+        # in one block (one allocation the batch's size, given back whole).
+        layer = model.decoder.layers[1].cross_attn
+        assert layer is not None
+        k, v = layer.project_kv(memory)
+        assert torch.equal(cache.cross_k[1], k.repeat_interleave(2, 0))
+        assert torch.equal(cache.cross_v[1], v.repeat_interleave(2, 0))
+        assert len(storages([*cache.cross_k, *cache.cross_v])) == 1
         step.log_probs_step(torch.ones(4, dtype=torch.long), cache)
         before = [k.clone() for k in cache.self_k]
         before_v = [v.clone() for v in cache.self_v]
@@ -292,6 +307,11 @@ def test_the_beam_cache_steps_reorders_and_keeps_as_the_eager_one(
         compiled = beam_step.init_cache(model, memory, src_pad, 12, BEAM)
         assert isinstance(compiled, CompiledBeamCache) and compiled.batch_size == 5 * BEAM
         storage = compiled.layers[0].self_k.data_ptr()
+        # Every layer's self-attention keys and values in one block, its cross-attention ones
+        # in another: an allocation each, the batch's size.
+        layers = compiled.layers
+        assert len(storages([t for c in layers for t in (c.self_k, c.self_v)])) == 1
+        assert len(storages([t for c in layers for t in (c.cross_k, c.cross_v)])) == 1
 
         def steps(n: int) -> None:
             for _ in range(n):

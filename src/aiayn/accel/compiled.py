@@ -50,7 +50,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +64,7 @@ from aiayn.accel.memory import release_file_pages, trim
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, keep_rows, row_moves
+from aiayn.model.layers import DecoderLayer
 from aiayn.model.transformer import Transformer, check_cache_size
 
 if TYPE_CHECKING:
@@ -571,17 +572,12 @@ class CompiledStep:
             return self._beam_cache(model, memory, src_pad, max_len)
         rows = memory.size(0) * beam
         slots = min(max_len, FIRST_SLOTS)
-        cross_k, cross_v, self_k, self_v = [], [], [], []
         layers = model.decoder.layers
-        for layer in layers:
-            assert layer.cross_attn is not None
-            k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh)
-            cross_k.append(k.repeat_interleave(beam, 0).contiguous())
-            cross_v.append(v.repeat_interleave(beam, 0).contiguous())
-        shapes = {(a.n_heads, a.d_k, a.d_v) for a in (layer.self_attn for layer in layers)}
+        cross_k, cross_v = _cross_keys_values(layers, memory, beam)
+        self_k, self_v = [], []
         self_kv = None
-        if len(shapes) == 1 and (shape := shapes.pop())[1] == shape[2]:
-            self_kv = memory.new_zeros(2, len(layers), rows, shape[0], slots, shape[1])
+        if (width := _one_width(layer.self_attn for layer in layers)) is not None:
+            self_kv = memory.new_zeros(2, len(layers), rows, width[0], slots, width[1])
             self_k, self_v = list(self_kv[0]), list(self_kv[1])
         else:
             for layer in layers:
@@ -600,15 +596,24 @@ class CompiledStep:
         self, model: Transformer, memory: Tensor, src_pad: Tensor | None, max_len: int
     ) -> CompiledBeamCache:
         sentences, beam = memory.size(0), self.beam
+        decoder_layers = model.decoder.layers
+        cross_k, cross_v = _cross_keys_values(decoder_layers, memory)  # the memory once
+        # Uninitialised: the step reads only the positions written before it.
+        block = None
+        if (width := _one_width(layer.self_attn for layer in decoder_layers)) is not None:
+            n_heads, d_head = width
+            block = memory.new_empty(
+                2, len(decoder_layers), max_len, sentences, n_heads, beam, d_head
+            )
         layers = []
-        for layer in model.decoder.layers:
-            assert layer.cross_attn is not None
-            k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, Dh), the memory once
+        for i, layer in enumerate(decoder_layers):
             attn = layer.self_attn
-            # Uninitialised: the step reads only the positions written before it.
-            self_k = memory.new_empty(max_len, sentences, attn.n_heads, beam, attn.d_k)
-            self_v = memory.new_empty(max_len, sentences, attn.n_heads, beam, attn.d_v)
-            layers.append(LayerCache(self_k, self_v, k.contiguous(), v.contiguous()))
+            if block is not None:
+                self_k, self_v = block[0, i], block[1, i]
+            else:
+                self_k = memory.new_empty(max_len, sentences, attn.n_heads, beam, attn.d_k)
+                self_v = memory.new_empty(max_len, sentences, attn.n_heads, beam, attn.d_v)
+            layers.append(LayerCache(self_k, self_v, cross_k[i], cross_v[i]))
         mask = attention_mask(src_pad)
         if mask is None:
             mask = torch.ones(sentences, 1, 1, memory.size(1), dtype=torch.bool)
@@ -623,6 +628,50 @@ class CompiledStep:
         with torch.no_grad():
             logits = self.out_proj(hidden)
             return torch.log_softmax(logits, dim=-1, out=logits)
+
+
+# The caches keep every layer's keys and values in one block where the layers' widths agree:
+# one allocation the size of a batch, which malloc maps afresh and gives back whole, where a
+# dozen blocks under its mmap threshold, reused from its heap call after call, fragment it
+# (BASE, beam 4, batch 64: peak RSS 744-870 MB over five calls, against 725-776 MB in one
+# block; docs/performance.md).
+
+
+def _one_width(attentions: Iterable[MultiHeadAttention]) -> tuple[int, int] | None:
+    """(heads, head width) where every attention has the same and its keys and values are
+    as wide; None otherwise."""
+    shapes = {(a.n_heads, a.d_k, a.d_v) for a in attentions}
+    if len(shapes) != 1 or (shape := shapes.pop())[1] != shape[2]:
+        return None
+    return shape[0], shape[1]
+
+
+def _cross_keys_values(
+    layers: Sequence[DecoderLayer], memory: Tensor, beam: int = 1
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Each decoder layer's cross-attention keys and values of ``memory`` (B, S, d_model),
+    (B × ``beam``, H, S, Dh), contiguous, a sentence's repeated for its ``beam`` rows."""
+    attentions = []
+    for layer in layers:
+        assert layer.cross_attn is not None
+        attentions.append(layer.cross_attn)
+    width = _one_width(attentions)
+    block = None
+    if width is not None:
+        sentences, length = memory.shape[:2]
+        block = memory.new_empty(2, len(layers), sentences, beam, width[0], length, width[1])
+    keys, values = [], []
+    for i, attn in enumerate(attentions):
+        k, v = attn.project_kv(memory)  # (B, H, S, Dh)
+        if block is None:
+            keys.append(k.repeat_interleave(beam, 0).contiguous())
+            values.append(v.repeat_interleave(beam, 0).contiguous())
+            continue
+        block[0, i].copy_(k.unsqueeze(1))
+        block[1, i].copy_(v.unsqueeze(1))
+        keys.append(block[0, i].flatten(0, 1))
+        values.append(block[1, i].flatten(0, 1))
+    return keys, values
 
 
 def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
