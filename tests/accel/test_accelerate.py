@@ -23,7 +23,7 @@ from aiayn.accel import (
     accelerate,
     cpu_has_bfloat16,
 )
-from aiayn.accel.linear import onednn_packing_available
+from aiayn.accel.linear import LogitsBuffer, logits_into, onednn_packing_available
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search
 from aiayn.model.attention import MultiHeadAttention
@@ -158,6 +158,26 @@ def test_a_packed_projection_frees_the_last_steps_log_probabilities_first() -> N
         _hypotheses(model)
         del projection.packed_product
     assert len(made) > 3
+
+
+def test_the_projection_is_written_into_the_caches_one_buffer() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 8)
+    plain = nn.Linear(8, 11, bias=False)
+    cache = LogitsBuffer()
+    with torch.no_grad():
+        first = logits_into(plain, hidden, cache)
+        assert first is not None and torch.equal(first, plain(hidden))
+        first = first.clone()
+        fewer = logits_into(plain, hidden[:3], cache)  # sentences finished: the same buffer
+        assert fewer is not None and torch.equal(fewer, first[:3])
+        assert fewer.data_ptr() == cache.rows_buffer(5, 11, hidden.device).data_ptr()
+        # What is not a plain product without bias is the caller's to project.
+        assert logits_into(nn.Linear(8, 11), hidden, cache) is None
+        hooked = nn.Linear(8, 11, bias=False)
+        hooked.register_forward_hook(lambda *_: None)
+        assert logits_into(hooked, hidden, cache) is None
+        assert logits_into(nn.Identity(), hidden, cache) is None
 
 
 def _steps(model: Transformer) -> Tensor:

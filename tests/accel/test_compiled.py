@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.accel import Acceleration, BufferedDecoding, accelerate
+from aiayn.accel import Acceleration, BufferedDecoding, CpuLinear, accelerate
 from aiayn.accel.compiled import (
     BEAM,
     BEAM_ROWS,
@@ -29,6 +29,7 @@ from aiayn.accel.compiled import (
     CompiledCache,
     CompiledStep,
     OneQueryAttention,
+    _cross_keys_values,
     cannot_build,
     compile_step,
     library_products,
@@ -270,6 +271,7 @@ def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep
         assert torch.equal(cache.cross_k[1], k.repeat_interleave(2, 0))
         assert torch.equal(cache.cross_v[1], v.repeat_interleave(2, 0))
         assert len(storages([*cache.cross_k, *cache.cross_v])) == 1
+        assert all(t.is_contiguous() for t in [*cache.cross_k, *cache.cross_v])
         step.log_probs_step(torch.ones(4, dtype=torch.long), cache)
         before = [k.clone() for k in cache.self_k]
         before_v = [v.clone() for v in cache.self_v]
@@ -312,6 +314,9 @@ def test_the_beam_cache_steps_reorders_and_keeps_as_the_eager_one(
         layers = compiled.layers
         assert len(storages([t for c in layers for t in (c.self_k, c.self_v)])) == 1
         assert len(storages([t for c in layers for t in (c.cross_k, c.cross_v)])) == 1
+        assert all(t.is_contiguous() for c in layers for t in (c.self_k, c.cross_k, c.cross_v))
+
+        written = set()
 
         def steps(n: int) -> None:
             for _ in range(n):
@@ -319,6 +324,7 @@ def test_the_beam_cache_steps_reorders_and_keeps_as_the_eager_one(
                 want = model.log_probs_step(tokens, eager)
                 got = beam_step.log_probs_step(tokens, compiled)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                written.add(got.data_ptr())
 
         steps(3)
         order = torch.arange(5 * BEAM).view(5, BEAM)[:, [2, 0, 0, 3]].flatten()
@@ -337,6 +343,11 @@ def test_the_beam_cache_steps_reorders_and_keeps_as_the_eager_one(
         assert after.is_contiguous() and compiled.layers[0].self_k.data_ptr() == storage
         assert torch.equal(after[: compiled.length], before[:, [3, 1]])
         steps(3)
+        # Every step's log-probabilities in the cache's one buffer, where the projection is a
+        # plain product (a pack, as on x86 CPUs other than Intel's, makes its own matrix).
+        out_proj = model.out_proj
+        if not isinstance(out_proj, CpuLinear) or out_proj.pack is None:
+            assert len(written) == 1
         with pytest.raises(ValueError, match="whole groups"):
             compiled.keep(torch.tensor([0, 1]))
         with pytest.raises(ValueError, match="beam 4, not 2"):
@@ -392,6 +403,26 @@ def test_one_buffer_and_a_buffer_per_layer_move_alike() -> None:
     assert torch.equal(one.self_v[2][:, :, 3:], kv[1, 2][:4][:, :, 3:])
     tensors = [*one.self_k, *one.self_v, *one.cross_k, *one.cross_v, one.cross_mask]
     assert all(t.is_contiguous() for t in tensors)  # as the library reads them
+
+
+@pytest.mark.parametrize("d_v", [8, 4])
+def test_the_cross_keys_and_values_are_each_sentences_once_a_beam(d_v: int) -> None:
+    # One block where keys and values are as wide (d_v 8 = d_k), a tensor each where not.
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=30, d_model=16, d_ff=32, n_heads=2, d_k=8, d_v=d_v, n_layers=2, dropout=0.0
+    )
+    model = Transformer(config).eval()
+    memory = torch.randn(3, 5, 16)
+    with torch.inference_mode():
+        keys, values = _cross_keys_values(model.decoder.layers, memory, 2)
+        for layer, k, v in zip(model.decoder.layers, keys, values, strict=True):
+            assert layer.cross_attn is not None
+            want_k, want_v = layer.cross_attn.project_kv(memory)
+            assert torch.equal(k, want_k.repeat_interleave(2, 0))
+            assert torch.equal(v, want_v.repeat_interleave(2, 0))
+            assert k.is_contiguous() and v.is_contiguous()
+    assert len(storages([*keys, *values])) == (1 if d_v == 8 else 4)
 
 
 def test_found_again_by_key_and_only_for_the_same_weights(

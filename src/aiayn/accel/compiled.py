@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 import aiayn
 from aiayn.accel.library_constants import index_path, map_constants, write_index
+from aiayn.accel.linear import LogitsBuffer, logits_into
 from aiayn.accel.memory import release_file_pages, trim
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
@@ -358,7 +359,7 @@ class BeamDecoderStep(DecoderStep):
 
 
 @dataclass(eq=False)
-class CompiledCache:
+class CompiledCache(LogitsBuffer):
     """The incremental state of a decode through a :class:`CompiledStep`: rows =
     sentences × ``beam_size``, each with its own keys and values, with room for
     :attr:`capacity` positions, which :meth:`grow` doubles up to ``max_len``."""
@@ -462,7 +463,7 @@ class CompiledCache:
 
 
 @dataclass(eq=False)
-class CompiledBeamCache(DecoderCache):
+class CompiledBeamCache(DecoderCache, LogitsBuffer):
     """The incremental state of a beam search through a step compiled for beams
     (:class:`BeamDecoderStep`): the eager cache (:class:`~aiayn.model.cache.DecoderCache`:
     keys and values per sentence, the beams side by side, a lineage that reorders move instead
@@ -626,15 +627,16 @@ class CompiledStep:
         (hidden,) = self.runner.run(cache.step_inputs(tokens, self.token_table))
         cache.length += 1
         with torch.no_grad():
-            logits = self.out_proj(hidden)
+            logits = logits_into(self.out_proj, hidden, cache)
+            if logits is None:
+                logits = self.out_proj(hidden)
             return torch.log_softmax(logits, dim=-1, out=logits)
 
 
 # The caches keep every layer's keys and values in one block where the layers' widths agree:
-# one allocation the size of a batch, which malloc maps afresh and gives back whole, where a
-# dozen blocks under its mmap threshold, reused from its heap call after call, fragment it
-# (BASE, beam 4, batch 64: peak RSS 744-870 MB over five calls, against 725-776 MB in one
-# block; docs/performance.md).
+# one allocation per kind the size of a batch, which malloc maps and gives back whole. Blocks
+# per layer fall under its mmap threshold (16 MiB) at BASE's batches and, reused from its heap
+# call after call, fragment it (figures: docs/performance.md).
 
 
 def _one_width(attentions: Iterable[MultiHeadAttention]) -> tuple[int, int] | None:

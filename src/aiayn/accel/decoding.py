@@ -2,10 +2,11 @@
 
 A step's (rows, V) logits and their log-softmax are the largest tensors of a decode. A
 :class:`BufferedDecoding` model keeps one float32 buffer with each cache
-(:class:`BufferedCache`, sized for the batch's full row count), projects into it with
-``mm(out=)`` and takes the log-softmax in place, so that no step allocates a vocabulary-sized
-matrix (figures: docs/performance.md). The result is valid until the next step on that cache,
-which is how search uses it.
+(:class:`BufferedCache`, a :class:`~aiayn.accel.linear.LogitsBuffer` sized for the batch's
+full row count, as the compiled step's caches are), projects into it with ``mm(out=)``
+(:func:`~aiayn.accel.linear.logits_into`) and takes the log-softmax in place, so that no step
+allocates a vocabulary-sized matrix (figures: docs/performance.md). The result is valid until
+the next step on that cache, which is how search uses it.
 
 With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.compiled.use_compiled_step`),
 decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and beam
@@ -17,29 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from aiayn.accel.compiled import BEAM, MAX_ROWS, CompiledBeamCache, CompiledCache, CompiledStep
-from aiayn.accel.linear import CpuLinear
+from aiayn.accel.linear import LogitsBuffer, logits_into
 from aiayn.accel.memory import release_file_pages, trim
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
 
 
 @dataclass
-class BufferedCache(DecoderCache):
+class BufferedCache(DecoderCache, LogitsBuffer):
     """A :class:`~aiayn.model.cache.DecoderCache` with the decode's (rows, V) buffer."""
-
-    buffer: Tensor | None = None
-
-    def rows_buffer(self, rows: int, width: int) -> Tensor:
-        """The first ``rows`` rows of a (batch rows, width) float32 buffer kept for the
-        whole decode."""
-        if self.buffer is None or self.buffer.size(1) != width or self.buffer.size(0) < rows:
-            device = self.layers[0].self_k.device
-            shape = (max(rows, self.batch_size), width)
-            self.buffer = torch.empty(shape, dtype=torch.float32, device=device)
-        return self.buffer[:rows]
 
 
 class BufferedDecoding(Transformer):
@@ -102,27 +92,17 @@ class BufferedDecoding(Transformer):
         if isinstance(cache, (CompiledCache, CompiledBeamCache)):
             assert cache.step is not None
             return cache.step.log_probs_step(tokens, cache)
-        out_proj = self.out_proj
         if (
             not isinstance(cache, BufferedCache)
             or torch.is_grad_enabled()
             or torch.is_autocast_enabled(cache.layers[0].self_k.device.type)
-            or type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
-            or out_proj.bias is not None  # model.final_logits_bias
-            or out_proj._forward_hooks
-            or out_proj._forward_pre_hooks
         ):
             return super().log_probs_step(tokens, cache)
         hidden = self.step_hidden(tokens, cache)  # (rows, d_model)
-        weight = out_proj.weight
-        rows, vocab = hidden.size(0), weight.size(0)
-        logits = out_proj.packed_product(hidden) if isinstance(out_proj, CpuLinear) else None
-        if logits is None:
-            if hidden.dtype == weight.dtype == torch.float32:
-                logits = torch.mm(hidden, weight.t(), out=cache.rows_buffer(rows, vocab))
-            else:
-                logits = out_proj(hidden)
+        logits = logits_into(self.out_proj, hidden, cache)
+        if logits is None:  # (int8, a final-logits bias): the model's own projection
+            return torch.log_softmax(self.project(hidden), dim=-1, dtype=torch.float32)
         if logits.dtype == torch.float32:  # the buffer, or a new matrix of a packed product
             return torch.log_softmax(logits, dim=-1, out=logits)
-        buffer = cache.rows_buffer(rows, vocab)
+        buffer = cache.rows_buffer(logits.size(0), logits.size(1), logits.device)
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=buffer)

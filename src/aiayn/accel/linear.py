@@ -349,6 +349,46 @@ class CpuLinear(nn.Linear):
         return state
 
 
+class LogitsBuffer:
+    """For a decode's cache: one float32 (rows, V) buffer that its steps' logits are written
+    into (:func:`logits_into`) and their log-softmax taken in place, so that no step allocates
+    a vocabulary-sized matrix (figures: docs/performance.md). The result of a step is valid
+    until the next step on the cache, which is how search uses it."""
+
+    _logits: Tensor | None = None
+
+    def rows_buffer(self, rows: int, width: int, device: torch.device) -> Tensor:
+        """The first ``rows`` rows of the (rows, ``width``) float32 buffer, made at the first
+        step's row count (a decode's rows only become fewer)."""
+        buffer = self._logits
+        if buffer is None or buffer.size(1) != width or buffer.size(0) < rows:
+            buffer = torch.empty(rows, width, dtype=torch.float32, device=device)
+            self._logits = buffer
+        return buffer[:rows]
+
+
+def logits_into(out_proj: nn.Module, hidden: Tensor, cache: LogitsBuffer) -> Tensor | None:
+    """A decoder step's pre-softmax projection of ``hidden`` (rows, d_model): a float32
+    product written into ``cache``'s buffer; a pack's own product where one serves; the
+    module's output in its dtype otherwise. None where ``out_proj`` is no plain linear layer
+    without bias and hooks (int8, a final-logits bias): the caller's own step."""
+    if (
+        type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
+        or out_proj.bias is not None
+        or out_proj._forward_hooks
+        or out_proj._forward_pre_hooks
+    ):
+        return None
+    logits = out_proj.packed_product(hidden) if isinstance(out_proj, CpuLinear) else None
+    if logits is not None:
+        return logits
+    weight = out_proj.weight
+    if hidden.dtype == weight.dtype == torch.float32:
+        buffer = cache.rows_buffer(hidden.size(0), weight.size(0), hidden.device)
+        return torch.mm(hidden, weight.t(), out=buffer)
+    return out_proj(hidden)
+
+
 class ReluInProduct(PositionwiseFeedForward):
     """:class:`~aiayn.model.feedforward.PositionwiseFeedForward` whose ReLU is applied by
     oneDNN as it writes the first product, where that product goes through a oneDNN pack:
