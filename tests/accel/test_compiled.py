@@ -719,7 +719,8 @@ def five_steps(model: Transformer, compiled: CompiledStep) -> torch.Tensor:
         memory = model.encode(src, src_pad)
         cache = compiled.init_cache(model, memory, src_pad, 6, 2)
         tokens = torch.ones(6, dtype=torch.long)
-        return torch.stack([compiled.log_probs_step(tokens, cache) for _ in range(5)])
+        # Each step's copied at once: the cache keeps one buffer for them.
+        return torch.stack([compiled.log_probs_step(tokens, cache).clone() for _ in range(5)])
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")

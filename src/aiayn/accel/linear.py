@@ -367,13 +367,15 @@ class LogitsBuffer:
         return buffer[:rows]
 
 
-def logits_into(out_proj: nn.Module, hidden: Tensor, cache: LogitsBuffer) -> Tensor | None:
+def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Tensor | None:
     """A decoder step's pre-softmax projection of ``hidden`` (rows, d_model): a float32
-    product written into ``cache``'s buffer; a pack's own product where one serves; the
+    product written into ``owner``'s buffer; a pack's own product where one serves; the
     module's output in its dtype otherwise. None where ``out_proj`` is no plain linear layer
-    without bias and hooks (int8, a final-logits bias): the caller's own step."""
+    without bias and hooks (int8, a final-logits bias) or autocast is on (which ``mm(out=)``
+    would skip): the caller's own step."""
     if (
-        type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
+        torch.is_autocast_enabled(hidden.device.type)
+        or type(out_proj) not in (nn.Linear, CpuLinear)  # int8: its own module
         or out_proj.bias is not None
         or out_proj._forward_hooks
         or out_proj._forward_pre_hooks
@@ -384,7 +386,7 @@ def logits_into(out_proj: nn.Module, hidden: Tensor, cache: LogitsBuffer) -> Ten
         return logits
     weight = out_proj.weight
     if hidden.dtype == weight.dtype == torch.float32:
-        buffer = cache.rows_buffer(hidden.size(0), weight.size(0), hidden.device)
+        buffer = owner.rows_buffer(hidden.size(0), weight.size(0), hidden.device)
         return torch.mm(hidden, weight.t(), out=buffer)
     return out_proj(hidden)
 
