@@ -92,15 +92,11 @@ class BufferedDecoding(Transformer):
         if isinstance(cache, (CompiledCache, CompiledBeamCache)):
             assert cache.step is not None
             return cache.step.log_probs_step(tokens, cache)
-        if (
-            not isinstance(cache, BufferedCache)
-            or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(cache.layers[0].self_k.device.type)
-        ):
+        if not isinstance(cache, BufferedCache) or torch.is_grad_enabled():
             return super().log_probs_step(tokens, cache)
         hidden = self.step_hidden(tokens, cache)  # (rows, d_model)
         logits = logits_into(self.out_proj, hidden, cache)
-        if logits is None:  # (int8, a final-logits bias): the model's own projection
+        if logits is None:  # (int8, a final-logits bias, autocast): the model's own projection
             return torch.log_softmax(self.project(hidden), dim=-1, dtype=torch.float32)
         if logits.dtype == torch.float32:  # the buffer, or a new matrix of a packed product
             return torch.log_softmax(logits, dim=-1, out=logits)
