@@ -1,5 +1,6 @@
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,13 @@ def test_load_for_inference_from_file_and_run_dir(tmp_path):
     averaging.average_run(run, 2)
     model, _, _ = loading.load_for_inference(run)
     assert loading.resolve_checkpoint(run).name == "averaged.pt"
+    # The run's checkpoints folder: its newest step checkpoint, not the average beside it.
+    folder = run / loading.CHECKPOINT_DIR
+    assert loading.resolve_checkpoint(folder).name == "step_00000002.pt"
+    empty = tmp_path / "other" / loading.CHECKPOINT_DIR
+    empty.mkdir(parents=True)
+    with pytest.raises(loading.CheckpointError, match="holds no readable step checkpoint"):
+        loading.resolve_checkpoint(empty)
     with pytest.raises(loading.CheckpointError, match="does not exist"):
         loading.load_for_inference(tmp_path / "nothing.pt")
 
@@ -234,6 +242,38 @@ def test_a_checkpoint_that_cannot_be_read_now_is_not_called_corrupt(tmp_path, mo
     assert not isinstance(err.value, loading.CheckpointCorrupt)
     assert ckpt.resume_point(tmp_path) is None
     assert newest.is_file()
+
+
+def test_a_checkpoint_cut_anywhere_is_corrupt_and_set_aside(tmp_path, capsys, monkeypatch):
+    """Cut at any length, a checkpoint is CheckpointCorrupt, read or mapped (PyTorch's zip
+    reader raises EINVAL for some lengths, a RuntimeError for others), and resume sets it
+    aside; the message is one sentence, without the zip reader's paragraph."""
+    config = tiny_config("train.max_steps=2", "train.save_interval_steps=1")
+    small_reverse_trainer(config, tmp_path).train()
+    newest = loading.step_checkpoint_path(tmp_path, 2)
+    data = newest.read_bytes()
+    short = tmp_path / "short.pt"
+    for fraction in (0.002, 0.01, 0.05, 0.1, 0.25, 0.5, 0.9):
+        short.write_bytes(data[: int(len(data) * fraction)])
+        for mmap in (False, True):
+            with pytest.raises(loading.CheckpointCorrupt, match="truncated or corrupt") as err:
+                loading.load_checkpoint(short, mmap=mmap)
+            assert "miniz" not in str(err.value) and "\n" not in str(err.value)
+    # Where the zip reader answers EINVAL (an 880 KB checkpoint cut to 20,000 bytes does):
+    # resume sets the file aside, as any other corrupt one.
+    read = torch.load
+
+    def einval_for_newest(file, *args, **kwargs):
+        if Path(file) == newest:
+            raise OSError(22, "Invalid argument")
+        return read(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", einval_for_newest)
+    capsys.readouterr()
+    path, _ = ckpt.resume_point(tmp_path)
+    assert path.name == "step_00000001.pt"
+    assert (newest.parent / (newest.name + ".broken")).is_file() and not newest.exists()
+    assert "set step_00000002.pt aside" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")

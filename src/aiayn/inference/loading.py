@@ -43,6 +43,7 @@ Files of a run directory: ``checkpoints/step_00001234.pt`` (train kind, the newe
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap as mmap_module
 import pickle
 import re
@@ -123,8 +124,16 @@ def load_checkpoint(
             state = torch.load(path, map_location=device, weights_only=True)
     except CheckpointError:
         raise
-    except OSError as err:  # the file, not its bytes: permissions, I/O errors
-        raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror or err}") from None
+    except OSError as err:
+        # PyTorch's zip reader raises EINVAL where a cut-short file's records point past
+        # its end (a seek before its start): the bytes, as any other truncation.
+        if err.errno != errno.EINVAL:  # the file, not its bytes: permissions, I/O errors
+            reason = err.strerror or err
+            raise CheckpointError(f"checkpoint {path} cannot be read: {reason}") from None
+        raise CheckpointCorrupt(
+            f"checkpoint {path} is unreadable (truncated or corrupt?): its zip records "
+            "point outside the file"
+        ) from None
     except MemoryError:
         raise
     except pickle.UnpicklingError as err:
@@ -136,7 +145,7 @@ def load_checkpoint(
             "it as code could rebuild (aiayn checkpoints hold tensors and plain data)"
         ) from None
     except Exception as err:  # truncated zip, missing records, ...
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = _first_sentence(err)
         raise CheckpointCorrupt(
             f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}"
         ) from None
@@ -152,6 +161,16 @@ def load_checkpoint(
         if key not in state:
             raise CheckpointError(f"checkpoint {path} lacks {key!r}")
     return state
+
+
+def _first_sentence(err: BaseException) -> str:
+    """What ``err`` says, to its first sentence's end: PyTorch's zip reader appends a
+    paragraph on filing a bug report to every error of its own."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    first = text.splitlines()[0]
+    return first.split(". ", 1)[0].rstrip(".")
 
 
 def _mapped(path: Path) -> Any:
@@ -203,13 +222,19 @@ def tensor_to_bytes(tensor: Tensor) -> bytes:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint file as given, or for a run directory: ``averaged.pt`` if present, else the
-    newest readable step checkpoint."""
+    newest readable step checkpoint; for a run's ``checkpoints/`` folder, its newest readable
+    step checkpoint."""
     return resolve_and_load(path)[0]
 
 
 def resolve_and_load(path: str | Path, *, mmap: bool = False) -> tuple[Path, dict[str, Any]]:
     """:func:`resolve_checkpoint` and the checkpoint read (``mmap``: mapped) from it."""
     path = Path(path)
+    if path.is_dir() and path.name == CHECKPOINT_DIR and not (path / CHECKPOINT_DIR).is_dir():
+        found = latest_valid_checkpoint(path.parent, mmap=mmap)  # a run's checkpoints folder
+        if found is None:
+            raise CheckpointError(f"{path} holds no readable step checkpoint")
+        return found
     if path.is_dir():
         if (path / AVERAGED_NAME).is_file():
             return path / AVERAGED_NAME, load_checkpoint(path / AVERAGED_NAME, mmap=mmap)

@@ -151,10 +151,15 @@ def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str,
         )
     if task == "classify":
         labels = manifest.get("labels") or []
-        if len(labels) < 2:
+        if not labels:
             raise ConfigError(
                 f"{data_dir} has no class labels; a classifier trains on data prepared with "
                 "aiayn prepare --task classify"
+            )
+        if len(labels) < 2:
+            raise ConfigError(
+                f"{data_dir} has one class label ({labels[0]!r}); a classifier needs two or "
+                "more: prepare training lines of other classes too"
             )
         if config.model.n_classes != len(labels):
             raise ConfigError(
@@ -479,10 +484,15 @@ def train_run(
                     print(f"resuming from {found[0]}", file=sys.stderr)
                     state = found[1]
                 elif had and not start_over:
+                    folder = run_dir / loading.CHECKPOINT_DIR
+                    broken = len(list(folder.glob("step_*.pt.broken")))
+                    why = [f"{broken} set aside as *.broken"] if broken else []
+                    if passed_over:
+                        why.append(f"{len(passed_over)} that cannot be read now left in place")
                     refusal = (
-                        f"{run_dir / loading.CHECKPOINT_DIR} holds {len(had)} checkpoint(s) and "
-                        "none can be read (set aside as *.broken); to start this run over, pass "
-                        "--start-over (or train into a new directory)"
+                        f"{folder} holds {len(had)} checkpoint(s) and none can be read "
+                        f"({'; '.join(why)}); to start this run over, pass --start-over (or "
+                        "train into a new directory)"
                     )
                 elif had:
                     print(f"no readable checkpoint in {run_dir}: starting over", file=sys.stderr)
