@@ -45,6 +45,24 @@ def test_toml_file(tmp_path):
     assert config.train.max_steps == 9
 
 
+def test_a_files_own_errors_name_the_file(tmp_path):
+    """A value the file gets wrong is reported with the file's name; one an override gets
+    wrong (the file alone is fine) without it."""
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nmax_steps = "many"\n')
+    with pytest.raises(ConfigError, match=rf"^{path}: train\.max_steps must be an integer"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=rf"^{path}: train\.max_steps must be an integer"):
+        load_config(path, ["model.dropout=0.2"])
+    assert load_config(path, ["train.max_steps=3"]).train.max_steps == 3  # overridden: fine
+    path.write_text("[model]\nd_model = 30\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: model\.d_model=30 is not divisible"):
+        load_config(path)
+    path.write_text("[train]\nmax_steps = 5\n")
+    with pytest.raises(ConfigError, match=r"^model\.dropout"):
+        load_config(path, ["model.dropout=2"])
+
+
 def test_config_roundtrips_through_a_plain_dict():
     from aiayn.config import config_from_dict
 
@@ -73,6 +91,7 @@ def test_every_preset_builds(name):
         ("train.max_steps=-5", r"train\.max_steps must be 0 or more, got -5"),
         ("train.keep_last=-1", r"train\.keep_last must be 0 or more"),
         ("decode.beam_size=0", r"decode\.beam_size must be positive, got 0"),
+        ("decode.alpha=-0.6", r"decode\.alpha must be 0 or more, got -0\.6"),
         ("decode.batch_tokens=0", r"decode\.batch_tokens must be positive"),
     ],
 )

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from aiayn import progress
-from aiayn.progress import Report, as_report
+from aiayn.progress import Report, as_report, counted, parameter_count
 
 
 class Terminal(io.StringIO):
@@ -71,3 +71,13 @@ def test_a_message_after_a_redraw_replaces_the_drawn_line(ticking):
     report.meter("translating", 10).advance(4)
     report("a warning")
     assert stream.getvalue().endswith("\r\033[Ka warning\n")
+
+
+def test_counts_take_the_number_of_their_count():
+    assert counted(1, "line") == "1 line"
+    assert counted(0, "line") == "0 lines"
+    assert counted(2_000, "picture") == "2,000 pictures"
+    assert counted(2, "index", "indices") == "2 indices"
+    assert parameter_count(45_952) == "45,952 parameters"
+    assert parameter_count(1) == "1 parameter"
+    assert parameter_count(44_140_000) == "44.1M parameters"

@@ -196,8 +196,8 @@ class ModelConfig:
         elif self.d_k is None or self.d_v is None:
             if self.d_model % self.n_heads != 0:
                 raise ConfigError(
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                    "set d_k and d_v explicitly"
+                    f"model.d_model={self.d_model} is not divisible by model.n_heads="
+                    f"{self.n_heads}; set model.d_k and model.d_v explicitly"
                 )
 
 
@@ -347,6 +347,7 @@ class DecodeConfig:
     def validate(self) -> None:
         rules = {
             "beam_size": _POSITIVE,
+            "alpha": _NON_NEGATIVE,
             "max_len_a": _NON_NEGATIVE,
             "max_len_b": _NON_NEGATIVE,
             "batch_tokens": _POSITIVE,
@@ -530,7 +531,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not UTF-8 (byte {err.start}): {err.reason}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: invalid TOML: {err}") from None
-    return config_from_dict(_merge(raw, parse_overrides(overrides or [])))
+    try:
+        return config_from_dict(_merge(raw, parse_overrides(overrides or [])))
+    except ConfigError as err:
+        if path is None:
+            raise
+        file_fault = True  # unless the overrides are the fault: the file alone is then fine
+        if overrides:
+            try:
+                config_from_dict(raw)
+            except ConfigError as alone:
+                file_fault = str(alone) == str(err)
+            else:
+                file_fault = False
+        if file_fault:
+            raise type(err)(f"{path}: {err}") from None
+        raise
 
 
 def replace(config: T, **changes: Any) -> T:

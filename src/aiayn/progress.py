@@ -19,6 +19,17 @@ Log = Callable[[str], None]
 _REDRAW_SECONDS = 0.1
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` with thousands separators and ``noun`` in the number ``n`` takes: "1 line",
+    "2,000 lines" (``plural``, where it is not ``noun`` + "s")."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
+def parameter_count(n: int) -> str:
+    """ "44.1M parameters"; below a million, the count itself ("45,952 parameters")."""
+    return f"{n / 1e6:.1f}M parameters" if n >= 1_000_000 else counted(n, "parameter")
+
+
 def clock(seconds: float) -> str:
     """``H:MM:SS``."""
     seconds = max(0, int(seconds))

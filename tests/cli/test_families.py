@@ -1,7 +1,10 @@
 """The lm and classify tasks through the command line: prepare, train, resume, fine-tune from a
 pre-trained encoder, generate, classify and score."""
 
+import io
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -51,7 +54,7 @@ def data(tmp_path_factory):
     return folder
 
 
-def test_lm_trains_resumes_and_generates(data, tmp_path, capsys):
+def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     run = tmp_path / "lm"
     args = ["train", "--config", TINY, "--data", str(data / "lm"), "--out", str(run)]
     assert main([*args, "model.task=lm", "train.max_steps=6", *QUICK]) == 0
@@ -65,6 +68,13 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys):
     assert out.startswith("sun moon") and out.endswith("\n")
     assert main(["generate", str(run), "sun", "--beam", "3", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("sun")
+    # Prompts from stdin, a line each: a line that is not UTF-8 is named as translate names it.
+    stdin = io.TextIOWrapper(io.BytesIO(b"sun\r\nmo\xe9n\n"))
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["generate", str(run), "--greedy", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.startswith("sun") and captured.out.count("\n") == 1
+    assert "stdin: line 2 is not valid UTF-8 (byte 3: b'\\xe9')" in captured.err
     # The wrong command for the model says which one serves it, in one line.
     for command in (["classify", str(run)], ["translate", str(run)]):
         assert main([*command, "--input", str(data / "valid.txt")]) == 2
@@ -85,6 +95,7 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys):
     capsys.readouterr()
     for bad, message in (
         (["--beam", "0"], "beam size must be at least 1"),
+        (["--beam", "2", "--alpha", "-1"], "alpha (the length penalty) must be 0 or more"),
         (["--greedy", "--samples", "2"], "--samples goes with sampling"),
         (["--beam", "2", "--top-p", "0.5"], "--top-p set the sampling"),
     ):
@@ -124,10 +135,11 @@ def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys)
     assert (again / "spm.model").read_bytes() == spm
     capsys.readouterr()
     texts = tmp_path / "texts.txt"
-    texts.write_text("fire fire sun\nsnow rain\n")
+    texts.write_text("fire fire sun\n\nsnow rain\n  \n")
     assert main(["classify", str(clf), "--input", str(texts), "--top", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and all(line.count(":") == 2 for line in lines)
+    assert len(lines) == 4 and all(lines[i].count(":") == 2 for i in (0, 2))
+    assert lines[1] == lines[3] == ""  # empty texts: empty lines, as translate gives
 
 
 def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):
@@ -156,3 +168,16 @@ def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "tr"), "alpha"]) == 2
     err = capsys.readouterr().err
     assert "translation task" in err and "aiayn translate" in err
+
+
+def test_classify_data_of_one_class_is_refused_saying_so(data, tmp_path, capsys):
+    """Data prepared with one label (by an older prepare, or a manifest edited by hand): the
+    refusal says it has one class, not none."""
+    one = tmp_path / "one"
+    shutil.copytree(data / "classify", one)
+    manifest = json.loads((one / "manifest.json").read_text())
+    manifest["labels"] = manifest["labels"][:1]
+    (one / "manifest.json").write_text(json.dumps(manifest))
+    args = ["train", "--config", TINY, "--data", str(one), "--out", str(tmp_path / "run")]
+    assert main([*args, "model.task=classify", "train.max_steps=1", *QUICK]) == 2
+    assert "has one class label ('cold')" in capsys.readouterr().err

@@ -163,6 +163,15 @@ def test_valid_label_unseen_in_train_is_an_error_naming_it(tmp_path):
         prepare_text("classify", train, valid, None, tmp_path / "out", 30)
 
 
+def test_a_classifier_needs_two_classes(tmp_path):
+    train = _write(tmp_path / "train.tsv", ["wet\triver", "wet\tstone"])
+    with pytest.raises(UserError, match=rf"{train}: every line has the label 'wet'"):
+        prepare_text("classify", train, train, None, tmp_path / "out", 30)
+    with pytest.raises(UserError, match=r"two label names or more, got \['wet'\]"):
+        prepare_text("classify", train, train, None, tmp_path / "out", 30, labels=["wet"])
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_invalid_utf8_names_file_and_line_or_is_replaced(tmp_path):
     train = tmp_path / "train.txt"
     train.write_bytes(b"river stone\nbad \xff byte\nlight cloud\n")
@@ -248,6 +257,12 @@ def test_a_given_tokenizer_is_used_a_translation_one_refused(lm_dir, classify_di
             tokenizer=tmp_path / "plain.model",
         )  # fmt: skip
     assert not plain.has_mask
+    # Taken from a checkpoint (written to a temporary file first): the checkpoint is named.
+    with pytest.raises(UserError, match=r"^runs/mt/averaged\.pt: this tokenizer has no <mask>"):
+        prepare_text(
+            "lm", source / "train.tsv", source / "valid.tsv", None, tmp_path / "x", 60,
+            tokenizer=tmp_path / "plain.model", tokenizer_source="runs/mt/averaged.pt",
+        )  # fmt: skip
 
 
 # -- examples ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -87,3 +88,22 @@ def test_bleu_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     bad.write_bytes(b"fine\n\xff\xfe broken\n")
     assert main(["bleu", str(bad), str(ref)]) == 2
     assert "bad.txt: line 2 is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_bleu_reads_hypotheses_from_stdin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-` reads the hypotheses from stdin, as sacrebleu does: the same scores as the file."""
+    hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp.write_text("the cat sat on the mat\nDas Haus-Boot.\n", encoding="utf-8")
+    ref.write_text("the cat sat on a mat\nDas Haus-Boot!\n", encoding="utf-8")
+    assert main(["bleu", str(hyp), str(ref)]) == 0
+    from_file = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(hyp.read_bytes())))
+    assert main(["bleu", "-", str(ref)]) == 0
+    assert capsys.readouterr().out == from_file
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"one\n")))
+    assert main(["bleu", "-", str(ref)]) == 2
+    assert "ref.txt has 2 lines but stdin has 1" in capsys.readouterr().err
+    assert main(["bleu", str(hyp), "-"]) == 2
+    assert "only HYPOTHESES may be -" in capsys.readouterr().err

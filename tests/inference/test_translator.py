@@ -248,6 +248,9 @@ def test_bad_settings() -> None:
         Translator(model, CharTokenizer(), DecodeConfig(beam_size=2), nbest=3)
     with pytest.raises(ValueError, match="beam"):
         Translator(model, CharTokenizer(), replace(DecodeConfig(), beam_size=0))
+    for alpha in (-0.5, float("nan")):  # as the server's requests: 0 or more
+        with pytest.raises(ValueError, match="alpha"):
+            Translator(model, CharTokenizer(), replace(DecodeConfig(), alpha=alpha))
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -494,7 +497,7 @@ def test_translate_command_interactive(
     captured = capsys.readouterr()
     out = captured.out.split("\n")
     assert len(out) == 5 and out[1] == out[2] == "" and out[4] == ""
-    assert "stdin line 2 is not valid UTF-8" in captured.err
+    assert "stdin: line 2 is not valid UTF-8" in captured.err
 
 
 def test_inference_on_cuda_leaves_cudnn_attention_out() -> None:

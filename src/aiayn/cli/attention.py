@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from aiayn.errors import CLIError
+from aiayn.progress import counted
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,5 +56,5 @@ def run(args: argparse.Namespace) -> int:
     print(translator.tokenizer.decode(output))
     for path in paths:
         print(path)
-    print(f"wrote {len(paths)} pictures to {args.out}", file=sys.stderr)
+    print(f"wrote {counted(len(paths), 'picture')} to {args.out}", file=sys.stderr)
     return 0

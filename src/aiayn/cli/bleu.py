@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from aiayn.errors import UserError
+from aiayn.errors import CLIError, UserError
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -12,11 +13,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "bleu",
         help="score translations with sacreBLEU and chrF",
         description="Corpus BLEU and chrF (sacreBLEU, on detokenised text) of HYPOTHESES "
-        "against one or more REFERENCES files, one sentence a line, with their signatures. "
+        "(a file, or - for stdin) against one or more REFERENCES files, one sentence a line, "
+        "with their signatures. "
         "--tokenized adds the paper-style tokenised BLEU (13a tokens, hyphenated compounds "
         "split, no smoothing), which is not comparable with sacreBLEU.",
     )
-    parser.add_argument("hypotheses", metavar="HYPOTHESES", help="translations, one a line")
+    parser.add_argument(
+        "hypotheses", metavar="HYPOTHESES", help="translations, one a line; - reads stdin"
+    )
     parser.add_argument(
         "references", metavar="REFERENCES", nargs="+", help="reference translations, one a line"
     )
@@ -30,18 +34,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     from aiayn.evaluation.bleu import score_corpus
-    from aiayn.inference.textio import read_lines
+    from aiayn.inference.textio import read_lines, split_lines
 
-    hypotheses = read_lines(args.hypotheses)
+    if "-" in args.references:
+        raise CLIError("the references are files; only HYPOTHESES may be - (stdin)")
+    if args.hypotheses == "-":
+        hypotheses = split_lines(sys.stdin.buffer.read(), "stdin")
+    else:
+        hypotheses = read_lines(args.hypotheses)
+    name = "stdin" if args.hypotheses == "-" else args.hypotheses
     if not hypotheses:
-        raise UserError(f"{args.hypotheses} has no lines: nothing to score")
+        raise UserError(f"{name} has no lines: nothing to score")
     references = []
     for path in args.references:
         lines = read_lines(path)
         if len(lines) != len(hypotheses):
-            raise UserError(
-                f"{path} has {len(lines)} lines but {args.hypotheses} has {len(hypotheses)}"
-            )
+            raise UserError(f"{path} has {len(lines)} lines but {name} has {len(hypotheses)}")
         references.append(lines)
     for score in score_corpus(hypotheses, references, tokenized=args.tokenized):
         print(score.line)

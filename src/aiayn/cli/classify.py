@@ -19,7 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "classify",
         help="classify texts, or score a classifier on a prepared split",
         description="With texts (one a line, from --input or stdin): print "
-        "'label<TAB>probability' per line (--top K: the K best as label:probability pairs). "
+        "'label<TAB>probability' per line (--top K: the K best as label:probability pairs; an "
+        "empty line gives an empty line). "
         "With --data: classify a split of a directory prepared by `aiayn prepare --task "
         "classify`, print accuracy, macro-F1 and per-class scores, and with --confusion write "
         "the confusion matrix as a PNG.",
@@ -51,10 +52,15 @@ def run(args: argparse.Namespace) -> int:
     if args.data:
         return _score(classifier, Path(args.data), args.split, args.confusion)
     lines = read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read(), "stdin")
-    probs = classifier.probabilities(lines)
+    # Empty lines (white space only) give empty output lines, as translate's do.
+    texts = [line for line in lines if line.strip()]
+    rows = iter(classifier.probabilities(texts)) if texts else iter(())
     k = min(args.top, len(classifier.labels))
-    for row in probs:
-        best = row.topk(k)
+    for line in lines:
+        if not line.strip():
+            print()
+            continue
+        best = next(rows).topk(k)
         pairs = [(classifier.labels[int(i)], float(p)) for p, i in zip(*best, strict=True)]
         if k == 1:
             print(f"{pairs[0][0]}\t{pairs[0][1]:.4f}")

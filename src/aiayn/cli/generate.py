@@ -49,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from aiayn.devices import pick_device
     from aiayn.inference.generation import GenerateOptions, TextGenerator
+    from aiayn.inference.textio import decode_line
 
     if args.samples < 1:
         raise CLIError(f"--samples must be at least 1, got {args.samples}")
@@ -89,10 +90,7 @@ def run(args: argparse.Namespace) -> int:
             _stream(generator, args.prompt, options)
         return 0
     for number, raw in enumerate(sys.stdin.buffer, 1):
-        try:
-            prompt = raw.decode("utf-8").rstrip("\r\n")
-        except UnicodeDecodeError:
-            raise CLIError(f"stdin line {number} is not valid UTF-8") from None
+        prompt = decode_line(raw, "stdin", number)
         for _ in range(args.samples):
             result = generator.generate(prompt, options)
             print(prompt + result.text, flush=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiayn.config import DataConfig
 from aiayn.errors import CLIError
-from aiayn.progress import Report, stderr_report
+from aiayn.progress import Report, counted, stderr_report
 
 _CORPORA = ("bible", "multi30k", "wmt14")
 _TASKS = ("translation", "lm", "classify")
@@ -359,5 +359,5 @@ def _dropped(info: dict[str, Any]) -> str:
     if isinstance(replaced, dict):  # parallel data: per language
         replaced = sum(replaced.values())
     if replaced:
-        notes.append(f"{replaced:,} lines with invalid UTF-8 replaced")
+        notes.append(f"{counted(replaced, 'line')} with invalid UTF-8 replaced")
     return f"  ({'; '.join(notes)})" if notes else ""

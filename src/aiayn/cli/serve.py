@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.errors import CLIError
+from aiayn.progress import parameter_count
 
 if TYPE_CHECKING:
     from aiayn.serving.engine import Engine
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _say(
         f"{args.checkpoint}: preset {engine.config.preset}, "
-        f"{engine.parameters / 1e6:.1f}M parameters, on {where}; {batching}"
+        f"{parameter_count(engine.parameters)}, on {where}; {batching}"
     )
     _say(f"listening on http://{url_host}:{port} (page /, API /v1/translate, /openapi.json)")
     with sock:

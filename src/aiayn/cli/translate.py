@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.errors import CLIError
-from aiayn.progress import stderr_report
+from aiayn.progress import counted, stderr_report
 
 if TYPE_CHECKING:
     from aiayn.inference.translator import TextTranslator, Translation
@@ -112,7 +112,7 @@ def _interactive(translator: TextTranslator, nbest: int) -> None:
         number += 1
         if any("\udc80" <= ch <= "\udcff" for ch in line):
             # Say so and go on, with an empty output to keep lines in step.
-            print(f"error: stdin line {number} is not valid UTF-8", file=sys.stderr, flush=True)
+            print(f"error: stdin: line {number} is not valid UTF-8", file=sys.stderr, flush=True)
             line = ""
         _write(sys.stdout, format_translations(translator.translate_nbest([line], number), nbest))
 
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         _write(sys.stdout, format_translations(results, args.nbest))
     seconds = meter.seconds
     meter.finish(
-        f"translated {len(lines):,} lines in {seconds:.1f} s "
+        f"translated {counted(len(lines), 'line')} in {seconds:.1f} s "
         f"({len(lines) / max(seconds, 1e-9):,.1f} lines/s) with {translator.checkpoint} on {where}"
     )
     return 0

@@ -15,17 +15,21 @@ def split_lines(data: bytes, name: str) -> list[str]:
     raw = data.split(b"\n")
     if raw[-1] == b"":
         raw.pop()
-    lines = []
-    for number, line in enumerate(raw, start=1):
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise UserError(
-                f"{name}: line {number} is not valid UTF-8 (byte {err.start + 1}: "
-                f"{line[err.start : err.start + 1]!r})"
-            ) from None
-        lines.append(text[:-1] if text.endswith("\r") else text)
-    return lines
+    return [decode_line(line, name, number) for number, line in enumerate(raw, start=1)]
+
+
+def decode_line(line: bytes, name: str, number: int) -> str:
+    """Line ``number`` of ``name``, without its ``\\n`` and a final ``\\r``; UserError naming
+    the line and byte where it is not UTF-8."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"{name}: line {number} is not valid UTF-8 (byte {err.start + 1}: "
+            f"{line[err.start : err.start + 1]!r})"
+        ) from None
+    text = text.removesuffix("\n")
+    return text[:-1] if text.endswith("\r") else text
 
 
 def read_lines(path: str | Path) -> list[str]:

@@ -162,6 +162,10 @@ class TextTranslator:
             raise ValueError("max_len_a and max_len_b are both 0: every translation would be empty")
         if self.decode.beam_size < 1:
             raise ValueError(f"beam size must be at least 1, got {self.decode.beam_size}")
+        if not self.decode.alpha >= 0:  # NaN too
+            raise ValueError(
+                f"alpha (the length penalty) must be 0 or more, got {self.decode.alpha}"
+            )
         if not 1 <= nbest <= self.decode.beam_size:
             raise ValueError(
                 f"nbest must be between 1 and the beam size ({self.decode.beam_size}), got {nbest}"

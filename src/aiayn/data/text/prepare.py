@@ -125,7 +125,7 @@ def prepare_text(
 
     given = None if tokenizer is None else Path(tokenizer)
     if given is not None:
-        _check_text_tokenizer(Tokenizer.load(given), given)
+        _check_text_tokenizer(Tokenizer.load(given), tokenizer_source or given)
         vocab_options: dict[str, Any] = {"tokenizer": _content_digest([given])}
     else:
         vocab_options = {
@@ -208,10 +208,12 @@ def _check_label_names(labels: Sequence[str], task: str) -> list[str]:
         raise UserError(f"label names must be non-empty, without tabs or outer spaces: {names}")
     if len(set(names)) != len(names):
         raise UserError(f"label names must be distinct: {names}")
+    if len(names) < 2:
+        raise UserError(f"a classifier needs two label names or more, got {names}")
     return names
 
 
-def _check_text_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
+def _check_text_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
     if not tokenizer.has_mask:
         raise UserError(
             f"{path}: this tokenizer has no {MASK_PIECE} at id {MASK_ID} (a translation "
@@ -317,6 +319,11 @@ def _read_splits(
             raise UserError(f"{path}: no training lines left after skipping empty lines")
         if classes is not None and not classes.fixed:
             names = _sort_classes(classes, stats[split])
+            if len(names) < 2:
+                raise UserError(
+                    f"{path}: every line has the label {names[0]!r}; a classifier needs "
+                    "training lines of two classes or more"
+                )
     return stats, names
 
 
