@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 import pytest
 
@@ -15,6 +16,26 @@ from aiayn.cli import main
 from tests.serving.conftest import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def keep_alive_seconds(host: str, port: int, n: int) -> list[float]:
+    """The time of each of ``n`` health checks sent one after another on one connection (each
+    request in one write, without delay: the client is not what waits)."""
+    request = f"GET /v1/health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    times = []
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader = conn.makefile("rb")
+        for _ in range(n):
+            began = time.perf_counter()
+            conn.sendall(request)
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            assert len(reader.read(length)) == length
+            times.append(time.perf_counter() - began)
+    return times
 
 
 def test_slow_heads_are_cut_off_and_sigterm_finishes_the_queue(reverse_checkpoint: Path):
@@ -31,6 +52,9 @@ def test_slow_heads_are_cut_off_and_sigterm_finishes_the_queue(reverse_checkpoin
                 assert slow.recv(100) == b""
                 assert 0.3 < time.monotonic() - began < 5
         assert server.get("/v1/health")["status"] == "ok"
+        # Answers on a kept-alive connection come at once: with Nagle's algorithm on the
+        # server's socket, each waited for the client's delayed acknowledgement (40 ms on Linux).
+        assert median(keep_alive_seconds(host, int(port), 9)) < 0.025
 
         texts = [["alpha bravo"], ["charlie delta echo", "foxtrot"], ["golf"], ["hotel india"]]
         answers: dict[int, tuple[int, dict]] = {}
