@@ -182,3 +182,12 @@ def test_advice_that_works_when_followed(data_dir, tmp_path, capsys):
         ["train", "--out", str(tmp_path / "b"), "--data", str(other), "train.max_steps=2"],
         capsys, "resume it with the data it was trained on",
     )  # fmt: skip
+    # Data of another kind (text for a language model): named as such, not by its vocabulary.
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"{w} {w}\n" for w in WORDS * 5))
+    assert main(["prepare", "--task", "lm", "--train", str(text), "--valid", str(text),
+                 "--vocab-size", "30", "--out", str(tmp_path / "lm")]) == 0  # fmt: skip
+    _fails(
+        ["train", "--out", str(tmp_path / "b"), "--data", str(tmp_path / "lm")],
+        capsys, f"holds text data for the lm task; resume the run in {tmp_path / 'b'} with the",
+    )  # fmt: skip

@@ -321,6 +321,12 @@ def test_import_refuses_what_is_not_a_marian_model(tmp_path, capsys):
     (directory / "config.json").write_text(json.dumps({**config, "decoder_layers": 1}))
     with pytest.raises(UserError, match="encoder_layers=2 but decoder_layers=1"):
         import_marian(directory)
+    # Another kind of model is named as such before any Marian file is looked for.
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    (directory / "vocab.json").rename(directory / "vocab.kept")
+    with pytest.raises(UserError, match=r"config\.json: model_type is 'bert'; only Marian"):
+        import_marian(directory)
+    (directory / "vocab.kept").rename(directory / "vocab.json")
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "model.safetensors").unlink()
     with pytest.raises(UserError, match=r"neither model\.safetensors nor pytorch_model\.bin"):

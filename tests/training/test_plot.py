@@ -52,3 +52,5 @@ def test_single_points_are_drawn_with_a_marker(tmp_path, monkeypatch):
 def test_no_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="nothing to plot"):
         plot_run(tmp_path)
+    with pytest.raises(UserError, match=r"nope: no such run directory"):
+        plot_run(tmp_path / "nope")

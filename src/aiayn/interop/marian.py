@@ -110,8 +110,6 @@ class _Weights:
 
 
 def _config(hf: dict[str, Any], src: MarianVocab, tgt: MarianVocab, shared: bool) -> ModelConfig:
-    if hf.get("model_type") not in (None, "marian"):
-        raise UserError(f"model_type is {hf.get('model_type')!r}; only Marian models are imported")
     pairs = [
         ("encoder_layers", "decoder_layers"),
         ("encoder_attention_heads", "decoder_attention_heads"),
@@ -180,6 +178,11 @@ def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceV
     if not directory.is_dir():
         raise UserError(f"{directory}: not a directory (a Hugging Face Marian model directory)")
     hf = _read_json(directory / "config.json")
+    if hf.get("model_type") not in (None, "marian"):  # before any other file is looked for
+        raise UserError(
+            f"{directory / 'config.json'}: model_type is {hf.get('model_type')!r}; only Marian "
+            "models are imported"
+        )
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
     src_ids = _read_json(directory / "vocab.json")
     tgt_ids = src_ids if shared else _read_json(directory / "target_vocab.json")

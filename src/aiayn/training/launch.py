@@ -97,15 +97,8 @@ def resolve_config(
     config = load_config(path, overrides)
     if config.train.init_from is not None and config.model.task != "classify":
         config = _model_of_init(config, explicit)
-    if path is not None and (path.parent / RUN_INFO_NAME).is_file():
-        vocab = int(manifest["vocab_size"])
-        if config.model.vocab_size != vocab:  # the run's own config: resuming
-            raise ConfigError(
-                f"the run in {path.parent} was trained with a vocabulary of "
-                f"{config.model.vocab_size} pieces, but {data_dir} has {vocab}: resume it with "
-                "the data it was trained on (--data), or train a new run into another directory"
-            )
-    check_fits_data(config, data_dir, manifest)
+    resumed = path.parent if path is not None and (path.parent / RUN_INFO_NAME).is_file() else None
+    check_fits_data(config, data_dir, manifest, resumed)
     return config
 
 
@@ -138,8 +131,14 @@ def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
     return replace(config, model=model, preset=stored_config.preset)
 
 
-def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str, Any]) -> None:
-    """Refuse, before training, a config that the data cannot feed (ConfigError)."""
+def check_fits_data(
+    config: RunConfig,
+    data_dir: str | Path,
+    manifest: dict[str, Any],
+    resumed: Path | None = None,
+) -> None:
+    """Refuse, before training, a config that the data cannot feed (ConfigError); ``resumed``:
+    the run directory whose own config this is."""
     task = config.model.task
     kind = data_kind(manifest)
     if (task == "translation") != (kind == "parallel"):
@@ -147,7 +146,18 @@ def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str,
         raise ConfigError(
             f"model.task={task} needs {wanted}, but {data_dir} holds {kind} data"
             + (f" for the {manifest.get('task')} task" if kind == "text" else "")
-            + "; choose the preset or data that go together (docs/families.md)"
+            + (
+                f"; resume the run in {resumed} with the data it was trained on (--data)"
+                if resumed is not None
+                else "; choose the preset or data that go together (docs/families.md)"
+            )
+        )
+    vocab = int(manifest["vocab_size"])
+    if resumed is not None and config.model.vocab_size != vocab:
+        raise ConfigError(
+            f"the run in {resumed} was trained with a vocabulary of "
+            f"{config.model.vocab_size} pieces, but {data_dir} has {vocab}: resume it with "
+            "the data it was trained on (--data), or train a new run into another directory"
         )
     if task == "classify":
         labels = manifest.get("labels") or []
@@ -166,7 +176,6 @@ def check_fits_data(config: RunConfig, data_dir: str | Path, manifest: dict[str,
                 f"model.n_classes={config.model.n_classes} but {data_dir} has {len(labels)} "
                 "classes; drop model.n_classes from the config (it is then taken from the data)"
             )
-    vocab = int(manifest["vocab_size"])
     target_vocab = int(manifest.get("tgt_vocab_size", vocab))
     sizes = (config.model.vocab_size, config.model.target_vocab_size)
     going_on = config.train.init_from is not None and task != "classify"
