@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from aiayn.config import load_config
@@ -50,17 +52,29 @@ def test_a_files_own_errors_name_the_file(tmp_path):
     wrong (the file alone is fine) without it."""
     path = tmp_path / "run.toml"
     path.write_text('[train]\nmax_steps = "many"\n')
-    with pytest.raises(ConfigError, match=rf"^{path}: train\.max_steps must be an integer"):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: train\.max_steps must be an integer"
+    ):
         load_config(path)
-    with pytest.raises(ConfigError, match=rf"^{path}: train\.max_steps must be an integer"):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: train\.max_steps must be an integer"
+    ):
         load_config(path, ["model.dropout=0.2"])
     assert load_config(path, ["train.max_steps=3"]).train.max_steps == 3  # overridden: fine
     path.write_text("[model]\nd_model = 30\n")
-    with pytest.raises(ConfigError, match=rf"^{path}: model\.d_model=30 is not divisible"):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: model\.d_model=30 is not divisible"
+    ):
         load_config(path)
     path.write_text("[train]\nmax_steps = 5\n")
     with pytest.raises(ConfigError, match=r"^model\.dropout"):
         load_config(path, ["model.dropout=2"])
+    # A section that is no table: said so, named, with or without overrides.
+    path.write_text('model = 5\n[train]\nmax_steps = "many"\n')
+    with pytest.raises(ConfigError, match=r"model must be a table \(\[model\]\), got 5"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"train\.max_steps must be an integer"):
+        load_config(path, ["model.vocab_size=8000"])
 
 
 def test_config_roundtrips_through_a_plain_dict():
@@ -91,7 +105,8 @@ def test_every_preset_builds(name):
         ("train.max_steps=-5", r"train\.max_steps must be 0 or more, got -5"),
         ("train.keep_last=-1", r"train\.keep_last must be 0 or more"),
         ("decode.beam_size=0", r"decode\.beam_size must be positive, got 0"),
-        ("decode.alpha=-0.6", r"decode\.alpha must be 0 or more, got -0\.6"),
+        ("decode.alpha=-0.6", r"decode\.alpha must be a number of 0 or more, got -0\.6"),
+        ("decode.alpha=inf", r"decode\.alpha must be a number of 0 or more, got inf"),
         ("decode.batch_tokens=0", r"decode\.batch_tokens must be positive"),
     ],
 )

@@ -12,6 +12,7 @@ checkpoint) without pickling.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -46,6 +47,10 @@ def _non_negative(value: float) -> bool:
     return value >= 0
 
 
+def _finite_non_negative(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
 def _probability(value: float) -> bool:  # [0, 1)
     return 0.0 <= value < 1.0
 
@@ -53,6 +58,7 @@ def _probability(value: float) -> bool:  # [0, 1)
 _POSITIVE = (_positive, "positive")
 _NON_NEGATIVE = (_non_negative, "0 or more")
 _PROBABILITY = (_probability, "in [0, 1)")
+_FINITE_NON_NEGATIVE = (_finite_non_negative, "a number of 0 or more")
 
 
 # The attention of a stack's self-attention: aiayn.model.patterns.PATTERNS.
@@ -347,7 +353,7 @@ class DecodeConfig:
     def validate(self) -> None:
         rules = {
             "beam_size": _POSITIVE,
-            "alpha": _NON_NEGATIVE,
+            "alpha": _FINITE_NON_NEGATIVE,
             "max_len_a": _NON_NEGATIVE,
             "max_len_b": _NON_NEGATIVE,
             "batch_tokens": _POSITIVE,
@@ -437,6 +443,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 
 def build_section(cls: type[T], values: Mapping[str, Any], prefix: str) -> T:
     """Build one frozen dataclass from a mapping, rejecting unknown keys."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{prefix} must be a table ([{prefix}]), got {values!r}")
     hints = get_type_hints(cls)
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(names))
@@ -542,6 +550,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 config_from_dict(raw)
             except ConfigError as alone:
                 file_fault = str(alone) == str(err)
+            except Exception:  # the file alone breaks otherwise: the overrides' error stands
+                file_fault = False
             else:
                 file_fault = False
         if file_fault:

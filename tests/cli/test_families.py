@@ -95,7 +95,10 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     for bad, message in (
         (["--beam", "0"], "beam size must be at least 1"),
-        (["--beam", "2", "--alpha", "-1"], "alpha (the length penalty) must be 0 or more"),
+        (
+            ["--beam", "2", "--alpha", "-1"],
+            "alpha (the length penalty) must be a number of 0 or more",
+        ),
         (["--greedy", "--samples", "2"], "--samples goes with sampling"),
         (["--beam", "2", "--top-p", "0.5"], "--top-p set the sampling"),
     ):

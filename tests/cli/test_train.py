@@ -158,9 +158,13 @@ def test_a_run_whose_checkpoints_are_all_unreadable_stops(data_dir, tmp_path, ca
     capsys.readouterr()
     assert main(["train", "--out", str(run), "--no-progress", "train.max_steps=3"]) == 2
     err = capsys.readouterr().err
-    assert "none can be read" in err and "--start-over" in err
+    assert "holds 1 checkpoint and none can be read (1 set aside as *.broken)" in err
+    assert "--start-over" in err
     lines = [line for line in err.splitlines() if line.startswith("aiayn train: error")]
     assert len(lines) == 1
+    # Again: the same one checkpoint, set aside by the attempt before, and no other.
+    assert main(["train", "--out", str(run), "--no-progress", "train.max_steps=3"]) == 2
+    assert "holds 1 checkpoint and none can be read (1 set aside" in capsys.readouterr().err
     # Asked to, it starts over, and keeps the broken files aside for whoever wants to look.
     assert (
         main(["train", "--out", str(run), "--no-progress", "--start-over", "train.max_steps=3"])

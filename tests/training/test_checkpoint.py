@@ -1,3 +1,4 @@
+import errno
 import os
 import stat
 from pathlib import Path
@@ -259,16 +260,29 @@ def test_a_checkpoint_cut_anywhere_is_corrupt_and_set_aside(tmp_path, capsys, mo
             with pytest.raises(loading.CheckpointCorrupt, match="truncated or corrupt") as err:
                 loading.load_checkpoint(short, mmap=mmap)
             assert "miniz" not in str(err.value) and "\n" not in str(err.value)
-    # Where the zip reader answers EINVAL (an 880 KB checkpoint cut to 20,000 bytes does):
-    # resume sets the file aside, as any other corrupt one.
+    # Where the zip reader answers EINVAL, as it does for an 800 KB file cut to 20,000 bytes
+    # (its directory then points before the file's start): corrupt too.
+    torch.save({"w": torch.zeros(200_000)}, short)
+    short.write_bytes(short.read_bytes()[:20_000])
+    with pytest.raises(OSError) as raised:
+        torch.load(short, weights_only=True)
+    assert raised.value.errno == errno.EINVAL
+    with pytest.raises(loading.CheckpointCorrupt, match="its zip directory is missing"):
+        loading.load_checkpoint(short)
+    # EINVAL from an archive that Python's zip reader reads whole (an I/O error some file
+    # systems report so) is about the file: it stays; a cut one is set aside by resume.
     read = torch.load
 
     def einval_for_newest(file, *args, **kwargs):
         if Path(file) == newest:
-            raise OSError(22, "Invalid argument")
+            raise OSError(errno.EINVAL, "Invalid argument")
         return read(file, *args, **kwargs)
 
     monkeypatch.setattr(torch, "load", einval_for_newest)
+    with pytest.raises(loading.CheckpointError, match="cannot be read: Invalid argument") as err:
+        loading.load_checkpoint(newest)
+    assert not isinstance(err.value, loading.CheckpointCorrupt)
+    newest.write_bytes(data[: len(data) // 3])
     capsys.readouterr()
     path, _ = ckpt.resume_point(tmp_path)
     assert path.name == "step_00000001.pt"

@@ -54,3 +54,6 @@ def test_no_metrics_is_a_clear_error(tmp_path):
         plot_run(tmp_path)
     with pytest.raises(UserError, match=r"nope: no such run directory"):
         plot_run(tmp_path / "nope")
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"metrics\.jsonl is a file; give the run directory"):
+        plot_run(tmp_path / "metrics.jsonl")

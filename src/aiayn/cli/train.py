@@ -86,14 +86,17 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise CLIError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    has_checkpoints = bool(loading.list_step_checkpoints(run_dir))
+    # Checkpoints set aside as unreadable count: the run then stops until --start-over.
+    broken = (run_dir / loading.CHECKPOINT_DIR).glob("step_*.pt.broken")
+    has_checkpoints = bool(loading.list_step_checkpoints(run_dir)) or any(broken)
     started = (run_dir / CONFIG_NAME).is_file()  # a run killed before its first checkpoint
     if args.resume and not has_checkpoints and not started and args.config is None:
         where = "does not exist" if not run_dir.exists() else "holds no checkpoint"
         raise CLIError(f"--resume: {run_dir} {where}; start a run there with --config and --data")
     config_path = resolve_recipe(args.config) if args.config is not None else None
     data_dir = args.data
-    if has_checkpoints or args.resume or args.start_over:
+    resuming = has_checkpoints or args.resume or args.start_over
+    if resuming:
         if config_path is None and (run_dir / CONFIG_NAME).is_file():
             config_path = run_dir / CONFIG_NAME
         if data_dir is None and saved_run_info(run_dir).get("data"):
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--config is required (except when resuming a run directory)")
     if data_dir is None:
         raise CLIError("--data is required (except when resuming a run directory)")
-    config = resolve_config(config_path, data_dir, args.overrides)
+    config = resolve_config(config_path, data_dir, args.overrides, run_dir if resuming else None)
     result = train_run(
         config,
         data_dir,

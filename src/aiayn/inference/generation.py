@@ -12,6 +12,7 @@ only at the end.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +59,10 @@ class GenerateOptions:
             raise UserError(f"strategy must be greedy, beam or sample, not {self.strategy!r}")
         if self.beam_size < 1:
             raise UserError(f"beam size must be at least 1, got {self.beam_size}")
-        if not self.alpha >= 0:  # NaN too
-            raise UserError(f"alpha (the length penalty) must be 0 or more, got {self.alpha}")
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise UserError(
+                f"alpha (the length penalty) must be a number of 0 or more, got {self.alpha}"
+            )
         if self.temperature <= 0:
             raise UserError(f"temperature must be positive, got {self.temperature}")
         if self.top_k < 0:

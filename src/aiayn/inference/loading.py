@@ -48,6 +48,7 @@ import mmap as mmap_module
 import pickle
 import re
 import sys
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,15 +126,17 @@ def load_checkpoint(
     except CheckpointError:
         raise
     except OSError as err:
-        # PyTorch's zip reader raises EINVAL where a cut-short file's records point past
-        # its end (a seek before its start): the bytes, as any other truncation.
-        if err.errno != errno.EINVAL:  # the file, not its bytes: permissions, I/O errors
-            reason = err.strerror or err
-            raise CheckpointError(f"checkpoint {path} cannot be read: {reason}") from None
-        raise CheckpointCorrupt(
-            f"checkpoint {path} is unreadable (truncated or corrupt?): its zip records "
-            "point outside the file"
-        ) from None
+        # PyTorch's zip reader raises EINVAL where a cut-short file's records point before its
+        # start: the bytes, as any other truncation, where the archive is indeed unreadable.
+        # Otherwise (EINVAL is also what some file systems, and Windows for unmapped errors,
+        # say of a read that failed) the file, not its bytes: permissions, I/O errors.
+        if err.errno == errno.EINVAL and _not_a_zip_archive(path):
+            raise CheckpointCorrupt(
+                f"checkpoint {path} is unreadable (truncated or corrupt?): its zip directory "
+                "is missing or points outside the file"
+            ) from None
+        reason = err.strerror or err
+        raise CheckpointError(f"checkpoint {path} cannot be read: {reason}") from None
     except MemoryError:
         raise
     except pickle.UnpicklingError as err:
@@ -163,14 +166,26 @@ def load_checkpoint(
     return state
 
 
+_MINIZ_PARAGRAPH = ". This is an internal miniz error"
+
+
 def _first_sentence(err: BaseException) -> str:
-    """What ``err`` says, to its first sentence's end: PyTorch's zip reader appends a
-    paragraph on filing a bug report to every error of its own."""
-    text = str(err).strip()
-    if not text:
-        return type(err).__name__
-    first = text.splitlines()[0]
-    return first.split(". ", 1)[0].rstrip(".")
+    """The first line of what ``err`` says, without the paragraph on filing a bug report that
+    PyTorch's zip reader appends to the errors of its miniz library."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return first.split(_MINIZ_PARAGRAPH, 1)[0].strip() or type(err).__name__
+
+
+def _not_a_zip_archive(path: Path) -> bool:
+    """Whether ``path``'s bytes are no readable zip archive (its central directory missing or
+    out of bounds), as Python's own zip reader finds them; False where it cannot read them."""
+    try:
+        with zipfile.ZipFile(path):
+            return False
+    except zipfile.BadZipFile:
+        return True
+    except (OSError, ValueError, EOFError):
+        return False
 
 
 def _mapped(path: Path) -> Any:
@@ -230,7 +245,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def resolve_and_load(path: str | Path, *, mmap: bool = False) -> tuple[Path, dict[str, Any]]:
     """:func:`resolve_checkpoint` and the checkpoint read (``mmap``: mapped) from it."""
     path = Path(path)
-    if path.is_dir() and path.name == CHECKPOINT_DIR and not (path / CHECKPOINT_DIR).is_dir():
+    if (
+        path.is_dir()
+        and path.name == CHECKPOINT_DIR
+        and not (path / CHECKPOINT_DIR).is_dir()
+        and not (path / AVERAGED_NAME).is_file()
+    ):
         found = latest_valid_checkpoint(path.parent, mmap=mmap)  # a run's checkpoints folder
         if found is None:
             raise CheckpointError(f"{path} holds no readable step checkpoint")

@@ -13,6 +13,7 @@ Input policy (documented in docs/translation.md):
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -82,6 +83,19 @@ class Translation:
     score: float
     log_prob: float
     tokens: list[int]
+
+
+def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
+    """Refuse (ValueError) a length penalty that is not a finite number of 0 or more, as the
+    server's requests are refused; ``stored_in``: the checkpoint whose decode settings hold it."""
+    if math.isfinite(alpha) and alpha >= 0:
+        return
+    if stored_in is not None:
+        raise ValueError(
+            f"{stored_in}: its decode.alpha={alpha} is no length penalty of 0 or more; "
+            "pass --alpha (the paper's is 0.6)"
+        )
+    raise ValueError(f"alpha (the length penalty) must be a number of 0 or more, got {alpha}")
 
 
 def _print_warning(message: str) -> None:
@@ -162,10 +176,7 @@ class TextTranslator:
             raise ValueError("max_len_a and max_len_b are both 0: every translation would be empty")
         if self.decode.beam_size < 1:
             raise ValueError(f"beam size must be at least 1, got {self.decode.beam_size}")
-        if not self.decode.alpha >= 0:  # NaN too
-            raise ValueError(
-                f"alpha (the length penalty) must be 0 or more, got {self.decode.alpha}"
-            )
+        check_alpha(self.decode.alpha)
         if not 1 <= nbest <= self.decode.beam_size:
             raise ValueError(
                 f"nbest must be between 1 and the beam size ({self.decode.beam_size}), got {nbest}"
@@ -352,6 +363,8 @@ class Translator(TextTranslator):
         (:func:`~aiayn.inference.loading.load_model`)."""
         loaded = load_model(path, device, tasks=("translation",), mmap=mmap)
         model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        if "alpha" not in (decode_overrides or {}):
+            check_alpha(config.decode.alpha, stored_in=loaded.path)
         assert isinstance(model, TranslationModel)
         if quantize is not None:
             if quantize != "int8":

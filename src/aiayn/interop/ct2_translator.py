@@ -57,7 +57,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.inference.loading import AVERAGED_NAME, resolve_checkpoint
 from aiayn.inference.search import Hypothesis, gnmt_length_penalty
-from aiayn.inference.translator import TextTranslator
+from aiayn.inference.translator import TextTranslator, check_alpha
 from aiayn.interop.ct2 import cached_export, import_ctranslate2, read_export, vocabularies
 
 # A length penalty that changes no score (length ** 1e-30 == 1.0 in float32) but is not 0,
@@ -202,6 +202,9 @@ class Ct2Translator(TextTranslator):
         is refused). Also returns the run's config."""
         compute = compute_type(quantize, precision)
         checkpoint = resolve_without_loading(path)
+        given_alpha = dict(decode_overrides or {}).get("alpha")
+        if given_alpha is not None:  # before an export, which takes a while
+            check_alpha(given_alpha)
         scratch: list[tempfile.TemporaryDirectory[str]] = []
 
         def scratch_dir() -> Path:
@@ -213,6 +216,8 @@ class Ct2Translator(TextTranslator):
         config = export.config
         if config.model.task != "translation":
             raise UserError(f"{checkpoint}: not a translation model")
+        if given_alpha is None:
+            check_alpha(config.decode.alpha, stored_in=checkpoint)
         overrides = {"beam_rule": "fairseq", **dict(decode_overrides or {})}
         translator = cls(
             model_dir,

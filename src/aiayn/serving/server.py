@@ -16,6 +16,7 @@ exits 0. A second Ctrl-C forces the exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 from collections.abc import Callable
@@ -99,8 +100,8 @@ class HeadTimedH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        _no_delay(transport)
         self._arm()
+        _no_delay(transport)
 
     def handle_events(self) -> None:
         before = self.cycle
@@ -138,10 +139,11 @@ def _no_delay(transport: asyncio.Transport) -> None:
     protocol ``IPPROTO_TCP``, and those a socket of our own (:func:`bind`, protocol 0) accepts
     are not: h11 writes an answer's head and body apart, Nagle's algorithm held the body until
     the client acknowledged the head, and a client's delayed acknowledgement made every answer
-    on a kept-alive connection 40 ms late (docs/serving.md)."""
+    on a kept-alive connection 40 ms late (docs/serving.md, Load test)."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError):  # a peer gone already (EINVAL on some systems)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def head_timed_h11(timeout_s: float) -> type[H11Protocol]:

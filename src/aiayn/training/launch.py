@@ -38,6 +38,7 @@ from aiayn.devices import busy_cpu_slowdown
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.model.families import build_model, pretrained_encoder_state
+from aiayn.progress import counted
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.averaging import average_run
 from aiayn.training.distributed import (
@@ -80,12 +81,16 @@ def _explicit_model_keys(config_path: Path | None, overrides: list[str]) -> set[
 
 
 def resolve_config(
-    config_path: str | Path | None, data_dir: str | Path, overrides: list[str] | None = None
+    config_path: str | Path | None,
+    data_dir: str | Path,
+    overrides: list[str] | None = None,
+    resuming: Path | None = None,
 ) -> RunConfig:
     """The run config; ``model.vocab_size`` (and a classifier's ``model.n_classes``) from the
     data's manifest unless set explicitly. With ``train.init_from`` naming a model of the
     run's own task, the ``[model]`` section is that model's, but for what the config sets
-    itself (the dropout rates, say)."""
+    itself (the dropout rates, say). ``resuming``: the run directory this config goes on
+    training, whose data the refusals then point to."""
     overrides = list(overrides or [])
     manifest = load_manifest(data_dir)
     path = Path(config_path) if config_path is not None else None
@@ -97,8 +102,7 @@ def resolve_config(
     config = load_config(path, overrides)
     if config.train.init_from is not None and config.model.task != "classify":
         config = _model_of_init(config, explicit)
-    resumed = path.parent if path is not None and (path.parent / RUN_INFO_NAME).is_file() else None
-    check_fits_data(config, data_dir, manifest, resumed)
+    check_fits_data(config, data_dir, manifest, resuming)
     return config
 
 
@@ -493,13 +497,15 @@ def train_run(
                     print(f"resuming from {found[0]}", file=sys.stderr)
                     state = found[1]
                 elif had and not start_over:
-                    folder = run_dir / loading.CHECKPOINT_DIR
-                    broken = len(list(folder.glob("step_*.pt.broken")))
-                    why = [f"{broken} set aside as *.broken"] if broken else []
+                    # Those set aside, now or by an earlier attempt (then `had` lists them),
+                    # and those left where they are because they cannot be read right now.
+                    aside = [p for p in had if p.suffix == ".broken" or not p.exists()]
+                    why = [f"{len(aside)} set aside as *.broken"] if aside else []
                     if passed_over:
                         why.append(f"{len(passed_over)} that cannot be read now left in place")
                     refusal = (
-                        f"{folder} holds {len(had)} checkpoint(s) and none can be read "
+                        f"{run_dir / loading.CHECKPOINT_DIR} holds "
+                        f"{counted(len(had), 'checkpoint')} and none can be read "
                         f"({'; '.join(why)}); to start this run over, pass --start-over (or "
                         "train into a new directory)"
                     )

@@ -28,6 +28,8 @@ _MARKED = 30
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the curves of ``run_dir`` to ``out`` (default ``RUN_DIR/curves.png``)."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise UserError(f"{run_dir} is a file; give the run directory that holds it")
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
     records = read_metrics(run_dir)

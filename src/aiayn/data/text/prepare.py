@@ -317,12 +317,15 @@ def _read_splits(
         meter.finish()
         if split == "train" and stats[split].lines == 0:
             raise UserError(f"{path}: no training lines left after skipping empty lines")
-        if classes is not None and not classes.fixed:
-            names = _sort_classes(classes, stats[split])
-            if len(names) < 2:
+        if classes is not None and split == "train":
+            if not classes.fixed:
+                names = _sort_classes(classes, stats[split])
+            seen = np.unique(np.frombuffer(stats[split].labels, np.int64))
+            if len(seen) < 2:
+                assert names is not None
                 raise UserError(
-                    f"{path}: every line has the label {names[0]!r}; a classifier needs "
-                    "training lines of two classes or more"
+                    f"{path}: every line has the label {names[int(seen[0])]!r}; a classifier "
+                    "needs training lines of two classes or more"
                 )
     return stats, names
 
