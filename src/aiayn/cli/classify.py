@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.errors import CLIError
 
 if TYPE_CHECKING:
@@ -25,11 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "classify`, print accuracy, macro-F1 and per-class scores, and with --confusion write "
         "the confusion matrix as a PNG.",
     )
-    parser.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_OR_RUN",
-        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("--input", "-i", metavar="FILE", help="texts, one a line (default: stdin)")
     parser.add_argument("--top", type=int, default=1, metavar="K", help="classes shown per text")
     parser.add_argument("--data", metavar="DATA_DIR", help="score on a prepared split")

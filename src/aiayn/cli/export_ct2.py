@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.interop import QUANTIZATIONS
 
 
@@ -19,11 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "`aiayn translate --engine ctranslate2` exports by itself and caches the export "
         "beside the checkpoint.",
     )
-    parser.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_OR_RUN",
-        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory")
     parser.add_argument(
         "--quantization",

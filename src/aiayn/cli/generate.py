@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.errors import CLIError
 
 if TYPE_CHECKING:
@@ -24,11 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "printed on one line. The continuation stops at the end of a line of the training "
         "text (EOS) or after --max-new-tokens.",
     )
-    parser.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_OR_RUN",
-        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("prompt", nargs="?", default="-", help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="default %(default)s")
     how = parser.add_mutually_exclusive_group()

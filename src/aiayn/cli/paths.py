@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from aiayn.errors import CLIError
@@ -33,3 +34,14 @@ def _check_parent(path: Path, option: str) -> None:
     parent = _nearest_existing_parent(path)
     if parent is not None and not parent.is_dir():
         raise CLIError(f"{option} {path}: {parent} is a file, not a directory")
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """The CHECKPOINT_OR_RUN argument of the commands that load a model
+    (:func:`aiayn.inference.loading.resolve_checkpoint`)."""
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_OR_RUN",
+        help="a checkpoint file; a run directory (averaged.pt, else the newest readable "
+        "checkpoint); or a run's checkpoints/ folder (its newest readable checkpoint)",
+    )

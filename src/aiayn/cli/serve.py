@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
+from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.errors import CLIError
 from aiayn.progress import parameter_count
 
@@ -31,11 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "accepting, finishes what is queued and exits 0. --engine ctranslate2 decodes with "
         "CTranslate2, as translate does (no attention maps then: /v1/attention answers 501).",
     )
-    parser.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_OR_RUN",
-        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free one)")
     parser.add_argument("--beam", type=int, help="default beam size (default: the run's)")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
+from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.errors import CLIError
 from aiayn.progress import counted, stderr_report
 
@@ -30,11 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "with a warning on stderr. Defaults come from the run's [decode] settings. "
         "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md).",
     )
-    parser.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_OR_RUN",
-        help="a checkpoint file, or a run directory (averaged.pt, else the newest checkpoint)",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("--input", "-i", metavar="FILE", help="source text (default: stdin)")
     parser.add_argument("--beam", type=int, help="beam size; 1 is greedy search (paper: 4)")
     parser.add_argument("--alpha", type=float, help="length penalty ((5+|Y|)/6)^alpha (paper: 0.6)")
