@@ -181,7 +181,7 @@ class ModelConfig:
             raise ConfigError(f"model.lsh_buckets must be even, got {self.lsh_buckets}")
         if self.decoder_attention == "linformer":
             raise ConfigError(
-                'model.decoder_attention = "linformer" cannot be: Linformer\'s projection mixes '
+                'model.decoder_attention = "linformer" is refused: Linformer\'s projection mixes '
                 "future positions into every key, so it cannot run causally"
             )
         if self.task != "translation":
@@ -189,6 +189,15 @@ class ModelConfig:
             for name, default in (("tgt_vocab_size", None), *extra):
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
+            # A stack the model does not have: its attention pattern would be ignored.
+            absent = "encoder" if self.task == "lm" else "decoder"
+            if getattr(self, f"{absent}_attention") != "full":
+                kind = "decoder-only" if self.task == "lm" else "encoder-only"
+                present = "decoder" if self.task == "lm" else "encoder"
+                raise ConfigError(
+                    f"model.{absent}_attention: model.task={self.task} is {kind}, with no "
+                    f"{absent}; set model.{present}_attention instead"
+                )
         if self.arch != "transformer":
             _require(self, "model", {"rnn_hidden": _POSITIVE})
             if self.task != "translation":

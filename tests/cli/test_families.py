@@ -75,6 +75,19 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     assert captured.out.startswith("sun") and captured.out.count("\n") == 1
     assert "stdin: line 2 is not valid UTF-8 (byte 3: b'\\xe9')" in captured.err
+    # A prompt too long for the model: refused before anything is written; from stdin, that
+    # line is answered with an empty one and the next is read.
+    long = " ".join(["sun moon"] * 80)
+    assert main(["generate", str(run), long, "--greedy", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "the model reads at most 64" in captured.err
+    stdin = io.TextIOWrapper(io.BytesIO(f"sun\n{long}\nmoon\n".encode()))
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["generate", str(run), "--greedy", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.split("\n")
+    assert lines[0].startswith("sun") and lines[1] == "" and lines[2].startswith("moon")
+    assert "error: stdin: line 2: the prompt has" in captured.err
     # The wrong command for the model says which one serves it, in one line.
     for command in (["classify", str(run)], ["translate", str(run)]):
         assert main([*command, "--input", str(data / "valid.txt")]) == 2

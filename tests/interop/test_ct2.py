@@ -554,3 +554,12 @@ def test_export_refuses_attention_patterns(setting: str) -> None:
     config = load_config(overrides=["preset=tiny", f"model.{setting}", "train.valid_bleu=false"])
     with pytest.raises(UserError, match=f"full attention only, not model.{setting.split('=')[0]}"):
         ct2_module._check_exportable(Transformer(config.model))
+
+
+def test_an_rnn_model_object_is_refused_in_one_line(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    from aiayn.model.families import build_model
+
+    config = load_config(overrides=["preset=rnnsearch", "model.vocab_size=40"])
+    rnn = build_model(config.model)
+    with pytest.raises(UserError, match="object does not export to CTranslate2: only Transf"):
+        export_ct2(rnn, tmp_path / "out", tokenizer=tokenizer)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ attention; causal patterns never see the future; cached decoding equals the full
 Linformer and LSH: equal to full attention where they cover everything, padding ignored, LSH
 equal to its written-out union of rounds, Linformer refused where it would be causal."""
 
+import re
 from typing import get_args
 
 import pytest
@@ -229,7 +230,10 @@ def test_activation_checkpointing_gives_the_same_gradients(task):
     from aiayn.model.families import build_model
     from aiayn.model.transformer import set_activation_checkpointing
 
-    config = _config(task=task, dropout=0.1, attention_dropout=0.1, encoder_attention="local")
+    stack = "encoder" if task == "translation" else "decoder"  # an lm has no encoder
+    config = _config(
+        task=task, dropout=0.1, attention_dropout=0.1, **{f"{stack}_attention": "local"}
+    )
     grads = []
     for on in (False, True):
         torch.manual_seed(0)
@@ -527,3 +531,29 @@ def test_a_classifier_takes_a_linformer_encoder_only_with_its_projections(tmp_pa
     same = ["model.encoder_attention=linformer", "model.linformer_k=8"]
     weights = _pretrained_weights(tiny_config("model.task=classify", *same, init), b"tok")
     assert "encoder.layers.0.self_attn.pattern.key_proj" in weights
+
+
+def test_a_translator_refuses_an_lsh_decoder_before_its_first_sentence(tmp_path):
+    """translate and serve load the model through Translator.from_checkpoint: the refusal
+    comes there, naming the checkpoint, not as an internal error at the first request."""
+    from aiayn.data.corpus import tokenizer_path
+    from aiayn.inference.translator import Translator
+    from tests.helpers import make_reverse_data
+
+    data = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
+    lsh = ["model.vocab_size=13", "model.decoder_attention=lsh", "train.valid_bleu=false"]
+    config = load_config(overrides=["preset=tiny", *lsh])
+    spm = ckpt.bytes_to_tensor(tokenizer_path(data).read_bytes())
+    state = ckpt.model_checkpoint(config, ckpt.model_state(Transformer(config.model)), spm, 1, 0)
+    path = tmp_path / "lsh.pt"
+    ckpt.save_atomic(state, path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: lsh attention has no"):
+        Translator.from_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("task", "key"), [("lm", "encoder"), ("mlm", "decoder"), ("classify", "decoder")]
+)
+def test_a_pattern_for_a_stack_the_model_lacks_is_refused(task, key):
+    with pytest.raises(ConfigError, match=rf"model\.{key}_attention: model\.task={task} is"):
+        load_config(overrides=["preset=tiny", f"model.task={task}", f"model.{key}_attention=local"])

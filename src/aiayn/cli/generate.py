@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from aiayn.cli.paths import add_checkpoint_argument
-from aiayn.errors import CLIError
+from aiayn.errors import CLIError, UserError
 
 if TYPE_CHECKING:
     from aiayn.inference.generation import GenerateOptions, Strategy, TextGenerator
@@ -86,13 +86,21 @@ def run(args: argparse.Namespace) -> int:
                 options = replace(options, seed=_next(options.seed))
             _stream(generator, args.prompt, options)
         return 0
+    failed = 0
     for number, raw in enumerate(sys.stdin.buffer, 1):
         prompt = decode_line(raw, "stdin", number)
+        try:
+            generator.checked_prompt_ids(prompt)
+        except UserError as err:  # said, answered with empty lines, and the next one read
+            print(f"error: stdin: line {number}: {err}", file=sys.stderr, flush=True)
+            print("\n" * (args.samples - 1), flush=True)
+            failed += 1
+            continue
         for _ in range(args.samples):
             result = generator.generate(prompt, options)
             print(prompt + result.text, flush=True)
             options = replace(options, seed=_next(options.seed))
-    return 0
+    return 2 if failed else 0
 
 
 def _next(seed: int | None) -> int | None:
@@ -100,7 +108,10 @@ def _next(seed: int | None) -> int | None:
 
 
 def _stream(generator: TextGenerator, prompt: str, options: GenerateOptions) -> None:
-    """Print the prompt, then the continuation as it comes, then a newline."""
+    """Print the prompt, then the continuation as it comes, then a newline; nothing where
+    the prompt or the options are refused."""
+    options.validate()
+    generator.checked_prompt_ids(prompt)
     sys.stdout.write(prompt)
     sys.stdout.flush()
 

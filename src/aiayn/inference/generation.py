@@ -35,6 +35,7 @@ from aiayn.inference.search import (
 from aiayn.inference.translator import TextTokenizer
 from aiayn.model.cache import DecoderCache
 from aiayn.model.families import DecoderOnlyLM
+from aiayn.model.patterns import check_decodable
 
 Strategy = Literal["greedy", "beam", "sample"]
 
@@ -96,11 +97,23 @@ class TextGenerator:
     def from_checkpoint(cls, path: str | Path, device: torch.device | str = "cpu") -> TextGenerator:
         loaded = load_model(path, device, tasks=("lm",))
         assert isinstance(loaded.model, DecoderOnlyLM)
+        check_decodable(loaded.config.model.decoder_attention, loaded.path)
         return cls(loaded.model, loaded.tokenizer, device)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """``BOS + tokens`` of the prompt, the context the model continues."""
         return [BOS_ID, *self.tokenizer.encode(prompt)]
+
+    def checked_prompt_ids(self, prompt: str) -> list[int]:
+        """:meth:`prompt_ids`, refused (UserError) where the model has no position left to
+        continue it."""
+        context = self.prompt_ids(prompt)
+        limit = self.model.config.max_positions
+        if len(context) >= limit:
+            raise UserError(
+                f"the prompt has {len(context)} tokens with BOS; the model reads at most {limit}"
+            )
+        return context
 
     @torch.no_grad()
     def generate(
@@ -113,12 +126,8 @@ class TextGenerator:
         is passed to it as soon as it is known; the pieces add up to ``Generation.text``."""
         options = options or GenerateOptions()
         options.validate()
-        context = self.prompt_ids(prompt)
+        context = self.checked_prompt_ids(prompt)
         limit = self.model.config.max_positions
-        if len(context) >= limit:
-            raise UserError(
-                f"the prompt has {len(context)} tokens with BOS; the model reads at most {limit}"
-            )
         new = min(options.max_new_tokens, limit - len(context))
         beams = options.beam_size if options.strategy == "beam" else 1
         cache = self.model.init_cache(beams, len(context) + new, beam_size=beams)

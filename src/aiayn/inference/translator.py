@@ -47,6 +47,7 @@ from aiayn.inference.search import (
 )
 from aiayn.inference.textio import one_line
 from aiayn.model.families import TranslationModel
+from aiayn.model.patterns import check_decodable
 
 
 class IncrementalModel(Protocol):
@@ -363,6 +364,7 @@ class Translator(TextTranslator):
         (:func:`~aiayn.inference.loading.load_model`)."""
         loaded = load_model(path, device, tasks=("translation",), mmap=mmap)
         model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        check_decodable(config.model.decoder_attention, loaded.path)
         if "alpha" not in (decode_overrides or {}):
             check_alpha(config.decode.alpha, stored_in=loaded.path)
         assert isinstance(model, TranslationModel)

@@ -412,6 +412,11 @@ def _source(
             raise ValueError("exporting a Transformer object needs its tokenizer")
         config = RunConfig(model=model_or_checkpoint.config)
         return _Source(model_or_checkpoint, config, tokenizer, None)
+    if isinstance(model_or_checkpoint, nn.Module):  # another model object: an RNN, say
+        raise UserError(
+            f"a {type(model_or_checkpoint).__name__} object does not export to CTranslate2: "
+            "only Transformers do"
+        )
     loaded = (
         model_or_checkpoint
         if isinstance(model_or_checkpoint, LoadedModel)

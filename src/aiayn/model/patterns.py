@@ -43,11 +43,14 @@ Two more take another road than a positional pattern:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from aiayn.errors import ConfigError
 
 PatternName = Literal["full", "local", "longformer", "bigbird", "linformer", "lsh"]
 PATTERNS: tuple[str, ...] = ("full", "local", "longformer", "bigbird", "linformer", "lsh")
@@ -60,6 +63,13 @@ LSH_NO_INCREMENTAL = (
     "lsh attention has no incremental decoding (the decoder cache keeps keys by position, not "
     "by hash bucket); train and score with it, decode with another model.decoder_attention"
 )
+
+
+def check_decodable(decoder_attention: str, source: str | Path) -> None:
+    """Refuse (ConfigError naming ``source``) a model whose decoder attention cannot decode a
+    step at a time: before a translator or a server starts, not at its first sentence."""
+    if decoder_attention == "lsh":
+        raise ConfigError(f"{source}: {LSH_NO_INCREMENTAL}")
 
 
 class AttentionPattern(nn.Module):
