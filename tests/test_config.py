@@ -158,3 +158,10 @@ def test_table3_rows_are_scored_without_averaging_and_base_big_with_it():
     assert variations and all(row[0] in "abcde" for row in variations)
     for row in variations:
         assert load_config(None, [f"preset={row}"]).train.average_last == 0, row
+
+
+def test_activation_checkpointing_is_refused_for_the_rnn_baselines():
+    for preset in ("rnnsearch", "luong"):
+        with pytest.raises(ConfigError, match=r"model\.arch=\w+ has none: set it to false"):
+            load_config(overrides=[f"preset={preset}", "train.activation_checkpointing=true"])
+    assert load_config(overrides=["preset=tiny", "train.activation_checkpointing=true"])

@@ -521,6 +521,11 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     for section in every[:1] if stored else every:
         section.validate()
     model = config.model
+    if not stored and config.train.activation_checkpointing and model.arch != "transformer":
+        raise ConfigError(
+            "train.activation_checkpointing recomputes Transformer layers; "
+            f"model.arch={model.arch} has none: set it to false"
+        )
     if not stored and model.task == "translation" and model.decoder_attention == "lsh":
         if config.train.valid_bleu:
             raise ConfigError(

@@ -124,6 +124,8 @@ def test_small_frictions_of_a_first_hour(data_dir, tmp_path, capsys):
     assert done.value.code == 0 and capsys.readouterr().out.startswith("aiayn ")
     assert main(["params", "small", "--vocab-size", "8000"]) == 0
     assert "vocabulary of 8,000: --vocab-size)" in capsys.readouterr().out
+    assert main(["params", "small", "nonexistent"]) == 2  # refused before any line
+    assert capsys.readouterr().out == ""
     # A prefix given with its language suffix: the hint says what the prefix is.
     folder = tmp_path / "corpus"
     folder.mkdir()

@@ -420,7 +420,11 @@ def test_translate_command_stdin_and_bad_utf8(
 ) -> None:
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\ncd")))
     assert main(["translate", "run", "--beam", "1"]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 2
+    from_stdin = capsys.readouterr().out
+    assert len(from_stdin.splitlines()) == 2
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\ncd")))
+    assert main(["translate", "run", "--beam", "1", "-i", "-"]) == 0  # - is stdin too
+    assert capsys.readouterr().out == from_stdin
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\n\xc3\x28\n")))
     assert main(["translate", "run"]) == 2
     captured = capsys.readouterr()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from aiayn.errors import CLIError, UserError
 
@@ -34,14 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     from aiayn.evaluation.bleu import score_corpus
-    from aiayn.inference.textio import read_lines, split_lines
+    from aiayn.inference.textio import read_input, read_lines
 
     if "-" in args.references:
         raise CLIError("the references are files; only HYPOTHESES may be - (stdin)")
-    if args.hypotheses == "-":
-        hypotheses = split_lines(sys.stdin.buffer.read(), "stdin")
-    else:
-        hypotheses = read_lines(args.hypotheses)
+    hypotheses = read_input(args.hypotheses)
     name = "stdin" if args.hypotheses == "-" else args.hypotheses
     if not hypotheses:
         raise UserError(f"{name} has no lines: nothing to score")

@@ -27,7 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the confusion matrix as a PNG.",
     )
     add_checkpoint_argument(parser)
-    parser.add_argument("--input", "-i", metavar="FILE", help="texts, one a line (default: stdin)")
+    parser.add_argument(
+        "--input", "-i", metavar="FILE", help="texts, one a line (default, or -: stdin)"
+    )
     parser.add_argument("--top", type=int, default=1, metavar="K", help="classes shown per text")
     parser.add_argument("--data", metavar="DATA_DIR", help="score on a prepared split")
     parser.add_argument("--split", default="test", help="the split of --data (default test)")
@@ -39,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from aiayn.devices import pick_device
     from aiayn.inference.classifier import TextClassifier
-    from aiayn.inference.textio import read_lines, split_lines
+    from aiayn.inference.textio import read_input
 
     if args.top < 1:
         raise CLIError(f"--top must be at least 1, got {args.top}")
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     classifier = TextClassifier.from_checkpoint(args.checkpoint, pick_device(args.device or "auto"))
     if args.data:
         return _score(classifier, Path(args.data), args.split, args.confusion)
-    lines = read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read(), "stdin")
+    lines = read_input(args.input)
     # Empty lines (white space only) give empty output lines, as translate's do.
     texts = [line for line in lines if line.strip()]
     rows = iter(classifier.probabilities(texts)) if texts else iter(())

@@ -25,9 +25,10 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.model.transformer import count_parameters
 
     names = args.presets or list(PRESETS)
+    vocab = f"model.vocab_size={args.vocab_size}"
+    configs = [load_config(overrides=[f"preset={name}", vocab]) for name in names]  # refusals first
     print(f"{'preset':<16} {'params':>14} {'paper (M)':>10}")
-    for name in names:
-        config = load_config(overrides=[f"preset={name}", f"model.vocab_size={args.vocab_size}"])
+    for name, config in zip(names, configs, strict=True):
         count = count_parameters(build_model(config.model))
         paper = PAPER_PARAMS_M.get(name)
         print(f"{name:<16} {count:>14,} {paper if paper is not None else '-':>10}")

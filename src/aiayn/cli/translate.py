@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md).",
     )
     add_checkpoint_argument(parser)
-    parser.add_argument("--input", "-i", metavar="FILE", help="source text (default: stdin)")
+    parser.add_argument("--input", "-i", metavar="FILE", help="source text (default, or -: stdin)")
     parser.add_argument("--beam", type=int, help="beam size; 1 is greedy search (paper: 4)")
     parser.add_argument("--alpha", type=float, help="length penalty ((5+|Y|)/6)^alpha (paper: 0.6)")
     parser.add_argument(
@@ -160,7 +160,7 @@ def _ct2_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast (aiayn.cli).
-    from aiayn.inference.textio import read_lines, split_lines
+    from aiayn.inference.textio import read_input
 
     check_engine_options(args)  # before anything is read or exported
     try:
@@ -170,10 +170,10 @@ def run(args: argparse.Namespace) -> int:
             translator, where = _torch_translator(args)
     except ValueError as err:
         raise CLIError(str(err)) from None
-    if args.input is None and sys.stdin.isatty():
+    if args.input in (None, "-") and sys.stdin.isatty():
         _interactive(translator, args.nbest)
         return 0
-    lines = read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read(), "stdin")
+    lines = read_input(args.input)
     meter = stderr_report().meter("translating", len(lines))
     translator.on_batch = meter.advance
     for first in range(0, len(lines), CHUNK_LINES):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from aiayn.errors import UserError
@@ -30,6 +31,13 @@ def decode_line(line: bytes, name: str, number: int) -> str:
         ) from None
     text = text.removesuffix("\n")
     return text[:-1] if text.endswith("\r") else text
+
+
+def read_input(path: str | Path | None) -> list[str]:
+    """The lines of the file ``path``, or of stdin where it is None or ``-``."""
+    if path is None or str(path) == "-":
+        return split_lines(sys.stdin.buffer.read(), "stdin")
+    return read_lines(path)
 
 
 def read_lines(path: str | Path) -> list[str]:
