@@ -271,7 +271,7 @@ def test_export_command(
     assert metadata["config"]["model"]["vocab_size"] == tokenizer.vocab_size
     ctranslate2.Translator(str(out))  # loads
     assert main(["export-ct2", str(checkpoint), "--out", str(out)]) == 2
-    assert "not empty (--force replaces it)" in capsys.readouterr().err
+    assert "not empty (--force, or force=True from Python, replaces it)" in capsys.readouterr().err
     args = ["export-ct2", str(checkpoint), "--out", str(out), "--quantization", "int8", "--force"]
     assert main(args) == 0
     assert json.loads((out / "aiayn.json").read_text())["quantization"] == "int8"

@@ -458,7 +458,9 @@ def export_ct2(
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"{out} exists and is not empty (--force replaces it)")
+        raise UserError(
+            f"{out} exists and is not empty (--force, or force=True from Python, replaces it)"
+        )
     ct2 = import_ctranslate2()
     source = _source(model_or_checkpoint, tokenizer)
     key = file_key(source.path) if source.path is not None else None
