@@ -189,15 +189,6 @@ class ModelConfig:
             for name, default in (("tgt_vocab_size", None), *extra):
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
-            # A stack the model does not have: its attention pattern would be ignored.
-            absent = "encoder" if self.task == "lm" else "decoder"
-            if getattr(self, f"{absent}_attention") != "full":
-                kind = "decoder-only" if self.task == "lm" else "encoder-only"
-                present = "decoder" if self.task == "lm" else "encoder"
-                raise ConfigError(
-                    f"model.{absent}_attention: model.task={self.task} is {kind}, with no "
-                    f"{absent}; set model.{present}_attention instead"
-                )
         if self.arch != "transformer":
             _require(self, "model", {"rnn_hidden": _POSITIVE})
             if self.task != "translation":
@@ -521,6 +512,17 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     for section in every[:1] if stored else every:
         section.validate()
     model = config.model
+    if not stored and model.task != "translation":
+        # A stack the model does not have: its attention pattern would be ignored. (A stored
+        # config is what its run used: it built, and the pattern was ignored there too.)
+        absent = "encoder" if model.task == "lm" else "decoder"
+        if getattr(model, f"{absent}_attention") != "full":
+            kind = "decoder-only" if model.task == "lm" else "encoder-only"
+            present = "decoder" if model.task == "lm" else "encoder"
+            raise ConfigError(
+                f"model.{absent}_attention: model.task={model.task} is {kind}, with no "
+                f"{absent}; set model.{present}_attention instead"
+            )
     if not stored and config.train.activation_checkpointing and model.arch != "transformer":
         raise ConfigError(
             "train.activation_checkpointing recomputes Transformer layers; "

@@ -561,5 +561,7 @@ def test_an_rnn_model_object_is_refused_in_one_line(tokenizer: Tokenizer, tmp_pa
 
     config = load_config(overrides=["preset=rnnsearch", "model.vocab_size=40"])
     rnn = build_model(config.model)
-    with pytest.raises(UserError, match="object does not export to CTranslate2: only Transf"):
+    with pytest.raises(
+        UserError, match="object does not export to CTranslate2: only a translation"
+    ):
         export_ct2(rnn, tmp_path / "out", tokenizer=tokenizer)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from aiayn.accel import Float32Attention, accelerate
-from aiayn.config import AttentionName, ModelConfig, load_config
+from aiayn.config import AttentionName, ModelConfig, config_from_dict, load_config
 from aiayn.errors import ConfigError, UserError
 from aiayn.inference.attention_maps import attention_weights
 from aiayn.model.attention import naive_attention
@@ -557,3 +557,6 @@ def test_a_translator_refuses_an_lsh_decoder_before_its_first_sentence(tmp_path)
 def test_a_pattern_for_a_stack_the_model_lacks_is_refused(task, key):
     with pytest.raises(ConfigError, match=rf"model\.{key}_attention: model\.task={task} is"):
         load_config(overrides=["preset=tiny", f"model.task={task}", f"model.{key}_attention=local"])
+    # A checkpoint's stored config with it still loads (the pattern was ignored by its run).
+    stored = {"preset": "tiny", "model": {"task": task, f"{key}_attention": "local"}}
+    assert config_from_dict(stored, stored=True).model.task == task

@@ -415,7 +415,7 @@ def _source(
     if isinstance(model_or_checkpoint, nn.Module):  # another model object: an RNN, say
         raise UserError(
             f"a {type(model_or_checkpoint).__name__} object does not export to CTranslate2: "
-            "only Transformers do"
+            "only a translation Transformer does"
         )
     loaded = (
         model_or_checkpoint
