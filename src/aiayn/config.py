@@ -558,21 +558,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return config_from_dict(_merge(raw, parse_overrides(overrides or [])))
     except ConfigError as err:
-        if path is None:
-            raise
-        file_fault = True  # unless the overrides are the fault: the file alone is then fine
-        if overrides:
-            try:
-                config_from_dict(raw)
-            except ConfigError as alone:
-                file_fault = str(alone) == str(err)
-            except Exception:  # the file alone breaks otherwise: the overrides' error stands
-                file_fault = False
-            else:
-                file_fault = False
-        if file_fault:
-            raise type(err)(f"{path}: {err}") from None
+        if path is not None and (not overrides or _fails_alike(raw, err)):
+            raise type(err)(f"{path}: {err}") from None  # the file's own fault: named
         raise
+
+
+def _fails_alike(raw: Mapping[str, Any], err: ConfigError) -> bool:
+    """Whether the run file's ``raw`` config, without the overrides, fails with ``err``'s
+    message (else the overrides are at fault, or the file alone fails otherwise)."""
+    try:
+        config_from_dict(raw)
+    except ConfigError as alone:
+        return str(alone) == str(err)
+    except Exception:
+        return False
+    return False
 
 
 def replace(config: T, **changes: Any) -> T:

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from aiayn.inference import loading
+    from aiayn.training.checkpoint import set_aside_checkpoints
     from aiayn.training.launch import CONFIG_NAME, resolve_config, saved_run_info, train_run
 
     run_dir: Path = args.out
@@ -87,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     # Checkpoints set aside as unreadable count: the run then stops until --start-over.
-    broken = (run_dir / loading.CHECKPOINT_DIR).glob("step_*.pt.broken")
-    has_checkpoints = bool(loading.list_step_checkpoints(run_dir)) or any(broken)
+    has_checkpoints = bool(loading.list_step_checkpoints(run_dir) or set_aside_checkpoints(run_dir))
     started = (run_dir / CONFIG_NAME).is_file()  # a run killed before its first checkpoint
     if args.resume and not has_checkpoints and not started and args.config is None:
         where = "does not exist" if not run_dir.exists() else "holds no checkpoint"

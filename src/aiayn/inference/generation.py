@@ -12,7 +12,6 @@ only at the end.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from aiayn.inference.search import (
     never_pad_or_bos,
     sample,
 )
-from aiayn.inference.translator import TextTokenizer
+from aiayn.inference.translator import TextTokenizer, check_alpha
 from aiayn.model.cache import DecoderCache
 from aiayn.model.families import DecoderOnlyLM
 from aiayn.model.patterns import check_decodable
@@ -60,10 +59,7 @@ class GenerateOptions:
             raise UserError(f"strategy must be greedy, beam or sample, not {self.strategy!r}")
         if self.beam_size < 1:
             raise UserError(f"beam size must be at least 1, got {self.beam_size}")
-        if not (math.isfinite(self.alpha) and self.alpha >= 0):
-            raise UserError(
-                f"alpha (the length penalty) must be a number of 0 or more, got {self.alpha}"
-            )
+        check_alpha(self.alpha)
         if self.temperature <= 0:
             raise UserError(f"temperature must be positive, got {self.temperature}")
         if self.top_k < 0:

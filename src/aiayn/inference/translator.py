@@ -37,6 +37,7 @@ from aiayn.accel.compiled import use_compiled_step
 from aiayn.config import DecodeConfig, ModelConfig, RunConfig
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.devices import inference_attention
+from aiayn.errors import ConfigError
 from aiayn.inference.loading import load_model
 from aiayn.inference.search import (
     Hypothesis,
@@ -87,16 +88,17 @@ class Translation:
 
 
 def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
-    """Refuse (ValueError) a length penalty that is not a finite number of 0 or more, as the
-    server's requests are refused; ``stored_in``: the checkpoint whose decode settings hold it."""
+    """Refuse (ConfigError, a ValueError) a length penalty that is not a finite number of 0 or
+    more, as the server's requests are refused; ``stored_in``: the checkpoint whose decode
+    settings hold it."""
     if math.isfinite(alpha) and alpha >= 0:
         return
     if stored_in is not None:
-        raise ValueError(
+        raise ConfigError(
             f"{stored_in}: its decode.alpha={alpha} is no length penalty of 0 or more; "
             "pass --alpha (the paper's is 0.6)"
         )
-    raise ValueError(f"alpha (the length penalty) must be a number of 0 or more, got {alpha}")
+    raise ConfigError(f"alpha (the length penalty) must be a number of 0 or more, got {alpha}")
 
 
 def _print_warning(message: str) -> None:

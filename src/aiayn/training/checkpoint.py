@@ -28,13 +28,20 @@ from aiayn.inference.loading import (
 )
 from aiayn.training.storage import tensor_bytes, writing
 
+BROKEN_SUFFIX = ".broken"
+
 
 def set_aside(path: Path) -> Path:
     """Rename a corrupt step checkpoint to ``NAME.broken``: no longer a step checkpoint (it
     takes no ``keep_last`` slot, is never averaged), but kept for whoever wants to look."""
-    target = path.with_name(path.name + ".broken")
+    target = path.with_name(path.name + BROKEN_SUFFIX)
     path.replace(target)
     return target
+
+
+def set_aside_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints that :func:`set_aside` renamed, by name."""
+    return sorted((Path(run_dir) / CHECKPOINT_DIR).glob(f"step_*.pt{BROKEN_SUFFIX}"))
 
 
 def save_atomic(obj: dict[str, Any], path: str | Path) -> None:

@@ -487,9 +487,7 @@ def train_run(
             if info.is_main:
                 # Checkpoints set aside as unreadable count too: a run that has lost them all
                 # stops each time until it is told to start over.
-                had = loading.list_step_checkpoints(run_dir) or sorted(
-                    (run_dir / loading.CHECKPOINT_DIR).glob("step_*.pt.broken")
-                )
+                had = loading.list_step_checkpoints(run_dir) or ckpt.set_aside_checkpoints(run_dir)
                 passed_over: list[Path] = []
                 found = ckpt.resume_point(run_dir, passed_over=passed_over)
                 trainer.passed_over = set(passed_over)
@@ -499,7 +497,7 @@ def train_run(
                 elif had and not start_over:
                     # Those set aside, now or by an earlier attempt (then `had` lists them),
                     # and those left where they are because they cannot be read right now.
-                    aside = [p for p in had if p.suffix == ".broken" or not p.exists()]
+                    aside = [p for p in had if p.suffix == ckpt.BROKEN_SUFFIX or not p.exists()]
                     why = [f"{len(aside)} set aside as *.broken"] if aside else []
                     if passed_over:
                         why.append(f"{len(passed_over)} that cannot be read now left in place")
