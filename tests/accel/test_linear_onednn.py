@@ -250,3 +250,73 @@ def test_an_ffn_without_a_relu_or_a_onednn_pack_keeps_its_class() -> None:
     acceleration = accelerate(model, "decode", memory_settings=False)
     assert type(gelu) is PositionwiseFeedForward
     assert "ReLU in the product" in acceleration.levers
+
+
+# A decode's steps through a oneDNN-packed projection whose (256, 20,000) float32 product,
+# 20.5 MB, is above the decoding setting's 16 MiB mmap threshold; argv[1]: rows. Prints the
+# thresholds in force at the first step and once the cache is gone, the minor page faults of
+# ten steps after two, and whether the product is the plain layer's.
+_HEAP_PROBE = """
+import gc, json, resource, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from aiayn.accel import memory
+from aiayn.accel.linear import CpuLinear, LogitsBuffer, logits_into, pack
+torch.set_num_threads(1)
+torch.manual_seed(0)
+decode = memory.hold(memory.DECODE)
+layer = nn.Linear(64, 20_000, bias=False)
+layer.__class__ = CpuLinear
+layer.pack = pack(layer, "onednn")
+hidden = torch.randn(int(sys.argv[1]), 64)
+cache = LogitsBuffer()
+with torch.no_grad():
+    logits = logits_into(layer, hidden, cache)
+    during = memory.in_force()
+    same = torch.allclose(logits, F.linear(hidden, layer.weight), rtol=1e-5, atol=1e-4)
+    for _ in range(2):
+        logits = logits_into(layer, hidden, cache)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        logits = logits_into(layer, hidden, cache)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+del logits, cache
+gc.collect()
+print(json.dumps({"during": during, "after": memory.in_force(), "faults": faults, "same": same}))
+"""
+
+
+def _heap_probe(rows: int) -> dict[str, object]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "AIAYN_MALLOC"}
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE, str(rows)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(
+    __import__("platform").libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's"
+)
+def test_a_packed_projection_above_the_mmap_threshold_is_served_from_the_heap() -> None:
+    decode = [16 << 20, 32 << 20]
+    big = _heap_probe(256)
+    assert big["same"]
+    # While the cache lives, the threshold is above the product's 20.5 MB; then the
+    # decoding setting again.
+    assert big["during"][0] > 256 * 20_000 * 4 and big["during"][1] == decode[1]  # type: ignore[index]
+    assert big["after"] == decode
+    # Mapped afresh, each product would fault its 5,000 pages: 50,000 for ten steps.
+    assert big["faults"] < 5_000  # type: ignore[operator]
+    # Under the threshold (4 rows, 320 KB), the decoding setting is left as it is.
+    small = _heap_probe(4)
+    assert small["same"] and small["during"] == decode and small["after"] == decode

@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import platform
+import weakref
 from collections.abc import Callable
 from functools import cache, partial
 
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from aiayn.accel import memory
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 # Float32 products over this many rows use an MKL pack: a decoder step over 1 to 32 sentences
@@ -61,6 +63,9 @@ _CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_
 _CHECK_ROWS_ONEDNN = (PACK_FOR_ROWS,)
 _CHECK_COLUMNS = 64
 FP32_LIBRARIES = ("mkl", "onednn")
+# Above a packed projection's matrix, the mmap threshold a decode holds: room for malloc's
+# own header and the allocator's alignment.
+HEAP_MARGIN = 1 << 20
 
 
 def packing_available() -> bool:
@@ -311,10 +316,9 @@ class CpuLinear(nn.Linear):
         weight (an MKL pack serves some row counts only)."""
         return self.pack is not None and self.pack.onednn and self.pack.matches(self.weight)
 
-    def packed_product(self, x: Tensor, relu: bool = False) -> Tensor | None:
-        """The product through :attr:`pack`, or None where the pack does not serve ``x``.
-        ``relu``: and its ReLU, applied by oneDNN as it writes the product (an MKL pack
-        cannot: None)."""
+    def serving_pack(self, x: Tensor, relu: bool = False) -> Pack | None:
+        """:attr:`pack` where it serves the product of ``x`` (and its ReLU, with ``relu``: an
+        MKL pack cannot), else None."""
         pack = self.pack
         if pack is None or not x.dim() or (relu and not pack.onednn):
             return None
@@ -331,11 +335,22 @@ class CpuLinear(nn.Linear):
             or not x.is_contiguous()
         ):
             return None
-        parameters = self._parameters  # one lookup each, not nn.Module.__getattr__'s
-        weight, bias = parameters["weight"], parameters["bias"]
+        weight = self._parameters["weight"]  # one lookup, not nn.Module.__getattr__'s
         # autocast: the packed product would skip it
         if torch.is_autocast_enabled("cpu") or weight is None or not pack.matches(weight):
             return None
+        return pack
+
+    def packed_product(self, x: Tensor, relu: bool = False) -> Tensor | None:
+        """The product through :attr:`pack`, or None where the pack does not serve ``x``
+        (:meth:`serving_pack`). ``relu``: and its ReLU, applied by oneDNN as it writes the
+        product."""
+        pack = self.serving_pack(x, relu)
+        if pack is None:
+            return None
+        parameters = self._parameters
+        weight, bias = parameters["weight"], parameters["bias"]
+        rows = rows_of(x)
         if pack.onednn:
             activation = "relu" if relu else "none"
             product = partial(_onednn_linear, packed=pack.packed, bias=bias, activation=activation)
@@ -353,9 +368,16 @@ class LogitsBuffer:
     """For a decode's cache: one float32 (rows, V) buffer that its steps' logits are written
     into (:func:`logits_into`) and their log-softmax taken in place, so that no step allocates
     a vocabulary-sized matrix (figures: docs/performance.md). The result of a step is valid
-    until the next step on the cache, which is how search uses it."""
+    until the next step on the cache, which is how search uses it.
+
+    A packed product writes a matrix of its own at every step. Where that matrix is above
+    malloc's mmap threshold in force, the cache raises the thresholds above it while the
+    cache lives (:meth:`keep_in_heap`): each step's matrix then comes from the heap, reused,
+    instead of being mapped afresh and faulted in page by page (figures:
+    docs/performance.md)."""
 
     _logits: Tensor | None = None
+    _heap_hold: tuple[int, int | None] | None = None  # (bytes, memory.hold's token)
 
     def rows_buffer(self, rows: int, width: int, device: torch.device) -> Tensor:
         """The first ``rows`` rows of the (rows, ``width``) float32 buffer, made at the first
@@ -365,6 +387,23 @@ class LogitsBuffer:
             buffer = torch.empty(rows, width, dtype=torch.float32, device=device)
             self._logits = buffer
         return buffer[:rows]
+
+    def keep_in_heap(self, nbytes: int) -> None:
+        """Have blocks of ``nbytes`` served from malloc's heap while this cache lives: the
+        thresholds raised above them, where some holder (an acceleration) already holds
+        them raised and they are not high enough. Nothing where malloc is left alone."""
+        held = self._heap_hold
+        if held is not None and held[0] >= nbytes:
+            return
+        in_force = memory.in_force()
+        if in_force is None or nbytes + HEAP_MARGIN <= in_force[0]:
+            return
+        token = memory.hold((nbytes + HEAP_MARGIN, in_force[1]))
+        if held is not None:
+            memory.release(held[1])
+        self._heap_hold = (nbytes, token)
+        if token is not None:
+            weakref.finalize(self, memory.release, token)
 
 
 def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Tensor | None:
@@ -381,9 +420,14 @@ def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Ten
         or out_proj._forward_pre_hooks
     ):
         return None
-    logits = out_proj.packed_product(hidden) if isinstance(out_proj, CpuLinear) else None
-    if logits is not None:
-        return logits
+    pack = out_proj.serving_pack(hidden) if isinstance(out_proj, CpuLinear) else None
+    if pack is not None:
+        rows = rows_of(hidden)
+        made = onednn_rows(rows) if pack.onednn else rows  # the rows the product writes
+        owner.keep_in_heap(made * out_proj.out_features * hidden.element_size())
+        logits = out_proj.packed_product(hidden)
+        if logits is not None:
+            return logits
     weight = out_proj.weight
     if hidden.dtype == weight.dtype == torch.float32:
         buffer = owner.rows_buffer(hidden.size(0), weight.size(0), hidden.device)

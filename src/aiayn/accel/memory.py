@@ -13,6 +13,9 @@ caching allocator would (figures: docs/performance.md):
 - :data:`DECODE`: blocks under 16 MiB from the heap and up to 32 MiB free at its top kept: a
   step's activations and a small batch's caches are reused, while the caches of a big batch are
   still mapped afresh and given back, so that a heap of many batches' sizes does not fragment.
+  A decode whose packed projection makes (rows, V) logits above 16 MiB at every step holds the
+  mmap threshold above them while it lives
+  (:meth:`aiayn.accel.linear.LogitsBuffer.keep_in_heap`).
 
 The thresholds are the process's: while several holders are alive the largest applies; when
 the last is released, glibc's defaults (128 KiB each) are set again, without glibc's automatic
