@@ -253,6 +253,24 @@ def test_bad_settings() -> None:
             Translator(model, CharTokenizer(), replace(DecodeConfig(), alpha=alpha))
 
 
+def test_a_limit_that_leaves_short_sources_no_output_token_is_told() -> None:
+    model = tiny_model()
+    for a, b in ((1.0, 0), (0.5, 1), (2.0, 0)):  # every source of a token or more gets one
+        warnings: list[str] = []
+        decode = DecodeConfig(max_len_a=a, max_len_b=b)
+        Translator(model, CharTokenizer(), decode, warn=warnings.append)
+        assert warnings == []
+    for a, shortest in ((0.5, 2), (0.1, 10), (0.3, 4), (0.01, 100)):
+        warnings = []
+        decode = DecodeConfig(beam_size=2, max_len_a=a, max_len_b=0, batch_tokens=64)
+        translator = Translator(model, CharTokenizer(), decode, warn=warnings.append)
+        assert len(warnings) == 1 and f"fewer than {shortest} tokens" in warnings[0]
+        limits = max_output_lengths(torch.tensor([shortest - 1, shortest]), a, 0)
+        assert limits.tolist()[0] == 0 and limits.tolist()[1] >= 1
+        hypotheses = translator.translate_nbest(["x" * (shortest - 1)])[0]
+        assert all(h.tokens == [] for h in hypotheses)
+
+
 @pytest.mark.parametrize("beam", [1, 4])
 def test_bf16_precision_translates_as_fp32(copy_model: Transformer, beam: int) -> None:
     """precision="bf16" converts the model and decodes with bfloat16 products and float32

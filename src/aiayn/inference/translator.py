@@ -101,6 +101,18 @@ def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
     raise ConfigError(f"alpha (the length penalty) must be a number of 0 or more, got {alpha}")
 
 
+def shortest_with_output(decode: DecodeConfig) -> int:
+    """The fewest source tokens whose output limit (``floor(max_len_a · tokens +
+    max_len_b)``) allows one token: 1 unless ``max_len_b`` is 0 and ``max_len_a`` under 1."""
+    a, b = decode.max_len_a, decode.max_len_b
+    if b >= 1 or a <= 0:
+        return 1
+    tokens = max(1, math.ceil(1 / a))
+    while math.floor(tokens * a) < 1:  # 1 / a rounded down in float
+        tokens += 1
+    return tokens
+
+
 def _print_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -190,6 +202,11 @@ class TextTranslator:
         self.nbest = nbest
         self.max_positions = max_positions
         self.warn = warn if warn is not None else _print_warning
+        if (shortest := shortest_with_output(self.decode)) > 1:
+            self.warn(
+                f"max_len_a {self.decode.max_len_a:g} and max_len_b 0 leave no output token "
+                f"to a source of fewer than {shortest} tokens: its translation is empty"
+            )
 
     # -- text ------------------------------------------------------------------------------
 
