@@ -57,3 +57,9 @@ def test_an_rnn_model_trains_translates_and_draws_its_attention(
     if importlib.util.find_spec("ctranslate2") is not None:  # export: Transformers only
         assert main(["export-ct2", str(run), "--out", str(tmp_path / "ct2")]) != 0
         assert f"model.arch={arch}" in capsys.readouterr().err
+        # The CTranslate2 engine refuses it before it says it exports, and leaves nothing.
+        engine = ["translate", str(run), "-i", sources[0], "--engine", "ctranslate2"]
+        assert main(engine) != 0
+        err = capsys.readouterr().err
+        assert f"model.arch={arch}" in err and "exporting" not in err, err
+        assert not [p for p in run.iterdir() if "ct2" in p.name]

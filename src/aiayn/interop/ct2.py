@@ -609,14 +609,17 @@ def cached_export(
     target = cache_dir(path, quantization)
     if _is_current(target, path, weights):
         return target
+    # Loaded (mapped) once, and a model that does not export refused before "exporting".
+    loaded = load_model(path)
+    _check_exportable(_source(loaded, None).model)
     if log is not None:
         log(f"exporting {path} to CTranslate2 ({weights}) into {target}")
     try:
-        return export_ct2(path, target, quantization, force=True)
+        return export_ct2(loaded, target, quantization, force=True)
     except UserError as err:
         if not str(err).startswith(f"cannot write {target}") or scratch is None:
             raise
         other = scratch() / target.name
         if log is not None:
             log(f"{err}; exporting into {other} for this run instead")
-        return export_ct2(path, other, quantization, force=True)
+        return export_ct2(loaded, other, quantization, force=True)
