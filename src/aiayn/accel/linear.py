@@ -371,7 +371,7 @@ class LogitsBuffer:
     until the next step on the cache, which is how search uses it.
 
     A packed product writes a matrix of its own at every step. Where that matrix is above
-    malloc's mmap threshold in force, the cache raises the thresholds above it while the
+    malloc's mmap threshold in force, the cache holds that threshold above it while the
     cache lives (:meth:`keep_in_heap`): each step's matrix then comes from the heap, reused,
     instead of being mapped afresh and faulted in page by page (figures:
     docs/performance.md)."""
@@ -390,8 +390,9 @@ class LogitsBuffer:
 
     def keep_in_heap(self, nbytes: int) -> None:
         """Have blocks of ``nbytes`` served from malloc's heap while this cache lives: the
-        thresholds raised above them, where some holder (an acceleration) already holds
-        them raised and they are not high enough. Nothing where malloc is left alone."""
+        mmap threshold held above them, where an acceleration already holds the thresholds
+        raised (:mod:`aiayn.accel.memory`) and not that high. Nothing where malloc is left
+        alone."""
         held = self._heap_hold
         if held is not None and held[0] >= nbytes:
             return
