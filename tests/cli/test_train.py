@@ -320,6 +320,17 @@ def test_a_run_directory_is_owned_by_one_process(data_dir, tmp_path, capsys):
     assert main([*args, "train.max_steps=2", "train.valid_interval=0"]) == 0
 
 
+def _chained(first: OSError, then: RuntimeError) -> RuntimeError:
+    """``then`` raised while ``first`` was being handled, as torch.save's writer does."""
+    try:
+        raise first
+    except OSError:
+        try:
+            raise then
+        except RuntimeError as err:
+            return err
+
+
 @pytest.mark.parametrize(
     ("failure", "message"),
     [
@@ -327,6 +338,10 @@ def test_a_run_directory_is_owned_by_one_process(data_dir, tmp_path, capsys):
         (OSError(30, "Read-only file system"), "has become read-only"),
         # torch's zip writer reports a full disk without errno: read from the free space.
         (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
+         "no space left on the device"),
+        # ... or as a later record's position, the failed write's OSError chained to it.
+        (_chained(OSError(28, "No space left on device"),
+                  RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")),
          "no space left on the device"),
     ],
 )  # fmt: skip
@@ -346,7 +361,7 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_run_resumes(
         raise failure
 
     monkeypatch.setattr(torch, "save", failing_save)
-    if isinstance(failure, RuntimeError):
+    if isinstance(failure, RuntimeError) and failure.__context__ is None:
         import shutil
 
         from aiayn.training import storage

@@ -290,6 +290,57 @@ def test_a_checkpoint_cut_anywhere_is_corrupt_and_set_aside(tmp_path, capsys, mo
     assert "set step_00000002.pt aside" in capsys.readouterr().err
 
 
+def _flip(path, record_suffix, offset=100, count=16):
+    """XOR ``count`` bytes ``offset`` bytes into the data of the zip record of ``path`` whose
+    name ends with ``record_suffix``: the file's size and zip structure stay intact."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(record_suffix))
+    data = bytearray(path.read_bytes())
+    header = info.header_offset
+    name_length = int.from_bytes(data[header + 26 : header + 28], "little")
+    extra_length = int.from_bytes(data[header + 28 : header + 30], "little")
+    start = header + 30 + name_length + extra_length + offset
+    for i in range(start, start + count):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_with_changed_bytes_is_corrupt_and_set_aside(tmp_path, capsys):
+    """Bytes changed inside a tensor's record (bit rot, a bad copy) fail the record's CRC-32:
+    refused, read or mapped, and set aside by resume, which goes on from the one before."""
+    config = tiny_config("train.max_steps=2", "train.save_interval_steps=1")
+    small_reverse_trainer(config, tmp_path).train()
+    newest = loading.step_checkpoint_path(tmp_path, 2)
+    intact = newest.read_bytes()
+    _flip(newest, "data/1")
+    assert len(newest.read_bytes()) == len(intact)
+    assert torch.load(newest, weights_only=True)["step"] == 2  # PyTorch reads it as it is
+    for mmap in (False, True):
+        with pytest.raises(loading.CheckpointCorrupt, match=r"data/1 does not match its CRC-32"):
+            loading.load_checkpoint(newest, mmap=mmap)
+    capsys.readouterr()
+    path, _ = ckpt.resume_point(tmp_path)
+    assert path.name == "step_00000001.pt" and (newest.parent / (newest.name + ".broken")).exists()
+    # Records written without a CRC (PyTorch's compute_crc32 off) are not judged by it.
+    from torch.utils.serialization import config as serialization
+
+    serialization.save.compute_crc32 = False
+    try:
+        torch.save(torch.load(path, weights_only=True), tmp_path / "no-crc.pt")
+    finally:
+        serialization.save.compute_crc32 = True
+    assert loading.load_checkpoint(tmp_path / "no-crc.pt")["step"] == 1
+
+
+def test_a_tokenizer_that_cannot_be_read_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "m.pt"
+    _model_file(path, tiny_config(), seed=0, tokenizer=b"\x0a\x05garbage bytes")
+    with pytest.raises(loading.CheckpointCorrupt, match=r"m\.pt: its tokenizer cannot be read"):
+        loading.load_model(path)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
 def test_inference_maps_the_checkpoint_instead_of_reading_it(tmp_path):
     """load_model's parameters are the checkpoint file's pages (no copy of the weights in
@@ -336,3 +387,20 @@ def test_assigned_weights_take_the_models_dtypes_and_every_name():
     del state[missing]
     with pytest.raises(RuntimeError, match=missing):
         loading.assign_weights(Transformer(config.model), state)
+
+
+def test_a_full_disk_outside_a_run_says_to_write_elsewhere(tmp_path, monkeypatch):
+    """save_atomic for a file that is no run's (average --out, import-marian): the message
+    speaks of that file, not of resuming a run."""
+    from aiayn.training.storage import RunDirectoryError
+
+    def full(obj, handle, *rest, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(RunDirectoryError) as err:
+        ckpt.save_atomic({"w": torch.zeros(10)}, tmp_path / "avg.pt", in_run=False)
+    assert "no space left" in str(err.value) and str(err.value).endswith("write it elsewhere")
+    with pytest.raises(RunDirectoryError, match="run resumes from its last checkpoint"):
+        ckpt.save_atomic({"w": torch.zeros(10)}, tmp_path / "step.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary left

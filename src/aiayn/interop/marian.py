@@ -250,5 +250,5 @@ def write_checkpoint(
     checkpoint = model_checkpoint(
         config, model_state(model), bytes_to_tensor(tokenizer.to_bytes()), step=0, epoch=0
     )
-    save_atomic(checkpoint, out)
+    save_atomic(checkpoint, out, in_run=False)
     return out

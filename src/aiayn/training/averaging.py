@@ -165,7 +165,7 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
         {"averaged": float(len(chosen)), "first_step": float(_step_of(chosen[-1]))},
         labels=newest["labels"],
     )
-    save_atomic(payload, target)
+    save_atomic(payload, target, in_run=False)
     return target
 
 

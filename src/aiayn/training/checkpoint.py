@@ -44,16 +44,17 @@ def set_aside_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted((Path(run_dir) / CHECKPOINT_DIR).glob(f"step_*.pt{BROKEN_SUFFIX}"))
 
 
-def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
+def save_atomic(obj: dict[str, Any], path: str | Path, *, in_run: bool = True) -> None:
     """``torch.save`` to a temporary file in the same directory, flush, fsync, rename.
 
     A crash at any moment leaves either the old file or the complete new one, never a part.
     The file gets the mode a plain ``open(path, "wb")`` would give it (0666 less the umask).
     A full disk or a read-only directory is a one-line :class:`RunDirectoryError` (the
-    temporary file removed, the old file intact).
+    temporary file removed, the old file intact); ``in_run``: ``path`` is a training run's,
+    and the message says how to resume it.
     """
     path = Path(path)
-    with writing(path, "the checkpoint", tensor_bytes(obj)):
+    with writing(path, "the checkpoint", tensor_bytes(obj), in_run):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = _create_temporary(path)
         try:

@@ -59,36 +59,65 @@ def _free(folder: Path) -> int | None:
 
 
 @contextmanager
-def writing(path: Path, what: str, needed: int = 0) -> Iterator[None]:
-    """Turn a full disk or a read-only run directory while writing ``path`` (``what`` it is,
-    ``needed`` bytes) into a :class:`RunDirectoryError`; other errors pass through."""
+def writing(path: Path, what: str, needed: int = 0, in_run: bool = True) -> Iterator[None]:
+    """Turn a full disk or a read-only directory while writing ``path`` (``what`` it is,
+    ``needed`` bytes) into a :class:`RunDirectoryError`; other errors pass through.
+    ``in_run``: ``path`` is a training run's, and the message says how the run goes on."""
     try:
         yield
     except OSError as err:
         if err.errno in _FULL:
-            raise _full(path, what, needed) from None
+            raise _full(path, what, needed, in_run) from None
         if err.errno in _READ_ONLY:
-            raise _read_only(path, what, err) from None
+            raise _read_only(path, what, err, in_run) from None
         raise
     except RuntimeError as err:
+        # torch.save's zip writer: the OSError of the failed write, where it is chained
+        # (a later record's "unexpected pos"), else a write failure on a disk without room.
+        cause = _chained_os_error(err)
+        if cause is not None and cause.errno in _FULL:
+            raise _full(path, what, needed, in_run) from None
+        if cause is not None and cause.errno in _READ_ONLY:
+            raise _read_only(path, what, cause, in_run) from None
         free = _free(path.parent)
         if "write" in str(err).lower() and free is not None and free < max(needed, 1):
-            raise _full(path, what, needed) from None
+            raise _full(path, what, needed, in_run) from None
         raise
 
 
-def _full(path: Path, what: str, needed: int) -> RunDirectoryError:
+def _chained_os_error(err: BaseException) -> OSError | None:
+    """The first OSError among the exceptions ``err`` was raised from or while handling."""
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, OSError) and link.errno is not None:
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _full(path: Path, what: str, needed: int, in_run: bool = True) -> RunDirectoryError:
     free = _free(path.parent)
     have = f", {_mb(free)} free" if free is not None else ""
-    return RunDirectoryError(
+    start = (
         f"no space left on the device of {path.parent} to write {what} {path.name} (it needs "
-        f"about {_mb(needed)}{have}); free some space there, or lower train.keep_last (older "
-        "checkpoints are removed before the next save), then run the same command again: "
-        "the run resumes from its last checkpoint"
+        f"about {_mb(needed)}{have}); free some space there"
+    )
+    if not in_run:
+        return RunDirectoryError(f"{start}, or write it elsewhere")
+    return RunDirectoryError(
+        f"{start}, or keep fewer checkpoints (train.keep_last; train.average_last of them "
+        "are kept at least, and best.pt besides), then run the same command again: the run "
+        "resumes from its last checkpoint"
     )
 
 
-def _read_only(path: Path, what: str, err: OSError) -> RunDirectoryError:
+def _read_only(path: Path, what: str, err: OSError, in_run: bool = True) -> RunDirectoryError:
+    if not in_run:
+        return RunDirectoryError(
+            f"cannot write {what} {path} ({err.strerror or err}): write it elsewhere"
+        )
     return RunDirectoryError(
         f"cannot write {what} {path} ({err.strerror or err}): the run directory has become "
         "read-only or lost its permissions; its last checkpoint is intact: make it writable "
