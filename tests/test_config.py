@@ -130,6 +130,10 @@ def test_unreadable_config_files(tmp_path):
     bad.write_bytes(b'preset = "tiny"\xff\n')
     with pytest.raises(ConfigError, match=r"bad\.toml: not UTF-8"):
         load_config(bad)
+    # A byte order mark (some Windows editors write one) is skipped.
+    marked = tmp_path / "marked.toml"
+    marked.write_bytes(b'\xef\xbb\xbfpreset = "tiny"\n[train]\nmax_steps = 7\n')
+    assert load_config(marked).train.max_steps == 7
 
 
 def test_a_stored_config_is_checked_for_its_model_only():

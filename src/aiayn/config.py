@@ -537,24 +537,31 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     return config
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML run file's tables (a UTF-8 byte order mark at its start is skipped); a
+    ConfigError naming the file where it cannot be read or parsed."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path}: {err.strerror or err}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8").removeprefix("\ufeff"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 (byte {err.start}): {err.reason}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML run file (optional) and apply dotted overrides on top of it."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        try:
-            with path.open("rb") as handle:
-                raw = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {path} is a directory") from None
-        except OSError as err:
-            raise ConfigError(f"config file {path}: {err.strerror or err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 (byte {err.start}): {err.reason}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+        raw = read_toml(path)
     try:
         return config_from_dict(_merge(raw, parse_overrides(overrides or [])))
     except ConfigError as err:

@@ -147,6 +147,10 @@ def test_small_frictions_of_a_first_hour(data_dir, tmp_path, capsys):
     config = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "r")]
     _fails([*config, "decode.max_len_b=-5"], capsys, "decode.max_len_b must be 0 or more")
     _fails([*config, "decode.max_len_a=0", "decode.max_len_b=0"], capsys, "both 0")
+    # A run file that is not UTF-8: named in one line by train too.
+    (tmp_path / "bad8.toml").write_bytes(b'preset = "tiny"\n[train]\nmax_steps = 5\n\xff\n')
+    bad8 = ["train", "--config", str(tmp_path / "bad8.toml"), "--data", str(data_dir)]
+    _fails([*bad8, "--out", str(tmp_path / "r8")], capsys, "bad8.toml: not UTF-8")
 
 
 def test_translate_refuses_output_limits_that_give_nothing(data_dir, tmp_path, capsys):

@@ -27,6 +27,7 @@ from aiayn.config import (
     config_from_dict,
     load_config,
     parse_overrides,
+    read_toml,
     replace,
 )
 from aiayn.data.batching import TokenBatchSampler
@@ -53,11 +54,6 @@ from aiayn.training.tasks import TextValidSet
 from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
 from aiayn.training.validation import ValidSet
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 CONFIG_NAME = "config.toml"
 RUN_INFO_NAME = "run.json"
 
@@ -71,9 +67,8 @@ def _explicit_model_keys(config_path: Path | None, overrides: list[str]) -> set[
     if config_path is None:
         return keys
     try:
-        with Path(config_path).open("rb") as handle:
-            raw = tomllib.load(handle)
-    except (OSError, tomllib.TOMLDecodeError):
+        raw = read_toml(Path(config_path))
+    except ConfigError:
         return keys  # load_config reports it
     if isinstance(raw.get("model"), dict):
         keys |= set(raw["model"])
