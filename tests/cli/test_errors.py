@@ -5,6 +5,7 @@ closed output pipe, and overrides given after options."""
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,25 @@ def test_a_closed_output_pipe_ends_quietly():
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.startswith("preset")
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_stdout_is_one_line():
+    command = f"{sys.executable} -m aiayn params > /dev/full"
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr == (
+        "aiayn params: error: cannot write the output: No space left on device\n"
+    ), done.stderr
+
+
+def test_bleu_reads_past_a_byte_order_mark(tmp_path, capsys):
+    reference = tmp_path / "ref.txt"
+    reference.write_bytes(b"\xef\xbb\xbfthe cat sat on the mat today\na dog ran in the park\n")
+    hypothesis = tmp_path / "hyp.txt"
+    hypothesis.write_text("the cat sat on the mat today\na dog ran in the park\n")
+    assert main(["bleu", str(hypothesis), str(reference)]) == 0
+    assert "= 100.00 100.0/100.0/100.0/100.0" in capsys.readouterr().out
 
 
 def test_small_frictions_of_a_first_hour(data_dir, tmp_path, capsys):

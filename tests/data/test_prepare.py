@@ -131,6 +131,30 @@ def test_invalid_utf8_names_file_and_line_or_is_replaced_and_counted(text, tmp_p
     assert "\ufffd" in Corpus.open(tmp_path / "data", "train").tgt_texts()[6]
 
 
+def test_a_byte_order_mark_is_dropped_and_a_nul_or_gzip_named(text, tmp_path):
+    import gzip
+
+    train, valid = text
+    src = Path(f"{train}.en")
+    plain = src.read_bytes()
+    src.write_bytes(b"\xef\xbb\xbf" + plain)  # as some Windows editors save UTF-8
+    _prepare(train, valid, tmp_path / "data")
+    first = Corpus.open(tmp_path / "data", "train").src_texts()[0]
+    assert first == plain.split(b"\n")[0].decode() and "\ufeff" not in first
+    # A NUL: refused with its line, or made U+FFFD and counted.
+    lines = plain.split(b"\n")
+    lines[4] = lines[4][:3] + b"\x00" + lines[4][3:]
+    src.write_bytes(b"\n".join(lines))
+    with pytest.raises(UserError, match=rf"{src}, line 5: a NUL byte \(at byte 4"):
+        _prepare(train, valid, tmp_path / "nul")
+    manifest = _prepare(train, valid, tmp_path / "nul", encoding_errors="replace")
+    assert manifest["splits"]["train"]["utf8_replaced_lines"] == {"en": 1, "de": 0}
+    # A gzip-compressed file is said to be one.
+    src.write_bytes(gzip.compress(plain))
+    with pytest.raises(UserError, match=rf"{src}: the file is gzip-compressed"):
+        _prepare(train, valid, tmp_path / "gz")
+
+
 def test_missing_file_is_a_user_error(text, tmp_path):
     train, _ = text
     with pytest.raises(UserError, match=r"nowhere\.en: file not found"):

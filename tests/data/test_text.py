@@ -176,6 +176,16 @@ def test_a_classifier_needs_two_classes(tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+def test_a_byte_order_mark_makes_no_class_of_its_own(tmp_path):
+    rows = ["wet\triver", "dry\tstone", "wet\tcloud", "dry\tsand"] * 5
+    train = tmp_path / "train.tsv"
+    train.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode() + b"\n")
+    valid = tmp_path / "valid.tsv"
+    valid.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows[:4]).encode() + b"\n")
+    manifest = prepare_text("classify", train, valid, None, tmp_path / "out", 30)
+    assert manifest["labels"] == ["dry", "wet"]
+
+
 def test_invalid_utf8_names_file_and_line_or_is_replaced(tmp_path):
     train = tmp_path / "train.txt"
     train.write_bytes(b"river stone\nbad \xff byte\nlight cloud\n")

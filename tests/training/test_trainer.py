@@ -72,6 +72,57 @@ def test_exact_resume_is_bit_identical(tmp_path):
     assert m.out_proj.weight is m.src_embed.token.weight is m.tgt_embed.token.weight
 
 
+def test_a_stop_by_a_signal_and_a_resume_leave_the_run_an_uninterrupted_one_leaves(tmp_path):
+    """A SIGTERM after update 5 saves step 5, off the save grid (every 2 updates); resumed,
+    the run logs the loss of updates 4-6 as one record, as the uninterrupted run does (the
+    sums since the last record are in the checkpoint), and once it has saved step 6, step 5
+    goes: the same checkpoints for keep_last and averaging, the same parameters."""
+    import signal
+
+    from aiayn.training import checkpoint as ckpt
+
+    over = [
+        "train.save_interval_steps=2",
+        "train.keep_last=2",
+        "train.average_last=2",
+        "train.log_interval=3",
+        "model.dropout=0.1",
+    ]
+    config = tiny_config("train.max_steps=8", *over)
+    straight = make_trainer(tmp_path / "a", config)
+    straight.train()
+
+    first = make_trainer(tmp_path / "b", config)
+    update = first._update
+
+    def stopped_after_five() -> dict[str, float]:
+        if first.step == 4:
+            first._signal = signal.SIGTERM  # as the handler sets it
+        return update()
+
+    first._update = stopped_after_five  # type: ignore[method-assign]
+    result = first.train()
+    assert result.interrupted and result.step == 5
+    names = [p.name for p in loading.list_step_checkpoints(tmp_path / "b")]
+    assert names == ["step_00000004.pt", "step_00000005.pt"]
+    path, state = ckpt.resume_point(tmp_path / "b")
+    torch.manual_seed(1234)
+    second = make_trainer(tmp_path / "b", config)
+    second.load_state_dict(state, path)
+    assert second.train().step == 8
+    names = [p.name for p in loading.list_step_checkpoints(tmp_path / "b")]
+    assert names == [p.name for p in loading.list_step_checkpoints(tmp_path / "a")]
+    assert names == ["step_00000006.pt", "step_00000008.pt"]
+    a, b = params_of(straight.model), params_of(second.model)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+    def logged(run):
+        return [(r["step"], r["loss"], r["nll"]) for r in read_metrics(run) if r["kind"] == "train"]
+
+    assert logged(tmp_path / "b") == logged(tmp_path / "a")
+    assert [step for step, *_ in logged(tmp_path / "a")] == [3, 6]
+
+
 @pytest.mark.parametrize("arch", ["bahdanau", "luong"])
 def test_exact_resume_of_an_rnn_model_is_bit_identical(tmp_path, arch):
     """The same for the attention-RNN baselines (dropout on; the fused loss of the CPU)."""

@@ -12,6 +12,7 @@ and usage errors then take about 0.05 s instead of 1.2 s (the time to import PyT
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -86,11 +87,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (`aiayn params | head -1`): stop quietly, as other tools do.
-        # stdout now points at /dev/null, so that flushing it at exit raises nothing.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
+    except OSError as err:
+        if err.errno not in _WRITE_FAILURES:
+            raise
+        # A full disk or quota under stdout (`> /dev/full`) or a file a command writes.
+        where = err.filename or "the output"
+        if err.filename is None:
+            _silence_stdout()
+        print(f"aiayn {args.command}: error: cannot write {where}: {err.strerror}", file=sys.stderr)
+        return 1
+
+
+_WRITE_FAILURES = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing what it still holds at exit raises
+    nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 __all__ = ["CLIError", "build_parser", "main"]

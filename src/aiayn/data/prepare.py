@@ -331,26 +331,45 @@ def _staged_tokenizer(
 
 def _open_input(path: Path) -> BinaryIO:
     try:
-        return path.open("rb")
+        handle = path.open("rb")
     except FileNotFoundError:
         raise UserError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise UserError(f"{path}: is a directory, expected a text file") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read ({err.strerror})") from None
+    if handle.peek(2)[:2] == _GZIP_MAGIC:
+        handle.close()
+        raise UserError(f"{path}: the file is gzip-compressed: decompress it first (gunzip)")
+    return handle
 
 
 def _decode(raw: bytes, path: Path, line_no: int, errors: EncodingErrors) -> tuple[str, bool]:
-    """One line as text; ``(text, replaced)``. Strict mode names file, line and column."""
+    """One line as text; ``(text, replaced)``. A byte order mark that starts the file is
+    dropped. Strict mode names file, line and column of bytes that are not UTF-8 and of a
+    NUL (a binary file?); ``replace`` mode makes each a U+FFFD."""
     try:
-        return raw.decode("utf-8"), False
+        text, replaced = raw.decode("utf-8"), False
     except UnicodeDecodeError as err:
         if errors == "strict":
             raise UserError(
                 f"{path}, line {line_no}: invalid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
                 f"{err.start + 1} of the line); fix the file or pass --encoding-errors replace"
             ) from None
-        return raw.decode("utf-8", errors="replace"), True
+        text, replaced = raw.decode("utf-8", errors="replace"), True
+    if line_no == 1:
+        text = text.removeprefix("\ufeff")
+    if "\x00" in text:
+        if errors == "strict":
+            raise UserError(
+                f"{path}, line {line_no}: a NUL byte (at byte {raw.index(0) + 1} of the line): "
+                "is it a text file? Fix it or pass --encoding-errors replace"
+            )
+        text, replaced = text.replace("\x00", "\ufffd"), True
+    return text, replaced
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 def _clean_split(

@@ -10,7 +10,8 @@ from aiayn.errors import UserError
 
 def split_lines(data: bytes, name: str) -> list[str]:
     """The lines of ``data``: split at ``\\n`` only (a trailing newline ends the last line, it
-    does not start a new one), a final ``\\r`` dropped; invalid UTF-8 names its line."""
+    does not start a new one), a final ``\\r`` dropped, a byte order mark at the start
+    dropped; invalid UTF-8 names its line."""
     if not data:
         return []
     raw = data.split(b"\n")
@@ -20,8 +21,8 @@ def split_lines(data: bytes, name: str) -> list[str]:
 
 
 def decode_line(line: bytes, name: str, number: int) -> str:
-    """Line ``number`` of ``name``, without its ``\\n`` and a final ``\\r``; UserError naming
-    the line and byte where it is not UTF-8."""
+    """Line ``number`` of ``name``, without its ``\\n`` and a final ``\\r`` (and, the first, a
+    byte order mark); UserError naming the line and byte where it is not UTF-8."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -30,6 +31,8 @@ def decode_line(line: bytes, name: str, number: int) -> str:
             f"{line[err.start : err.start + 1]!r})"
         ) from None
     text = text.removesuffix("\n")
+    if number == 1:
+        text = text.removeprefix("\ufeff")  # a byte order mark that starts the file
     return text[:-1] if text.endswith("\r") else text
 
 

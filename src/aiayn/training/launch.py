@@ -479,6 +479,7 @@ def train_run(
             )
             # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
             state, refusal = None, None
+            found = None  # rank 0's: the checkpoint resumed from, and its state
             if info.is_main:
                 # Checkpoints set aside as unreadable count too: a run that has lost them all
                 # stops each time until it is told to start over.
@@ -509,7 +510,8 @@ def train_run(
                 raise TrainingError(refusal)
             state = broadcast_object(state, info)
             if state is not None:
-                trainer.load_state_dict(state)  # refuses another [model] section or tokenizer
+                # Refuses another [model] section or tokenizer.
+                trainer.load_state_dict(state, found[0] if found is not None else None)
             elif config.train.init_from:
                 # Rank 0 reads and checks the file; every rank raises its error alike.
                 found_weights: dict[str, torch.Tensor] | str | None = None

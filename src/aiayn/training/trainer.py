@@ -201,6 +201,15 @@ class Trainer:
         self._last_save_time = self._start
         self._saved_step = -1
         self._validated_step = -1
+        # What the updates since the last logged one sum to (saved with a checkpoint, so that
+        # a resumed run logs what the uninterrupted one does).
+        self._interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0}
+        # Whether the checkpoint the run is about to write is a stop by a signal's; and the
+        # file of the one this run resumed from, where it was: once the run writes a
+        # checkpoint of its own, that file goes (it is off the save grid, which the
+        # uninterrupted run never writes), and until then it takes no keep_last slot.
+        self._interrupted = False
+        self.interruption: Path | None = None
         self.metrics = MetricsLog(self.run_dir, self.info.is_main, tensorboard)
         self.progress = Progress(
             self.train_cfg.max_steps,
@@ -227,7 +236,8 @@ class Trainer:
         """Run updates until a limit, early stopping or a signal; validate and save at the end.
         Averaging the last checkpoints, and closing: ``training.launch.train_and_average``."""
         cfg = self.train_cfg
-        interval = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "time": time.monotonic()}
+        interval = self._interval
+        interval["time"] = time.monotonic()
         reason = self._limit_reached()
         if reason is None and 0 < cfg.max_minutes <= self.minutes_before:
             reason = f"reached train.max_minutes={cfg.max_minutes:g}"  # before this resume
@@ -284,6 +294,7 @@ class Trainer:
         return self.train_cfg.max_minutes > 0 and self.minutes >= self.train_cfg.max_minutes
 
     def _finish(self, reason: str, interrupted: bool) -> TrainResult:
+        self._interrupted = interrupted
         if not interrupted:
             if self.valid is not None and self._validated_step != self.step and self.step > 0:
                 self._after_validation(self.validate())
@@ -513,6 +524,9 @@ class Trainer:
             self._prune(max(keep - 1, 1), exclude=path)
             ckpt.save_atomic(state, path)
             self._prune(keep)
+            if self.interruption is not None and self.interruption != path:
+                self.interruption.unlink(missing_ok=True)
+                self.interruption = None
         barrier(self.info)
         self._saved_step = self.step
         self._last_save_time = time.monotonic()
@@ -524,7 +538,7 @@ class Trainer:
         mine = [
             p
             for p in loading.list_step_checkpoints(self.run_dir)
-            if p not in self.passed_over and p != exclude
+            if p not in self.passed_over and p != exclude and p != self.interruption
         ]
         for old in mine[:-keep]:
             old.unlink(missing_ok=True)
@@ -556,12 +570,15 @@ class Trainer:
                 "minutes": self.minutes,
                 "tokens": self.tokens_seen,
                 "skipped": self.skipped,
+                "interval": {k: self._interval[k] for k in ("loss", "nll", "tokens")},
+                "interrupted": self._interrupted,
             },
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a train checkpoint; the model section of the config and the
-        tokenizer must match (``ResumeMismatch`` otherwise)."""
+    def load_state_dict(self, state: dict[str, Any], source: Path | None = None) -> None:
+        """Continue from a train checkpoint (read from the file ``source``, where given); the
+        model section of the config and the tokenizer must match (``ResumeMismatch``
+        otherwise)."""
         if state.get("kind") != "train":
             raise loading.CheckpointError(
                 "a model-only checkpoint cannot be resumed (no optimizer)"
@@ -599,6 +616,10 @@ class Trainer:
         self.minutes_before = float(progress["minutes"])
         self.tokens_seen = int(progress["tokens"])
         self.skipped = int(progress["skipped"])
+        interval = progress.get("interval", {})  # absent from older checkpoints
+        self._interval = {k: float(interval.get(k, 0.0)) for k in ("loss", "nll", "tokens")}
+        if progress.get("interrupted") and source is not None:
+            self.interruption = Path(source)
         samplers, rngs = state["sampler"], state["rng"]
         same_world = len(samplers) == self.info.world_size
         if not same_world:
