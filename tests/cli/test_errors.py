@@ -2,6 +2,7 @@
 never in a traceback: bad config values and files, devices, output paths, empty inputs, a
 closed output pipe, and overrides given after options."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -196,7 +197,12 @@ def test_advice_that_works_when_followed(data_dir, tmp_path, capsys):
                  short, model_type="word", max_len=4)  # fmt: skip
     argv = ["train", "--config", TINY, "--data", str(short), "--out", str(tmp_path / "a"),
             "model.max_positions=6", "train.max_steps=1", "--no-progress"]  # fmt: skip
-    _fails(argv, capsys, "the valid split")  # advice: train.valid_interval=0, not --max-len
+    assert main(argv) == 2  # advice: train.valid_interval=0, not --max-len
+    err = capsys.readouterr().err
+    where = re.search(r"the valid split .* \(with BOS/EOS, line (\d+) of (\S+)\)", err)
+    assert where is not None, err
+    lines = Path(where.group(2)).read_text().splitlines()
+    assert len(lines[int(where.group(1)) - 1].split()) == max(len(t.split()) for t in lines) == 6
     assert main([*argv, "train.valid_interval=0"]) == 0  # the advice, followed
     base = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "b")]
     assert main([*base, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0

@@ -111,3 +111,17 @@ def test_usage_errors(prefixes, tmp_path, capsys):
         capsys,
     )
     _assert_one_line_error(code, err, "English-Spanish")
+    # Settings out of their range: refused before any work, not recorded or left to
+    # sentencepiece.
+    for extra, message in (
+        (["--max-len", "0"], "--max-len must be at least 1"),
+        (["--max-len-ratio", "-1"], "--max-len-ratio must be 0 (off) or a finite 1 or more"),
+        (["--max-len-ratio", "0.5"], "got 0.5"),
+        (["--max-len-ratio", "inf"], "got inf"),
+        (["--input-sentence-size", "0"], "--input-sentence-size must be at least 1"),
+        (["--character-coverage", "2"], "--character-coverage must be above 0 and at most 1"),
+        (["--character-coverage", "0"], "got 0"),
+    ):
+        code, _, err = _run([*_prepare_args(train, valid, tmp_path / "y"), *extra], capsys)
+        _assert_one_line_error(code, err, message)
+        assert not (tmp_path / "y").exists()

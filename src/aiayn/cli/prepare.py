@@ -4,6 +4,7 @@ binarised DATA_DIR."""
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.vocab_size is not None and args.vocab_size < 5:
         raise CLIError(f"--vocab-size must be at least 5, got {args.vocab_size}")
+    if args.max_len is not None and args.max_len < 1:
+        raise CLIError(f"--max-len must be at least 1, got {args.max_len}")
+    ratio = args.max_len_ratio
+    if ratio is not None and not (ratio == 0 or 1 <= ratio < math.inf):
+        raise CLIError(f"--max-len-ratio must be 0 (off) or a finite 1 or more, got {ratio:g}")
+    if args.input_sentence_size is not None and args.input_sentence_size < 1:
+        raise CLIError(f"--input-sentence-size must be at least 1, got {args.input_sentence_size}")
+    coverage = args.character_coverage
+    if coverage is not None and not 0 < coverage <= 1:
+        raise CLIError(f"--character-coverage must be above 0 and at most 1, got {coverage:g}")
     options: dict[str, Any] = {
         "model_type": args.model_type,
         "encoding_errors": args.encoding_errors,

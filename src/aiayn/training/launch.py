@@ -36,7 +36,7 @@ from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
 from aiayn.data.text import TextCorpus, TextExamples
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.devices import busy_cpu_slowdown
-from aiayn.errors import ConfigError
+from aiayn.errors import ConfigError, UserError
 from aiayn.inference import loading
 from aiayn.model.families import build_model, pretrained_encoder_state
 from aiayn.progress import counted
@@ -220,8 +220,8 @@ def check_fits_data(
             )
             raise ConfigError(
                 f"the {split} split of {data_dir} has a sentence of {longest} positions "
-                f"(with BOS/EOS) but model.max_positions={config.model.max_positions}; raise "
-                f"model.max_positions or {remedy}"
+                f"(with BOS/EOS{_where_longest(data_dir, split)}) but model.max_positions="
+                f"{config.model.max_positions}; raise model.max_positions or {remedy}"
             )
         if split == "train" and longest > config.data.max_tokens:
             raise ConfigError(
@@ -233,6 +233,22 @@ def check_fits_data(
             raise ConfigError(
                 "no stopping rule: set train.max_steps, train.max_epochs or train.max_minutes"
             )
+
+
+def _where_longest(data_dir: str | Path, split: str) -> str:
+    """ ", line N of FILE": where a prepared translation split's longest sentence is (its
+    prepared text, one kept pair a line); "" where the split cannot be read."""
+    try:
+        corpus = Corpus.open(data_dir, split)
+    except (UserError, OSError, KeyError, ValueError):
+        return ""
+    if not len(corpus):
+        return ""
+    src, tgt = corpus.src_lengths, corpus.tgt_lengths
+    i_src, i_tgt = int(np.argmax(src)), int(np.argmax(tgt))
+    if src[i_src] >= tgt[i_tgt]:
+        return f", line {i_src + 1} of {corpus.src_text_path()}"
+    return f", line {i_tgt + 1} of {corpus.tgt_text_path()}"
 
 
 def config_to_toml(config: RunConfig) -> str:
