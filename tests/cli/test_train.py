@@ -456,3 +456,26 @@ def test_a_machine_that_cannot_compile_the_step_is_told_in_one_line(
     captured = capsys.readouterr()
     assert captured.err.count("train.compile_step: no C++ compiler here") == 1
     assert "decoder step compiled" not in captured.out
+
+
+def test_resuming_a_run_that_lost_its_config_or_data_says_what_to_pass(data_dir, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run)]
+    assert main([*args, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0
+    resume = ["train", "--out", str(run), "--no-progress", "train.max_steps=2"]
+    (run / "run.json").write_text("{torn")
+    assert main(resume) == 2
+    assert "run.json, which names the data a resumed run reads, is unreadable" in (
+        capsys.readouterr().err
+    )
+    moved = tmp_path / "moved"
+    shutil.copytree(data_dir, moved)
+    (run / "run.json").write_text(json.dumps({"data": str(tmp_path / "gone")}))
+    assert main(resume) == 2
+    assert f"the data directory {tmp_path / 'gone'} that" in capsys.readouterr().err
+    assert main([*resume, "--data", str(moved)]) == 0  # the advice, followed
+    (run / "config.toml").unlink()
+    assert main([*resume, "--data", str(moved), "train.max_steps=3"]) == 2
+    assert "config.toml, the config a resumed run reads, is missing" in capsys.readouterr().err

@@ -65,6 +65,9 @@ def test_truncated_checkpoint_is_reported_and_resume_falls_back(tmp_path, capsys
     (tmp_path / "empty.pt").write_bytes(b"")
     with pytest.raises(loading.CheckpointError, match=r"empty\.pt is empty"):
         loading.load_checkpoint(tmp_path / "empty.pt")
+    torch.save({"a": torch.zeros(1)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(loading.CheckpointError, match=r"legacy\.pt is not an aiayn .*: a pickle"):
+        loading.load_checkpoint(tmp_path / "legacy.pt")
     torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(loading.CheckpointError, match="not an aiayn checkpoint"):
         loading.load_checkpoint(tmp_path / "other.pt")
@@ -404,3 +407,19 @@ def test_a_full_disk_outside_a_run_says_to_write_elsewhere(tmp_path, monkeypatch
     with pytest.raises(RunDirectoryError, match="run resumes from its last checkpoint"):
         ckpt.save_atomic({"w": torch.zeros(10)}, tmp_path / "step.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary left
+
+
+def test_averaging_names_a_missing_run_takes_its_checkpoints_folder_and_spares_step_files(
+    tmp_path,
+):
+    with pytest.raises(loading.CheckpointError, match=r"nowhere does not exist"):
+        averaging.average_run(tmp_path / "nowhere", 2)
+    config = tiny_config("train.max_steps=2", "train.save_interval_steps=1")
+    small_reverse_trainer(config, tmp_path).train()
+    folder = tmp_path / loading.CHECKPOINT_DIR
+    assert averaging.average_run(folder, 2) == tmp_path / loading.AVERAGED_NAME
+    step_1 = loading.step_checkpoint_path(tmp_path, 1)
+    before = step_1.read_bytes()
+    with pytest.raises(loading.CheckpointError, match="a run's step checkpoint"):
+        averaging.average_run(tmp_path, 2, step_1)
+    assert step_1.read_bytes() == before  # still what training resumes from

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from aiayn.inference import loading
     from aiayn.training.checkpoint import set_aside_checkpoints
-    from aiayn.training.launch import CONFIG_NAME, resolve_config, saved_run_info, train_run
+    from aiayn.training.launch import CONFIG_NAME, resolve_config, train_run
 
     run_dir: Path = args.out
     check_output_dir(run_dir, "--out")
@@ -99,8 +99,13 @@ def run(args: argparse.Namespace) -> int:
     if resuming:
         if config_path is None and (run_dir / CONFIG_NAME).is_file():
             config_path = run_dir / CONFIG_NAME
-        if data_dir is None and saved_run_info(run_dir).get("data"):
-            data_dir = Path(saved_run_info(run_dir)["data"])
+        if config_path is None:
+            raise CLIError(
+                f"--config is required: {run_dir / CONFIG_NAME}, the config a resumed run "
+                "reads, is missing; pass the run's config file with --config"
+            )
+        if data_dir is None:
+            data_dir = _saved_data(run_dir)
         if has_checkpoints and not args.resume:
             print(f"{run_dir} holds checkpoints: resuming (as with --resume)", file=sys.stderr)
     if config_path is None:
@@ -138,6 +143,27 @@ def run(args: argparse.Namespace) -> int:
 
         _compile_step(run_dir, config, pick_device(args.device).type, threads)
     return 0
+
+
+def _saved_data(run_dir: Path) -> Path:
+    """The data directory that a run directory's ``run.json`` names, checked: a missing or
+    unreadable file, or a directory that is gone, is a CLIError that says to pass --data."""
+    from aiayn.training.launch import RUN_INFO_NAME, saved_run_info
+
+    info = run_dir / RUN_INFO_NAME
+    data = saved_run_info(run_dir).get("data")
+    if not data:
+        state = "unreadable" if info.is_file() else "missing"
+        raise CLIError(
+            f"--data is required: {info}, which names the data a resumed run reads, is {state}; "
+            "pass the run's data directory with --data"
+        )
+    if not Path(data).is_dir():
+        raise CLIError(
+            f"the data directory {data} that {info} names does not exist (moved?); pass its "
+            "new place with --data"
+        )
+    return Path(data)
 
 
 def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -> None:

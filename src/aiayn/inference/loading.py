@@ -117,6 +117,11 @@ def load_checkpoint(
             head = handle.read(4)
         if not head:
             raise CheckpointCorrupt(f"checkpoint {path} is empty (truncated?)")
+        if head[:1] == b"\x80":  # a pickle: torch.save's format before PyTorch 1.6, or plain
+            raise CheckpointError(
+                f"{path} is not an aiayn checkpoint: a pickle (PyTorch's format before 1.6, "
+                "or Python's own), which aiayn does not read"
+            )
         if head != _ZIP_MAGIC:  # torch.save writes a zip archive
             # Bytes that are no zip archive at all never load: corrupt, like a truncated one.
             raise CheckpointCorrupt(f"{path} is not an aiayn checkpoint (not a PyTorch file)")

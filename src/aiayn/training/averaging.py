@@ -125,12 +125,22 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Tensor]:
     return total.mean()
 
 
-def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -> Path:
-    """Average the newest ``last`` readable step checkpoints of ``run_dir`` into ``out``
-    (default ``RUN_DIR/averaged.pt``); unreadable ones are reported and passed over."""
+def average_run(
+    run_dir: str | Path, last: int, out: str | Path | None = None, *, in_run: bool = False
+) -> Path:
+    """Average the newest ``last`` readable step checkpoints of ``run_dir`` (a run directory,
+    or its ``checkpoints/`` folder) into ``out`` (default ``RUN_DIR/averaged.pt``);
+    unreadable ones are reported and passed over. ``in_run``: the run itself averages (a
+    full disk's message then says how the run goes on)."""
     run_dir = Path(run_dir)
     if last <= 0:
         raise CheckpointError(f"--last must be positive, got {last}")
+    if run_dir.name == CHECKPOINT_DIR and not (run_dir / CHECKPOINT_DIR).is_dir():
+        run_dir = run_dir.parent  # the run's checkpoints folder, as translate takes it
+    if not run_dir.is_dir():
+        raise CheckpointError(
+            f"{run_dir} does not exist" if not run_dir.exists() else f"{run_dir} is no directory"
+        )
     total = _ModelSum()
     newest: dict[str, Any] | None = None
     chosen: list[Path] = []
@@ -156,6 +166,11 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
             file=sys.stderr,
         )
     target = Path(out) if out is not None else run_dir / AVERAGED_NAME
+    if target.parent.name == CHECKPOINT_DIR and STEP_FILE.match(target.name):
+        raise CheckpointError(
+            f"{target} is a run's step checkpoint, which training resumes from: write the "
+            "average to another file"
+        )
     payload = model_checkpoint(
         config_from_dict(newest["config"], stored=True),
         total.mean(),
@@ -165,7 +180,7 @@ def average_run(run_dir: str | Path, last: int, out: str | Path | None = None) -
         {"averaged": float(len(chosen)), "first_step": float(_step_of(chosen[-1]))},
         labels=newest["labels"],
     )
-    save_atomic(payload, target, in_run=False)
+    save_atomic(payload, target, in_run=in_run)
     return target
 
 

@@ -573,7 +573,7 @@ def train_and_average(trainer: Trainer) -> TrainResult:
 
 def _average(trainer: Trainer, last: int) -> Path:
     info = trainer.info
-    averaged = average_run(trainer.run_dir, last) if info.is_main else None
+    averaged = average_run(trainer.run_dir, last, in_run=True) if info.is_main else None
     averaged = broadcast_object(averaged, info)
     if trainer.valid is None:
         return averaged
