@@ -87,7 +87,7 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     lines = captured.out.split("\n")
     assert lines[0].startswith("sun") and lines[1] == "" and lines[2].startswith("moon")
-    assert "error: stdin: line 2: the prompt has" in captured.err
+    assert "aiayn generate: error: stdin: line 2: the prompt has" in captured.err
     # The wrong command for the model says which one serves it, in one line.
     for command in (["classify", str(run)], ["translate", str(run)]):
         assert main([*command, "--input", str(data / "valid.txt")]) == 2
@@ -113,7 +113,12 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
             "alpha (the length penalty) must be a number of 0 or more",
         ),
         (["--greedy", "--samples", "2"], "--samples goes with sampling"),
-        (["--beam", "2", "--top-p", "0.5"], "--top-p set the sampling"),
+        (["--beam", "2", "--top-p", "0.5"], "--top-p sets the sampling; drop it"),
+        (
+            ["--greedy", "--top-k", "5", "--seed", "1"],
+            "--top-k, --seed set the sampling; drop them",
+        ),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     ):
         assert main(["generate", str(run), "sun", *bad]) == 2
         assert message in capsys.readouterr().err
@@ -136,12 +141,22 @@ def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys)
     for name, tensor in pretrained.items():
         if name.startswith(("embed.", "encoder.")):
             assert torch.equal(tuned["model"][name], tensor), name
-    png = tmp_path / "confusion.png"
+    png = tmp_path / "new" / "folder" / "confusion.png"  # its folders made
     score = ["classify", str(clf), "--data", str(data / "classify"), "--split", "test"]
     assert main([*score, "--confusion", str(png)]) == 0
     out = capsys.readouterr().out
     assert "accuracy" in out and "macro-F1" in out and "hot" in out
     assert png.stat().st_size > 1000
+    # Options of the other mode are refused, not ignored; a --confusion that cannot be
+    # written is refused before the scoring.
+    for extra, message in (
+        ([*score, "--top", "2"], "--top goes with texts to classify, not --data"),
+        ([*score, "--input", "x.txt"], "--input goes with texts"),
+        ([*score, "--confusion", str(tmp_path)], "is a directory"),
+        (["classify", str(clf), "--split", "valid"], "--split goes with --data"),
+    ):
+        assert main(extra) == 2
+        assert message in capsys.readouterr().err
     # A vocabulary taken from the pre-trained run: the same tokenizer as its data's.
     again = tmp_path / "again"
     train, valid = str(data / "train.tsv"), str(data / "v.tsv")
@@ -166,6 +181,11 @@ def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):
     clf = ["train", *common, "--out", str(tmp_path / "c"), "model.task=classify"]
     assert main([*clf, f"train.init_from={lm / 'averaged.pt'}"]) == 2
     assert "encoder-only" in capsys.readouterr().err
+    # A pre-trained model that is not there: the setting named, and the way around it.
+    assert main([*clf, f"train.init_from={tmp_path / 'nowhere.pt'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"train.init_from={tmp_path / 'nowhere.pt'}: checkpoint" in err
+    assert "train.init_from=none trains from scratch" in err
     # An encoder pre-trained on other data has another vocabulary.
     mlm = tmp_path / "mlm"
     assert main(["train", *lm_args, "--out", str(mlm), "model.task=mlm"]) == 0

@@ -155,6 +155,15 @@ def test_a_byte_order_mark_is_dropped_and_a_nul_or_gzip_named(text, tmp_path):
         _prepare(train, valid, tmp_path / "gz")
 
 
+def test_a_valid_split_with_no_pairs_left_is_refused(text, tmp_path):
+    train, valid = text
+    for side in ("en", "de"):
+        Path(f"{valid}.{side}").write_text("\n   \n\n")  # three lines, all empty
+    with pytest.raises(UserError, match=rf"{valid}\.en, {valid}\.de: no valid pairs left"):
+        _prepare(train, valid, tmp_path / "data")
+    assert not (tmp_path / "data" / "manifest.json").exists()
+
+
 def test_missing_file_is_a_user_error(text, tmp_path):
     train, _ = text
     with pytest.raises(UserError, match=r"nowhere\.en: file not found"):

@@ -186,6 +186,15 @@ def test_a_byte_order_mark_makes_no_class_of_its_own(tmp_path):
     assert manifest["labels"] == ["dry", "wet"]
 
 
+def test_an_empty_valid_file_is_refused(tmp_path):
+    train = _write(tmp_path / "train.txt", ["river stone"] * 20)
+    empty = _write(tmp_path / "empty.txt", ["", "  "])
+    with pytest.raises(UserError, match=rf"{empty}: no valid lines left"):
+        prepare_text("lm", train, empty, None, tmp_path / "out", 30)
+    with pytest.raises(UserError, match=rf"{empty}: no test lines left"):
+        prepare_text("lm", train, train, empty, tmp_path / "out", 30)
+
+
 def test_invalid_utf8_names_file_and_line_or_is_replaced(tmp_path):
     train = tmp_path / "train.txt"
     train.write_bytes(b"river stone\nbad \xff byte\nlight cloud\n")

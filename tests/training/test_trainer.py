@@ -273,6 +273,12 @@ def test_resume_refuses_another_model_or_tokenizer(tmp_path):
     with pytest.raises(ResumeMismatch, match="d_ff: checkpoint"):
         other_model.load_state_dict(state)
     make_trainer(tmp_path / "d", tiny_config()).load_state_dict(state)  # the same: accepted
+    # Both differ: the tokenizer is named (data prepared again explains the model's change).
+    both = make_trainer(tmp_path / "e", tiny_config("model.d_ff=48"), tokenizer=b"spm2")
+    with pytest.raises(ResumeMismatch, match="another tokenizer"):
+        both.load_state_dict(state)
+    # n_classes, which only a classifier uses (a run once took it from labelled data).
+    make_trainer(tmp_path / "f", tiny_config("model.n_classes=7")).load_state_dict(state)
 
 
 def test_fp16_needs_cuda(tmp_path):

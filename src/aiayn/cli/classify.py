@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aiayn.cli.paths import add_checkpoint_argument
+from aiayn.cli.paths import add_checkpoint_argument, check_output_file
 from aiayn.errors import CLIError
 
 if TYPE_CHECKING:
@@ -30,9 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--input", "-i", metavar="FILE", help="texts, one a line (default, or -: stdin)"
     )
-    parser.add_argument("--top", type=int, default=1, metavar="K", help="classes shown per text")
+    parser.add_argument("--top", type=int, metavar="K", help="classes shown per text (default 1)")
     parser.add_argument("--data", metavar="DATA_DIR", help="score on a prepared split")
-    parser.add_argument("--split", default="test", help="the split of --data (default test)")
+    parser.add_argument("--split", help="the split of --data (default test)")
     parser.add_argument("--confusion", metavar="PNG", help="with --data: confusion-matrix picture")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.set_defaults(run=run)
@@ -43,18 +43,30 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.inference.classifier import TextClassifier
     from aiayn.inference.textio import read_input
 
-    if args.top < 1:
-        raise CLIError(f"--top must be at least 1, got {args.top}")
-    if args.confusion and not args.data:
-        raise CLIError("--confusion goes with --data")
+    if args.data:
+        given = [f"--{name}" for name in ("input", "top") if getattr(args, name) is not None]
+        if given:
+            verb = "go" if len(given) > 1 else "goes"
+            raise CLIError(f"{' and '.join(given)} {verb} with texts to classify, not --data")
+        if args.confusion:
+            check_output_file(Path(args.confusion), "--confusion")
+    else:
+        given = [f"--{name}" for name in ("split", "confusion") if getattr(args, name) is not None]
+        if given:
+            raise CLIError(
+                f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with --data"
+            )
+    top = 1 if args.top is None else args.top
+    if top < 1:
+        raise CLIError(f"--top must be at least 1, got {top}")
     classifier = TextClassifier.from_checkpoint(args.checkpoint, pick_device(args.device or "auto"))
     if args.data:
-        return _score(classifier, Path(args.data), args.split, args.confusion)
+        return _score(classifier, Path(args.data), args.split or "test", args.confusion)
     lines = read_input(args.input)
     # Empty lines (white space only) give empty output lines, as translate's do.
     texts = [line for line in lines if line.strip()]
     rows = iter(classifier.probabilities(texts)) if texts else iter(())
-    k = min(args.top, len(classifier.labels))
+    k = min(top, len(classifier.labels))
     for line in lines:
         if not line.strip():
             print()

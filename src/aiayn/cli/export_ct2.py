@@ -33,9 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.interop.ct2 import export_ct2, import_ctranslate2
+    from aiayn.interop.ct2 import export_ct2
 
-    import_ctranslate2()  # before the checkpoint is read: says how to install it
+    # The checkpoint is mapped, not read: a model that never exports is refused before
+    # CTranslate2 is looked for, and one that does is quickly told how to install it.
     out = export_ct2(args.checkpoint, args.out, args.quantization, force=args.force)
     print(out)
     return 0

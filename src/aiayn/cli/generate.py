@@ -64,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         if value != default
     ]
     if not sampling and changed:
-        raise CLIError(f"{', '.join(changed)} set the sampling; drop them with --greedy or --beam")
+        these = "them" if len(changed) > 1 else "it"
+        verb = "set" if len(changed) > 1 else "sets"
+        raise CLIError(
+            f"{', '.join(changed)} {verb} the sampling; drop {these} with --greedy or --beam"
+        )
     strategy: Strategy = "sample"
     if args.greedy or args.beam is not None:
         strategy = "greedy" if args.greedy else "beam"
@@ -78,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     options.validate()
     generator = TextGenerator.from_checkpoint(args.checkpoint, pick_device(args.device or "auto"))
     if args.prompt != "-":
@@ -92,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             generator.checked_prompt_ids(prompt)
         except UserError as err:  # said, answered with empty lines, and the next one read
-            print(f"error: stdin: line {number}: {err}", file=sys.stderr, flush=True)
+            print(
+                f"aiayn generate: error: stdin: line {number}: {err}", file=sys.stderr, flush=True
+            )
             print("\n" * (args.samples - 1), flush=True)
             failed += 1
             continue

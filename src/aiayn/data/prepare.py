@@ -205,11 +205,13 @@ def prepare_data(
                 src_path, tgt_path, staging, split, src, tgt, encoding_errors, meter
             )
             meter.finish()
-        if stats["train"].pairs == 0:
-            src_path, tgt_path = inputs["train"]
-            raise UserError(
-                f"{src_path}, {tgt_path}: no training pairs left after dropping empty lines"
-            )
+        for split, split_stats in stats.items():
+            if split_stats.pairs == 0:  # a valid or test split scores nothing: refused too
+                src_path, tgt_path = inputs[split]
+                what = "training pairs" if split == "train" else f"{split} pairs"
+                raise UserError(
+                    f"{src_path}, {tgt_path}: no {what} left after dropping empty lines"
+                )
 
         origin = None
         if given is not None:

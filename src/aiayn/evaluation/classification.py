@@ -82,6 +82,7 @@ def plot_confusion(matrix: np.ndarray, names: Sequence[str], path: str | Path, t
     fig.colorbar(image, ax=ax, label="share of the true class")
     fig.tight_layout()
     out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -461,8 +461,8 @@ def export_ct2(
         raise UserError(
             f"{out} exists and is not empty (--force, or force=True from Python, replaces it)"
         )
+    source = _source(model_or_checkpoint, tokenizer)  # a model that never exports: said first
     ct2 = import_ctranslate2()
-    source = _source(model_or_checkpoint, tokenizer)
     key = file_key(source.path) if source.path is not None else None
     source_vocabulary, target_vocabulary = vocabularies(source.tokenizer)
     spec = transformer_spec(source.model, source_vocabulary, target_vocabulary)

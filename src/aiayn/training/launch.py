@@ -92,9 +92,12 @@ def resolve_config(
     explicit = _explicit_model_keys(path, overrides)
     if "vocab_size" not in explicit:
         overrides.append(f"model.vocab_size={int(manifest['vocab_size'])}")
-    if manifest.get("labels") and "n_classes" not in explicit:
-        overrides.append(f"model.n_classes={len(manifest['labels'])}")
     config = load_config(path, overrides)
+    # A classifier's classes are the data's; other tasks (an mlm pre-trained on labelled
+    # text, say) have none, and keep the default whatever data they read.
+    if config.model.task == "classify" and manifest.get("labels") and "n_classes" not in explicit:
+        overrides.append(f"model.n_classes={len(manifest['labels'])}")
+        config = load_config(path, overrides)
     if config.train.init_from is not None and config.model.task != "classify":
         config = _model_of_init(config, explicit)
     check_fits_data(config, data_dir, manifest, resuming)
@@ -116,7 +119,9 @@ def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
         found, state = loading.resolve_and_load(path)
         stored_config = config_from_dict(state["config"], stored=True)
     except loading.CheckpointError as err:
-        raise ConfigError(f"train.init_from={path}: {err}") from None
+        raise ConfigError(
+            f"train.init_from={path}: {err} (train.init_from=none trains from scratch)"
+        ) from None
     stored = stored_config.model
     if stored.task != config.model.task:
         raise ConfigError(
@@ -208,6 +213,12 @@ def check_fits_data(
     for split in ("train", "valid"):
         if split not in splits or (split == "valid" and config.train.valid_interval <= 0):
             continue
+        size = splits[split].get("lines" if kind == "text" else "pairs")
+        if size == 0:  # prepared before prepare refused an empty split
+            raise ConfigError(
+                f"the {split} split of {data_dir} is empty: prepare the data again with "
+                f"sentences in it{' (or set train.valid_interval=0)' if split == 'valid' else ''}"
+            )
         if kind == "text":
             continue  # long lines are cut to model.max_positions (aiayn.data.text)
         longest = max(int(n) for n in splits[split]["longest"].values()) + 1  # + BOS/EOS
@@ -349,7 +360,12 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
     classifier."""
     path = config.train.init_from
     assert path is not None
-    found, state = loading.resolve_and_load(path)
+    try:
+        found, state = loading.resolve_and_load(path)
+    except loading.CheckpointError as err:
+        raise ConfigError(
+            f"train.init_from={path}: {err} (train.init_from=none trains from scratch)"
+        ) from None
     stored = config_from_dict(state["config"], stored=True)
     if config.model.task != "classify":
         _check_tokenizer(found, state, tokenizer_bytes)
@@ -382,8 +398,16 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
         if getattr(stored.model, name) != getattr(config.model, name)
     ]
     if differ:
+        # Another vocabulary: the data's tokenizer is not the pre-trained model's.
+        advice = (
+            f"; prepare the data with --tokenizer {found}"
+            if stored.model.vocab_size != config.model.vocab_size
+            else ""
+        )
         raise ConfigError(
-            f"train.init_from={found}: its encoder differs from model config: " + "; ".join(differ)
+            f"train.init_from={found}: its encoder differs from model config: "
+            + "; ".join(differ)
+            + advice
         )
     _check_tokenizer(found, state, tokenizer_bytes)
     return pretrained_encoder_state(state["model"])

@@ -14,6 +14,7 @@ from a *corpus* (see the protocols below), so tests drive it with in-memory data
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
-from aiayn.config import RunConfig, config_from_dict
+from aiayn.config import ModelConfig, RunConfig, config_from_dict
 from aiayn.data.collate import Batch, LabelBatch, TokenBatch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference import loading
@@ -105,6 +106,14 @@ def resolve_precision(config: RunConfig, device: torch.device, announce: bool = 
     if announce:
         print(f"train.precision=auto: {chosen} ({reason})", file=sys.stderr)
     return replace(config, train=replace(config.train, precision=chosen))
+
+
+def _compared(model: ModelConfig) -> ModelConfig:
+    """``model`` as a resume compares it: ``n_classes`` only where the task is classify
+    (a run of another task once took it from labelled data, and ignores it)."""
+    if model.task == "classify":
+        return model
+    return dataclasses.replace(model, n_classes=ModelConfig.n_classes)
 
 
 class Trainer:
@@ -584,22 +593,23 @@ class Trainer:
                 "a model-only checkpoint cannot be resumed (no optimizer)"
             )
         saved = config_from_dict(state["config"], stored=True)
-        if saved.model != self.config.model:
-            diffs = [
-                f"{name}: checkpoint {getattr(saved.model, name)!r} vs now "
-                f"{getattr(self.config.model, name)!r}"
-                for name in saved.model.__dataclass_fields__
-                if getattr(saved.model, name) != getattr(self.config.model, name)
-            ]
-            raise ResumeMismatch(
-                "the model config differs from the checkpoint's: " + "; ".join(diffs)
-            )
+        # The tokenizer first: data prepared again is the likelier cause of other differences.
         saved_tokenizer = state.get("tokenizer")
         if saved_tokenizer is not None and not torch.equal(saved_tokenizer, self.tokenizer):
             raise ResumeMismatch(
                 "the checkpoint was trained with another tokenizer than the data's (the data was "
                 "prepared again since); resuming would scramble the vocabulary. Train into a new "
                 "run directory, or prepare the data as before"
+            )
+        mine, theirs = _compared(self.config.model), _compared(saved.model)
+        if theirs != mine:
+            diffs = [
+                f"{name}: checkpoint {getattr(theirs, name)!r} vs now {getattr(mine, name)!r}"
+                for name in theirs.__dataclass_fields__
+                if getattr(theirs, name) != getattr(mine, name)
+            ]
+            raise ResumeMismatch(
+                "the model config differs from the checkpoint's: " + "; ".join(diffs)
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -315,8 +315,9 @@ def _read_splits(
             path, text_path(staging, split, TEXT_SUFFIX), classes, errors, meter
         )
         meter.finish()
-        if split == "train" and stats[split].lines == 0:
-            raise UserError(f"{path}: no training lines left after skipping empty lines")
+        if stats[split].lines == 0:  # a valid or test split scores nothing: refused too
+            what = "training lines" if split == "train" else f"{split} lines"
+            raise UserError(f"{path}: no {what} left after skipping empty lines")
         if classes is not None and split == "train":
             if not classes.fixed:
                 names = _sort_classes(classes, stats[split])
