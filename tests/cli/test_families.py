@@ -186,6 +186,7 @@ def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"train.init_from={tmp_path / 'nowhere.pt'}: checkpoint" in err
     assert "train.init_from=none trains from scratch" in err
+    assert not (tmp_path / "c").exists()  # no directory left holding only the run's lock
     # An encoder pre-trained on other data has another vocabulary.
     mlm = tmp_path / "mlm"
     assert main(["train", *lm_args, "--out", str(mlm), "model.task=mlm"]) == 0

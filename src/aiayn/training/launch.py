@@ -49,7 +49,7 @@ from aiayn.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from aiayn.training.lock import RunDirectoryBusy, run_lock
+from aiayn.training.lock import LOCK_NAME, RunDirectoryBusy, run_lock
 from aiayn.training.tasks import TextValidSet
 from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
 from aiayn.training.validation import ValidSet
@@ -448,6 +448,8 @@ def train_run(
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
     info: DistInfo = init_distributed(device)
+    # A run refused before it wrote anything leaves no directory holding only its lock.
+    fresh = info.is_main and not (run_dir.is_dir() and any(run_dir.iterdir()))
     try:
         with contextlib.ExitStack() as held:
             # One process at a time in a run directory (under torchrun: rank 0 holds it).
@@ -575,6 +577,12 @@ def train_run(
                 run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
                 (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
             return train_and_average(trainer)
+    except BaseException:
+        if fresh and run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+            (run_dir / LOCK_NAME).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
     finally:
         shutdown_distributed()
 
