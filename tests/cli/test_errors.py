@@ -124,9 +124,9 @@ def test_a_full_disk_under_stdout_is_one_line():
     command = f"{sys.executable} -m aiayn params > /dev/full"
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1
-    assert done.stderr == (
-        "aiayn params: error: cannot write the output: No space left on device\n"
-    ), done.stderr
+    assert done.stderr == ("aiayn params: error: cannot write: No space left on device\n"), (
+        done.stderr
+    )
 
 
 def test_bleu_reads_past_a_byte_order_mark(tmp_path, capsys):

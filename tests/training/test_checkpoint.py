@@ -410,7 +410,7 @@ def test_a_full_disk_outside_a_run_says_to_write_elsewhere(tmp_path, monkeypatch
 
 
 def test_averaging_names_a_missing_run_takes_its_checkpoints_folder_and_spares_step_files(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
     with pytest.raises(loading.CheckpointError, match=r"nowhere does not exist"):
         averaging.average_run(tmp_path / "nowhere", 2)
@@ -422,4 +422,7 @@ def test_averaging_names_a_missing_run_takes_its_checkpoints_folder_and_spares_s
     before = step_1.read_bytes()
     with pytest.raises(loading.CheckpointError, match="a run's step checkpoint"):
         averaging.average_run(tmp_path, 2, step_1)
+    monkeypatch.chdir(folder)  # named from inside the folder too
+    with pytest.raises(loading.CheckpointError, match="a run's step checkpoint"):
+        averaging.average_run(tmp_path, 2, step_1.name)
     assert step_1.read_bytes() == before  # still what training resumes from

@@ -72,11 +72,13 @@ def test_exact_resume_is_bit_identical(tmp_path):
     assert m.out_proj.weight is m.src_embed.token.weight is m.tgt_embed.token.weight
 
 
-def test_a_stop_by_a_signal_and_a_resume_leave_the_run_an_uninterrupted_one_leaves(tmp_path):
-    """A SIGTERM after update 5 saves step 5, off the save grid (every 2 updates); resumed,
+@pytest.mark.parametrize("stop", [5, 6])
+def test_a_stop_by_a_signal_and_a_resume_leave_the_run_an_uninterrupted_one_leaves(tmp_path, stop):
+    """A SIGTERM during update 5 saves step 5, off the save grid (every 2 updates); resumed,
     the run logs the loss of updates 4-6 as one record, as the uninterrupted run does (the
     sums since the last record are in the checkpoint), and once it has saved step 6, step 5
-    goes: the same checkpoints for keep_last and averaging, the same parameters."""
+    goes: the same checkpoints for keep_last and averaging, the same parameters. One during
+    update 6 saves step 6, on the grid, which stays."""
     import signal
 
     from aiayn.training import checkpoint as ckpt
@@ -95,16 +97,16 @@ def test_a_stop_by_a_signal_and_a_resume_leave_the_run_an_uninterrupted_one_leav
     first = make_trainer(tmp_path / "b", config)
     update = first._update
 
-    def stopped_after_five() -> dict[str, float]:
-        if first.step == 4:
+    def stopped_during_update() -> dict[str, float]:
+        if first.step == stop - 1:
             first._signal = signal.SIGTERM  # as the handler sets it
         return update()
 
-    first._update = stopped_after_five  # type: ignore[method-assign]
+    first._update = stopped_during_update  # type: ignore[method-assign]
     result = first.train()
-    assert result.interrupted and result.step == 5
+    assert result.interrupted and result.step == stop
     names = [p.name for p in loading.list_step_checkpoints(tmp_path / "b")]
-    assert names == ["step_00000004.pt", "step_00000005.pt"]
+    assert names == [f"step_{(stop - 1) // 2 * 2:08d}.pt", f"step_{stop:08d}.pt"]
     path, state = ckpt.resume_point(tmp_path / "b")
     torch.manual_seed(1234)
     second = make_trainer(tmp_path / "b", config)

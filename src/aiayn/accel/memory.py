@@ -37,6 +37,7 @@ import itertools
 import mmap
 import os
 import platform
+import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -53,6 +54,8 @@ GLIBC_DEFAULT = (128 << 10, 128 << 10)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
+# Holders come and go on several threads (a server's decodes, finalizers of their caches).
+_lock = threading.Lock()
 _holders: dict[int, tuple[int, int]] = {}
 _tokens = itertools.count(1)
 _in_force: tuple[int, int] | None = None
@@ -64,21 +67,23 @@ def hold(thresholds: tuple[int, int]) -> int | None:
     mallopt = _mallopt()
     if mallopt is None:
         return None
-    token = next(_tokens)
-    _holders[token] = thresholds
-    if not _apply(mallopt):
-        del _holders[token]
-        return None
+    with _lock:
+        token = next(_tokens)
+        _holders[token] = thresholds
+        if not _apply(mallopt):
+            del _holders[token]
+            return None
     return token
 
 
 def release(token: int | None) -> None:
     """Give up a :func:`hold`; the thresholds fall to what the remaining holders need."""
-    if token is None or _holders.pop(token, None) is None:
-        return
-    mallopt = _mallopt()
-    if mallopt is not None:
-        _apply(mallopt)
+    with _lock:
+        if token is None or _holders.pop(token, None) is None:
+            return
+        mallopt = _mallopt()
+        if mallopt is not None:
+            _apply(mallopt)
 
 
 def in_force() -> tuple[int, int] | None:

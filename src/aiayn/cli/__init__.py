@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -92,11 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         if err.errno not in _WRITE_FAILURES:
             raise
-        # A full disk or quota under stdout (`> /dev/full`) or a file a command writes.
-        where = err.filename or "the output"
-        if err.filename is None:
-            _silence_stdout()
-        print(f"aiayn {args.command}: error: cannot write {where}: {err.strerror}", file=sys.stderr)
+        # A full disk or quota, under stdout (`> /dev/full`) or a file the command writes.
+        where = f" {err.filename}" if err.filename is not None else ""
+        print(f"aiayn {args.command}: error: cannot write{where}: {err.strerror}", file=sys.stderr)
         return 1
 
 
@@ -105,9 +104,13 @@ _WRITE_FAILURES = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENO
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null, so that flushing what it still holds at exit raises
-    nothing."""
+    nothing (where stdout is a file descriptor at all)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, fd)
     os.close(devnull)
 
 

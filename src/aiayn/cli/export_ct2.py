@@ -35,8 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from aiayn.interop.ct2 import export_ct2
 
-    # The checkpoint is mapped, not read: a model that never exports is refused before
-    # CTranslate2 is looked for, and one that does is quickly told how to install it.
+    # A model that never exports is refused before CTranslate2 is looked for (the checkpoint
+    # is mapped; its records' checksums read it once).
     out = export_ct2(args.checkpoint, args.out, args.quantization, force=args.force)
     print(out)
     return 0

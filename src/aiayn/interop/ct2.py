@@ -436,6 +436,16 @@ def _source(
     return _Source(loaded.model, loaded.config, tokenizer or loaded.tokenizer, loaded.path)
 
 
+def _exportable_source(
+    model_or_checkpoint: str | os.PathLike[str] | LoadedModel | Transformer,
+    tokenizer: Tokenizer | None,
+) -> _Source:
+    """:func:`_source`, refused (a UserError) where CTranslate2 cannot hold the model."""
+    source = _source(model_or_checkpoint, tokenizer)
+    _check_exportable(source.model)
+    return source
+
+
 def export_ct2(
     model_or_checkpoint: str | os.PathLike[str] | LoadedModel | Transformer,
     out_dir: str | os.PathLike[str],
@@ -461,7 +471,7 @@ def export_ct2(
         raise UserError(
             f"{out} exists and is not empty (--force, or force=True from Python, replaces it)"
         )
-    source = _source(model_or_checkpoint, tokenizer)  # a model that never exports: said first
+    source = _exportable_source(model_or_checkpoint, tokenizer)  # refused before the import
     ct2 = import_ctranslate2()
     key = file_key(source.path) if source.path is not None else None
     source_vocabulary, target_vocabulary = vocabularies(source.tokenizer)
@@ -611,7 +621,7 @@ def cached_export(
         return target
     # Loaded (mapped) once, and a model that does not export refused before "exporting".
     loaded = load_model(path)
-    _check_exportable(_source(loaded, None).model)
+    _exportable_source(loaded, None)
     if log is not None:
         log(f"exporting {path} to CTranslate2 ({weights}) into {target}")
     try:

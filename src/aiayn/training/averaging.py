@@ -141,6 +141,13 @@ def average_run(
         raise CheckpointError(
             f"{run_dir} does not exist" if not run_dir.exists() else f"{run_dir} is no directory"
         )
+    if out is not None:
+        where = Path(out).resolve()
+        if where.parent.name == CHECKPOINT_DIR and STEP_FILE.match(where.name):
+            raise CheckpointError(
+                f"{out} is a run's step checkpoint, which training resumes from: write the "
+                "average to another file"
+            )
     total = _ModelSum()
     newest: dict[str, Any] | None = None
     chosen: list[Path] = []
@@ -166,11 +173,6 @@ def average_run(
             file=sys.stderr,
         )
     target = Path(out) if out is not None else run_dir / AVERAGED_NAME
-    if target.parent.name == CHECKPOINT_DIR and STEP_FILE.match(target.name):
-        raise CheckpointError(
-            f"{target} is a run's step checkpoint, which training resumes from: write the "
-            "average to another file"
-        )
     payload = model_checkpoint(
         config_from_dict(newest["config"], stored=True),
         total.mean(),

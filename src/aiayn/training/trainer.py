@@ -246,7 +246,8 @@ class Trainer:
         Averaging the last checkpoints, and closing: ``training.launch.train_and_average``."""
         cfg = self.train_cfg
         interval = self._interval
-        interval["time"] = time.monotonic()
+        # Resumed: the time the sums took before the checkpoint, so that tokens/s is right.
+        interval["time"] = time.monotonic() - interval.pop("seconds", 0.0)
         reason = self._limit_reached()
         if reason is None and 0 < cfg.max_minutes <= self.minutes_before:
             reason = f"reached train.max_minutes={cfg.max_minutes:g}"  # before this resume
@@ -303,7 +304,9 @@ class Trainer:
         return self.train_cfg.max_minutes > 0 and self.minutes >= self.train_cfg.max_minutes
 
     def _finish(self, reason: str, interrupted: bool) -> TrainResult:
-        self._interrupted = interrupted
+        # Marked only off the save grid: a checkpoint on it is one the uninterrupted run keeps.
+        every = self.train_cfg.save_interval_steps
+        self._interrupted = interrupted and not (every > 0 and self.step % every == 0)
         if not interrupted:
             if self.valid is not None and self._validated_step != self.step and self.step > 0:
                 self._after_validation(self.validate())
@@ -579,7 +582,10 @@ class Trainer:
                 "minutes": self.minutes,
                 "tokens": self.tokens_seen,
                 "skipped": self.skipped,
-                "interval": {k: self._interval[k] for k in ("loss", "nll", "tokens")},
+                "interval": {
+                    **{k: self._interval[k] for k in ("loss", "nll", "tokens")},
+                    "seconds": time.monotonic() - self._interval.get("time", time.monotonic()),
+                },
                 "interrupted": self._interrupted,
             },
         }
@@ -627,7 +633,9 @@ class Trainer:
         self.tokens_seen = int(progress["tokens"])
         self.skipped = int(progress["skipped"])
         interval = progress.get("interval", {})  # absent from older checkpoints
-        self._interval = {k: float(interval.get(k, 0.0)) for k in ("loss", "nll", "tokens")}
+        self._interval = {
+            k: float(interval.get(k, 0.0)) for k in ("loss", "nll", "tokens", "seconds")
+        }
         if progress.get("interrupted") and source is not None:
             self.interruption = Path(source)
         samplers, rngs = state["sampler"], state["rng"]
