@@ -315,8 +315,10 @@ def test_a_packed_projection_above_the_mmap_threshold_is_served_from_the_heap() 
     # decoding setting again.
     assert big["during"][0] > 256 * 20_000 * 4 and big["during"][1] == decode[1]  # type: ignore[index]
     assert big["after"] == decode
-    # Mapped afresh, each product would fault its 5,000 pages: 50,000 for ten steps.
-    assert big["faults"] < 5_000  # type: ignore[operator]
+    # Mapped afresh, each product would fault its 5,000 pages: 50,000 for ten steps. From the
+    # heap, it reuses freed blocks; the heap may still grow by a block or two (a product's
+    # block split by a small allocation) before the reuse is steady.
+    assert big["faults"] < 15_000  # type: ignore[operator]
     # Under the threshold (4 rows, 320 KB), the decoding setting is left as it is.
     small = _heap_probe(4)
     assert small["same"] and small["during"] == decode and small["after"] == decode
