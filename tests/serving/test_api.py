@@ -514,5 +514,5 @@ def test_attention_of_a_linformer_cross_attention_model_is_a_501(make_app, engin
 
     described, refused = asyncio.run(scenario())
     assert described.json()["attention"] is False
-    body = assert_error(refused, 501, "engine", "unavailable")
+    body = assert_error(refused, 501, "model", "unavailable")  # the model's, not the engine's
     assert "model.cross_attention = linformer" in body["error"]["message"]

@@ -293,7 +293,9 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
     async def attention(request: Request) -> JSONResponse:
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if engine.attention_unavailable is not None:
-            raise ApiError(501, "engine", engine.attention_unavailable, "unavailable")
+            # The engine's fault (CTranslate2 holds no PyTorch model), or the model's.
+            field = "engine" if engine.model is None else "model"
+            raise ApiError(501, field, engine.attention_unavailable, "unavailable")
         query = validate(AttentionRequest, parse_json_object(body))
         key = decode_key(query.beam, query.alpha, 1)
         problems = text_problems([query.text], ["text"])
