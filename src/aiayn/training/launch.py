@@ -247,8 +247,8 @@ def check_fits_data(
 
 
 def _where_longest(data_dir: str | Path, split: str) -> str:
-    """ ", line N of FILE": where a prepared translation split's longest sentence is (its
-    prepared text, one kept pair a line); "" where the split cannot be read."""
+    """Where a prepared translation split's longest sentence is, as ``", line N of FILE"``
+    (its prepared text, one kept pair a line); "" where the split cannot be read."""
     try:
         corpus = Corpus.open(data_dir, split)
     except (UserError, OSError, KeyError, ValueError):
