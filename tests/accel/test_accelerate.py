@@ -23,7 +23,7 @@ from aiayn.accel import (
     accelerate,
     cpu_has_bfloat16,
 )
-from aiayn.accel.linear import LogitsBuffer, logits_into, onednn_packing_available
+from aiayn.accel.linear import LogitsBuffer, Pack, logits_into, onednn_packing_available
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search
 from aiayn.model.attention import MultiHeadAttention
@@ -145,18 +145,18 @@ def test_a_packed_projection_frees_the_last_steps_log_probabilities_first() -> N
     with accelerate(model, "decode", pack_weights=True, memory_settings=False):
         projection = model.out_proj
         assert isinstance(projection, CpuLinear) and projection.pack_serves()
-        product = projection.packed_product
+        product = projection.product_through  # what the decoder step's projection calls
 
-        def watched(x: Tensor) -> Tensor | None:
+        def watched(pack: Pack, x: Tensor, relu: bool = False) -> Tensor:
             assert all(ref() is None for ref in made)
-            out = product(x)
+            out = product(pack, x, relu)
             assert out is not None
             made.append(weakref.ref(out))
             return out
 
-        projection.packed_product = watched  # type: ignore[method-assign]
+        projection.product_through = watched  # type: ignore[method-assign]
         _hypotheses(model)
-        del projection.packed_product
+        del projection.product_through
     assert len(made) > 3
 
 

@@ -346,8 +346,10 @@ class CpuLinear(nn.Linear):
         (:meth:`serving_pack`). ``relu``: and its ReLU, applied by oneDNN as it writes the
         product."""
         pack = self.serving_pack(x, relu)
-        if pack is None:
-            return None
+        return None if pack is None else self.product_through(pack, x, relu)
+
+    def product_through(self, pack: Pack, x: Tensor, relu: bool = False) -> Tensor:
+        """The product of ``x`` through ``pack``, one :meth:`serving_pack` has returned."""
         parameters = self._parameters
         weight, bias = parameters["weight"], parameters["bias"]
         rows = rows_of(x)
@@ -426,9 +428,7 @@ def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Ten
         rows = rows_of(hidden)
         made = onednn_rows(rows) if pack.onednn else rows  # the rows the product writes
         owner.keep_in_heap(made * out_proj.out_features * hidden.element_size())
-        logits = out_proj.packed_product(hidden)
-        if logits is not None:
-            return logits
+        return out_proj.product_through(pack, hidden)
     weight = out_proj.weight
     if hidden.dtype == weight.dtype == torch.float32:
         buffer = owner.rows_buffer(hidden.size(0), weight.size(0), hidden.device)

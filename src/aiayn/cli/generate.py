@@ -117,8 +117,7 @@ def _next(seed: int | None) -> int | None:
 
 def _stream(generator: TextGenerator, prompt: str, options: GenerateOptions) -> None:
     """Print the prompt, then the continuation as it comes, then a newline; nothing where
-    the prompt or the options are refused."""
-    options.validate()
+    the prompt is refused (``options`` are checked already)."""
     generator.checked_prompt_ids(prompt)
     sys.stdout.write(prompt)
     sys.stdout.flush()

@@ -108,6 +108,17 @@ def resolve_config(
 _FREE_MODEL_KEYS = frozenset(("dropout", "attention_dropout", "relu_dropout"))
 
 
+def _init_from_checkpoint(path: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``train.init_from`` names and its state; a ConfigError naming the
+    setting where it cannot be read."""
+    try:
+        return loading.resolve_and_load(path)
+    except loading.CheckpointError as err:
+        raise ConfigError(
+            f"train.init_from={path}: {err} (train.init_from=none trains from scratch)"
+        ) from None
+
+
 def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
     """``config`` with the ``[model]`` of ``train.init_from`` under the keys set explicitly."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -115,13 +126,8 @@ def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
         return config
     path = config.train.init_from
     assert path is not None
-    try:
-        found, state = loading.resolve_and_load(path)
-        stored_config = config_from_dict(state["config"], stored=True)
-    except loading.CheckpointError as err:
-        raise ConfigError(
-            f"train.init_from={path}: {err} (train.init_from=none trains from scratch)"
-        ) from None
+    found, state = _init_from_checkpoint(path)
+    stored_config = config_from_dict(state["config"], stored=True)
     stored = stored_config.model
     if stored.task != config.model.task:
         raise ConfigError(
@@ -360,12 +366,7 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
     classifier."""
     path = config.train.init_from
     assert path is not None
-    try:
-        found, state = loading.resolve_and_load(path)
-    except loading.CheckpointError as err:
-        raise ConfigError(
-            f"train.init_from={path}: {err} (train.init_from=none trains from scratch)"
-        ) from None
+    found, state = _init_from_checkpoint(path)
     stored = config_from_dict(state["config"], stored=True)
     if config.model.task != "classify":
         _check_tokenizer(found, state, tokenizer_bytes)

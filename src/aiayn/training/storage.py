@@ -65,23 +65,18 @@ def writing(path: Path, what: str, needed: int = 0, in_run: bool = True) -> Iter
     ``in_run``: ``path`` is a training run's, and the message says how the run goes on."""
     try:
         yield
-    except OSError as err:
-        if err.errno in _FULL:
-            raise _full(path, what, needed, in_run) from None
-        if err.errno in _READ_ONLY:
-            raise _read_only(path, what, err, in_run) from None
-        raise
-    except RuntimeError as err:
-        # torch.save's zip writer: the OSError of the failed write, where it is chained
-        # (a later record's "unexpected pos"), else a write failure on a disk without room.
-        cause = _chained_os_error(err)
+    except (OSError, RuntimeError) as err:
+        # torch.save's zip writer raises a RuntimeError: the OSError of the failed write is
+        # chained to it where there was one (a later record's "unexpected pos").
+        cause = err if isinstance(err, OSError) else _chained_os_error(err)
         if cause is not None and cause.errno in _FULL:
             raise _full(path, what, needed, in_run) from None
         if cause is not None and cause.errno in _READ_ONLY:
             raise _read_only(path, what, cause, in_run) from None
-        free = _free(path.parent)
-        if "write" in str(err).lower() and free is not None and free < max(needed, 1):
-            raise _full(path, what, needed, in_run) from None
+        if isinstance(err, RuntimeError) and "write" in str(err).lower():
+            free = _free(path.parent)  # a write failure on a disk without room
+            if free is not None and free < max(needed, 1):
+                raise _full(path, what, needed, in_run) from None
         raise
 
 
