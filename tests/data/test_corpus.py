@@ -107,6 +107,23 @@ def test_damaged_token_file_is_a_user_error(data_dir, tmp_path):
         Corpus.open(copy, "valid")
 
 
+def test_a_token_id_outside_the_vocabulary_names_the_file_and_line(data_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    corpus = Corpus.open(copy, "train")
+    ids = np.memmap(copy / "train.yy.bin", dtype=load_manifest(copy)["dtype"], mode="r+")
+    line = 37  # from 0: the 38th line of train.yy
+    ids[int(corpus._tgt_off[line]) + 1] = corpus.vocab_size
+    ids.flush()
+    corpus = Corpus.open(copy, "train")
+    corpus.batch([0, 1, 36, 38])  # the lines around it are read
+    message = rf"train\.yy\.bin: line 38 holds token id {corpus.vocab_size}, outside the vocab"
+    with pytest.raises(UserError, match=message):
+        corpus.batch([3, line, 9])
+
+
 def test_tokenizer_round_trips_and_keeps_the_special_ids(tmp_path):
     text = tmp_path / "text.txt"
     rng = random.Random(3)

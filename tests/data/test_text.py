@@ -436,6 +436,25 @@ def test_classify_examples_are_lines_truncated_to_max_positions(classify_dir):
         assert not batch.inputs[row, len(expected) :].any()
 
 
+@pytest.mark.parametrize("task", ["lm", "mlm", "classify"])
+def test_a_token_id_outside_the_vocabulary_names_the_file_and_line(
+    task, lm_dir, classify_dir, tmp_path
+):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(classify_dir if task == "classify" else lm_dir, copy)
+    corpus = TextCorpus.open(copy, "train")
+    line = 11  # from 0: the 12th line
+    ids = np.memmap(copy / "train.txt.bin", dtype=load_manifest(copy)["dtype"], mode="r+")
+    ids[int(corpus.offsets[line])] = 60_000
+    ids.flush()
+    examples = TextExamples(TextCorpus.open(copy, "train"), task, block_size=0, max_positions=64)
+    examples.batch([10, 12])
+    with pytest.raises(UserError, match=r"train\.txt\.bin: line 12 holds token id 60000"):
+        examples.batch([10, line, 12])
+
+
 def test_example_options_are_checked(lm_dir):
     corpus = TextCorpus.open(lm_dir, "train")
     with pytest.raises(ConfigError, match="block_size=65"):

@@ -162,6 +162,9 @@ class Corpus:
         src_ids = _pad_rows(self._src_ids, self._src_off, idx, lead=None, tail=EOS_ID)
         tgt_in = _pad_rows(self._tgt_ids, self._tgt_off, idx, lead=BOS_ID, tail=None)
         tgt_out = _pad_rows(self._tgt_ids, self._tgt_off, idx, lead=None, tail=EOS_ID)
+        for rows, lang in ((src_ids, self.src_lang), (tgt_out, self.tgt_lang)):
+            bin_path = ids_paths(self.data_dir, self.split, lang)[0]
+            check_ids(rows, idx[:, None], self.vocab_size, bin_path)
         src = torch.from_numpy(src_ids)
         return Batch(src, src == PAD_ID, torch.from_numpy(tgt_in), torch.from_numpy(tgt_out))
 
@@ -178,6 +181,21 @@ class Corpus:
     def tgt_texts(self) -> list[str]:
         """The raw target sentences (the original references), aligned with the pair indices."""
         return _read_lines(self.tgt_text_path())
+
+
+def check_ids(ids: np.ndarray, lines: np.ndarray, vocab_size: int, bin_path: Path) -> None:
+    """A :class:`UserError` naming the file and line when token ids read from ``bin_path``
+    hold one outside the vocabulary: a damaged file, or one written with another tokenizer.
+    ``lines``: the line of the split (from 0) of each id, broadcast to ``ids``' shape. A min
+    and a max where the ids are good."""
+    if not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
+        return
+    where = tuple(np.argwhere((ids < 0) | (ids >= vocab_size))[0])
+    line = int(np.broadcast_to(lines, ids.shape)[where]) + 1
+    raise UserError(
+        f"{bin_path}: line {line} holds token id {int(ids[where])}, outside the vocabulary "
+        f"of {vocab_size}; the file is damaged: run `aiayn prepare` again with --force"
+    )
 
 
 def check_split(data_dir: Path, manifest: dict[str, Any], split: str) -> None:

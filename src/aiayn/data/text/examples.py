@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from aiayn.data.collate import BOS_ID, EOS_ID, MASK_ID, PAD_ID, LabelBatch, TokenBatch
-from aiayn.data.text.corpus import TextCorpus
+from aiayn.data.corpus import check_ids, ids_paths
+from aiayn.data.text.corpus import TEXT_SUFFIX, TextCorpus
 from aiayn.errors import ConfigError, UserError
 
 EXAMPLE_TASKS = ("lm", "mlm", "classify")
@@ -168,7 +169,11 @@ class TextExamples:
         tokens = np.where(within == 0, BOS_ID, EOS_ID)
         inner = (within > 0) & (within <= self._doc_lengths[doc])
         flat = np.asarray(self.corpus.offsets[doc[inner]], dtype=np.int64) + within[inner] - 1
-        tokens[inner] = self.corpus.token_ids[flat]
+        ids = np.asarray(self.corpus.token_ids[flat])
+        corpus = self.corpus
+        bin_path = ids_paths(corpus.data_dir, corpus.split, TEXT_SUFFIX)[0]
+        check_ids(ids, doc[inner], corpus.vocab_size, bin_path)
+        tokens[inner] = ids
         out[rows, cols] = tokens
         return out
 
