@@ -1,5 +1,6 @@
 import random
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,19 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_prepare_command_writes_data_and_a_summary(prefixes, tmp_path, capsys):
+def test_prepare_command_writes_data_and_a_summary(prefixes, tmp_path, capsys, monkeypatch):
     train, valid = prefixes
+    # No folder in the system's temporary folder, where a killed run would leave it.
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def mkdtemp(suffix=None, prefix=None, dir=None):
+        path = real(suffix, prefix, dir)
+        if dir is None:
+            made.append(path)
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     code, out, err = _run(_prepare_args(train, valid, tmp_path / "data"), capsys)
     assert code == 0
     assert "train" in out and "300 pairs" in out and "valid" in out and "20 pairs" in out
@@ -50,6 +62,7 @@ def test_prepare_command_writes_data_and_a_summary(prefixes, tmp_path, capsys):
     assert load_manifest(tmp_path / "data")["vocab_size"] == 80
     code, out, err = _run(_prepare_args(train, valid, tmp_path / "data"), capsys)
     assert code == 0 and "up to date" in err and "300 pairs" in out
+    assert made == []
 
 
 def _assert_one_line_error(code: int, err: str, *needles: str) -> None:

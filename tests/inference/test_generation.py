@@ -100,3 +100,6 @@ def test_classifier_probabilities_in_input_order_and_batch_independent():
     best = big.predict(texts)
     assert [p.label for p in best] == [["a", "b", "c"][int(i)] for i in probs.argmax(-1)]
     assert big.inputs("w5 " * 60)[-1] == EOS_ID and len(big.inputs("w5 " * 60)) == 40
+    for call in (big.predict, big.probabilities):  # one string is not four one-letter texts
+        with pytest.raises(TypeError, match=r"a list of lines, not one string"):
+            call("w5 w6")

@@ -106,6 +106,9 @@ def test_batch_invariance_random_weights() -> None:
     lines = sentences(64, seed=2)
     together = translator.translate(lines)
     assert [translator.translate([line])[0] for line in lines] == together
+    for call in (translator.translate, translator.translate_nbest):  # not a line per letter
+        with pytest.raises(TypeError, match=r"takes a list of lines, not one string"):
+            call(lines[0])
 
 
 def test_search_never_outputs_pad_or_bos() -> None:

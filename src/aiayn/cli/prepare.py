@@ -4,8 +4,10 @@ binarised DATA_DIR."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,15 +177,20 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--corpus {args.corpus} reads its own files; drop {', '.join(given)}")
     elif args.sword_path or args.download:
         raise CLIError("--sword-path and --download go with --corpus bible")
-    with tempfile.TemporaryDirectory(prefix="aiayn-tokenizer-") as staging:
+    with contextlib.ExitStack() as cleanup:
+        # Made only where a checkpoint's tokenizer is written out: a killed run leaves no
+        # folder behind otherwise.
+        def staging() -> Path:
+            return Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="aiayn-")))
+
         prepare = _prepare_translation if args.task == "translation" else _prepare_text
-        manifest = prepare(args, options, Path(staging))
+        manifest = prepare(args, options, staging)
     print(summary(manifest, args.out))
     return 0
 
 
 def _prepare_translation(
-    args: argparse.Namespace, options: dict[str, Any], staging: Path
+    args: argparse.Namespace, options: dict[str, Any], staging: Callable[[], Path]
 ) -> dict[str, Any]:
     # Imported here: `aiayn --help` stays fast (aiayn.cli).
     from aiayn.data.prepare import prepare_corpus, prepare_data
@@ -240,9 +247,10 @@ def _no_vocabulary_options(args: argparse.Namespace) -> None:
         raise CLIError(f"--tokenizer brings its own vocabulary; drop {', '.join(given)}")
 
 
-def _tokenizer_file(given: str, staging: Path) -> tuple[Path, str]:
+def _tokenizer_file(given: str, staging: Callable[[], Path]) -> tuple[Path, str]:
     """The tokenizer file that ``--tokenizer`` names (the file itself, a data directory's
-    spm.model, or the tokenizer of a checkpoint or run directory written to ``staging``) and
+    spm.model, or the tokenizer of a checkpoint or run directory written to a folder that
+    ``staging`` makes) and
     the file it came from, for the manifest."""
     from aiayn.data.corpus import tokenizer_path
     from aiayn.inference.loading import CheckpointError, resolve_and_load, tensor_to_bytes
@@ -258,13 +266,13 @@ def _tokenizer_file(given: str, staging: Path) -> tuple[Path, str]:
         raise CLIError(f"--tokenizer {given}: {err}") from None
     if state.get("tokenizer") is None or state["tokenizer"].numel() == 0:
         raise CLIError(f"--tokenizer {given}: {found} carries no tokenizer")
-    out = staging / "spm.model"
+    out = staging() / "spm.model"
     out.write_bytes(tensor_to_bytes(state["tokenizer"]))
     return out, str(Path(found).resolve())
 
 
 def _prepare_text(
-    args: argparse.Namespace, options: dict[str, Any], staging: Path
+    args: argparse.Namespace, options: dict[str, Any], staging: Callable[[], Path]
 ) -> dict[str, Any]:
     from aiayn.data.text import prepare_bible_text, prepare_text
 

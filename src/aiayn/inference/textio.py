@@ -55,6 +55,13 @@ def read_lines(path: str | Path) -> list[str]:
     return split_lines(data, str(path))
 
 
+def refuse_one_string(lines: object, call: str) -> None:
+    """A TypeError where a method that takes a sequence of lines is given one string, each of
+    whose characters would otherwise be a line."""
+    if isinstance(lines, str):
+        raise TypeError(f"{call} takes a list of lines, not one string: {call}([text])")
+
+
 def one_line(text: str) -> str:
     """``text`` with line breaks turned into spaces, so that one output stays one line."""
     return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")

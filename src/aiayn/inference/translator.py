@@ -46,7 +46,7 @@ from aiayn.inference.search import (
     max_output_lengths,
     never_pad_or_bos,
 )
-from aiayn.inference.textio import one_line
+from aiayn.inference.textio import one_line, refuse_one_string
 from aiayn.model.families import TranslationModel
 from aiayn.model.patterns import check_decodable
 
@@ -212,11 +212,13 @@ class TextTranslator:
 
     def translate(self, lines: Sequence[str], first_line: int = 1) -> list[str]:
         """One detokenised translation per line, in order (the best hypothesis)."""
+        refuse_one_string(lines, "translate")
         return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(lines, first_line)]
 
     def translate_nbest(self, lines: Sequence[str], first_line: int = 1) -> list[list[Translation]]:
         """Up to ``nbest`` translations per line, best first; an empty line gives ``[]``.
         ``first_line`` numbers the lines in warnings."""
+        refuse_one_string(lines, "translate_nbest")
         sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
         results = self.search_ids(sources)
         return [
