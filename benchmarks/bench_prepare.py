@@ -4,7 +4,7 @@ Each run happens in a fresh subprocess, so its peak resident set size (``ru_maxr
 own: that includes importing aiayn (and torch, which ``import aiayn`` pulls in), reported
 separately as the baseline. Phase times come from the progress messages of ``prepare_data``.
 A second run with the same inputs measures the reuse path. Results go to
-``benchmarks/results/prepare.md``.
+``benchmarks/results/prepare.md`` (``--out FILE`` elsewhere).
 
     .venv/bin/python benchmarks/bench_prepare.py                 # Multi30k + 1M synthetic
     .venv/bin/python benchmarks/bench_prepare.py --pairs 100000  # a smaller synthetic corpus
@@ -211,6 +211,7 @@ def main() -> None:
     )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench-prepare"))
     parser.add_argument("--skip-synthetic", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the report (Markdown)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -312,8 +313,8 @@ Timings on a shared machine are noisy; each figure is one run.
 - *rerun*: the same command again: inputs and options unchanged, so DATA_DIR is reused.
 {chr(10).join(notes)}
 """
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text, encoding="utf-8")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text, encoding="utf-8")
     print(text)
 
 

@@ -2,7 +2,7 @@
 and activation checkpointing at BASE size: time and peak memory on this CPU.
 
     .venv/bin/python -m benchmarks.long_attention [--lengths 256 ... 16384] [--patterns ...]
-        [--repeats 3] [--timeout 300] [--wait-quiet 60] [--skip-checkpointing]
+        [--repeats 3] [--timeout 300] [--wait-quiet 60] [--skip-checkpointing] [--out DIR]
 
 Each measurement runs in a fresh subprocess (``worker``): it builds one encoder layer of the
 BASE shape (d_model 512, 8 heads, FFN 2,048, no dropout) whose self-attention has the pattern
@@ -19,7 +19,7 @@ of 16 × 256 tokens with and without ``train.activation_checkpointing`` and repo
 update and peak memory.
 
 Writes ``benchmarks/results/long-attention.{json,md}`` and ``docs/images/long-attention.png``
-(log-log time and memory against n, with the fitted slopes).
+(log-log time and memory against n, with the fitted slopes), or the three into ``--out``.
 """
 
 from __future__ import annotations
@@ -213,6 +213,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--wait-quiet", type=float, default=60.0)
     parser.add_argument("--skip-checkpointing", action="store_true")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the .json, .md and .png (default: benchmarks/results and docs/images)",
+    )
     args = parser.parse_args()
     if args.worker is not None:
         kind, *rest = args.worker
@@ -258,10 +264,11 @@ def main() -> None:
                 result["checkpointing"].append(got)
     result["load_after"] = load_average()
     name = "long-attention-causal" if args.causal else "long-attention"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(report(result))
-    plot(result["layer"], IMAGE.with_name(f"{name}.png"), result["cpu"])
+    results = args.out or RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (results / f"{name}.md").write_text(report(result))
+    plot(result["layer"], (args.out or IMAGE.parent) / f"{name}.png", result["cpu"])
     print(report(result))
 
 

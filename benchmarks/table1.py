@@ -3,7 +3,7 @@ d = 512, on this CPU, beside the paper's complexity, sequential operations and m
 length.
 
     .venv/bin/python -m benchmarks.table1 [--lengths 16 ... 4096] [--repeats 5]
-        [--window 64] [--kernel 3] [--timeout 300] [--wait-quiet 60]
+        [--window 64] [--kernel 3] [--timeout 300] [--wait-quiet 60] [--out DIR]
 
 The layers (batch of one sequence, fp32, 2 threads, no dropout):
 
@@ -296,6 +296,12 @@ def main() -> None:
     parser.add_argument("--kernel", type=int, default=3, help="k of the convolutions")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--wait-quiet", type=float, default=60.0)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for table1.{json,md,png} (default: benchmarks/results and docs/images)",
+    )
     args = parser.parse_args()
     if args.worker is not None:
         kind, n, repeats = args.worker[0], int(args.worker[1]), int(args.worker[2])
@@ -345,10 +351,11 @@ def main() -> None:
                 )
             result["counts"][kind][str(n)] = counts
     result["load_after"] = load_average()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "table1.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "table1.md").write_text(report(result))
-    plot(result, IMAGE)
+    results = args.out or RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "table1.json").write_text(json.dumps(result, indent=2) + "\n")
+    (results / "table1.md").write_text(report(result))
+    plot(result, args.out / IMAGE.name if args.out else IMAGE)
     print(report(result))
 
 
