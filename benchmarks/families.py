@@ -58,17 +58,9 @@ def _train(config: str, data: Path, out: Path, minutes: float, *extra: str) -> d
 
 def _test_metrics(run: Path, data: Path) -> dict[str, float]:
     """Validation metrics of the run's averaged model on the data's test split."""
-    from aiayn.config import load_config
-    from aiayn.inference.loading import load_model
-    from aiayn.training.distributed import DistInfo
-    from aiayn.training.launch import _examples
-    from aiayn.training.tasks import TextValidSet, evaluate_text
+    from aiayn.training.tasks import score_split
 
-    loaded = load_model(run)
-    config = load_config(run / "config.toml")
-    examples = _examples(data, "test", config)
-    n_classes = config.model.n_classes if config.model.task == "classify" else 0
-    return evaluate_text(loaded.model, TextValidSet(examples, n_classes), config, DistInfo())
+    return score_split(run, data, "test")
 
 
 def language_model(work: Path, scale: float) -> dict[str, Any]:

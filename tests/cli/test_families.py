@@ -4,6 +4,7 @@ pre-trained encoder, generate, classify and score."""
 import io
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from aiayn.cli import main
 from aiayn.inference import loading
+from aiayn.training.tasks import score_split
 from tests.helpers import TINY
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -68,6 +70,23 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     assert out.startswith("sun moon") and out.endswith("\n")
     assert main(["generate", str(run), "sun", "--beam", "3", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("sun")
+    # Scoring a split gives what the run's own validation gave for the same model.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in records if r["kind"] == "valid" and r["step"] == 10)
+    scored = score_split(run / "checkpoints" / "step_00000010.pt", data / "lm", "valid")
+    for key in ("loss", "nll", "ppl"):
+        assert scored[key] == pytest.approx(logged[key], rel=1e-6), key
+    assert main(["generate", str(run), "--data", str(data / "lm")]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"test: loss [0-9.]+, nll [0-9.]+ per token, perplexity [0-9.]+\n", out)
+    for bad, message in (
+        (["sun", "--data", str(data / "lm")], "a prompt goes with generating"),
+        (["--data", str(data / "lm"), "--greedy"], "--greedy goes with generating"),
+        (["sun", "--split", "valid"], "--split goes with --data"),
+        (["--data", str(data / "classify")], "prepared with another tokenizer than"),
+    ):
+        assert main(["generate", str(run), *bad]) == 2
+        assert message in capsys.readouterr().err
     # Prompts from stdin, a line each: a line that is not UTF-8 is named as translate names it.
     stdin = io.TextIOWrapper(io.BytesIO(b"sun\r\nmo\xe9n\n"))
     monkeypatch.setattr("sys.stdin", stdin)

@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "the text as it is generated; beam search prints its best continuation at the end. "
         "Without PROMPT, or with '-', each line of stdin is a prompt and each continuation is "
         "printed on one line. The continuation stops at the end of a line of the training "
-        "text (EOS) or after --max-new-tokens.",
+        "text (EOS) or after --max-new-tokens. With --data, print the model's perplexity on "
+        "a prepared split instead.",
     )
     add_checkpoint_argument(parser)
     parser.add_argument("prompt", nargs="?", default="-", help="the text to continue")
@@ -40,6 +41,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--seed", type=int, help="seed of the sampling (repeatable output)")
     parser.add_argument("--samples", type=int, default=1, help="continuations per prompt")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    score = parser.add_argument_group("scoring (instead of generating)")
+    score.add_argument(
+        "--data",
+        metavar="DATA_DIR",
+        help="print the model's perplexity on a split of a directory prepared with "
+        "`aiayn prepare --task lm` and the model's tokenizer",
+    )
+    score.add_argument("--split", help="the split of --data (default test)")
     parser.set_defaults(run=run)
 
 
@@ -48,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.inference.generation import GenerateOptions, TextGenerator
     from aiayn.inference.textio import decode_line
 
+    if args.data:
+        return _score(args)
+    if args.split is not None:
+        raise CLIError("--split goes with --data")
     if args.samples < 1:
         raise CLIError(f"--samples must be at least 1, got {args.samples}")
     sampling = not args.greedy and args.beam is None
@@ -109,6 +122,40 @@ def run(args: argparse.Namespace) -> int:
             print(prompt + result.text, flush=True)
             options = replace(options, seed=_next(options.seed))
     return 2 if failed else 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    """The perplexity of the model on a prepared split (the metrics `aiayn train` validates
+    with)."""
+    from aiayn.devices import pick_device
+    from aiayn.training.tasks import score_split
+
+    generating = [
+        flag
+        for flag, value, default in (
+            ("a prompt", args.prompt, "-"),
+            ("--max-new-tokens", args.max_new_tokens, 100),
+            ("--greedy", args.greedy, False),
+            ("--beam", args.beam, None),
+            ("--alpha", args.alpha, 0.6),
+            ("--temperature", args.temperature, 1.0),
+            ("--top-k", args.top_k, 0),
+            ("--top-p", args.top_p, 1.0),
+            ("--seed", args.seed, None),
+            ("--samples", args.samples, 1),
+        )
+        if value != default
+    ]
+    if generating:
+        raise CLIError(f"--data scores the model; {', '.join(generating)} goes with generating")
+    split = args.split or "test"
+    device = pick_device(args.device or "auto")
+    metrics = score_split(args.checkpoint, args.data, split, device, tasks=("lm",))
+    print(
+        f"{split}: loss {metrics['loss']:.4f}, nll {metrics['nll']:.4f} per token, "
+        f"perplexity {metrics['ppl']:.2f}"
+    )
+    return 0
 
 
 def _next(seed: int | None) -> int | None:

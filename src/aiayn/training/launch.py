@@ -33,7 +33,6 @@ from aiayn.config import (
 from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.corpus import Corpus, data_kind, load_manifest, tokenizer_path
 from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
-from aiayn.data.text import TextCorpus, TextExamples
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.devices import busy_cpu_slowdown
 from aiayn.errors import ConfigError, UserError
@@ -50,7 +49,7 @@ from aiayn.training.distributed import (
     shutdown_distributed,
 )
 from aiayn.training.lock import LOCK_NAME, RunDirectoryBusy, run_lock
-from aiayn.training.tasks import TextValidSet
+from aiayn.training.tasks import TextValidSet, text_examples
 from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
 from aiayn.training.validation import ValidSet
 
@@ -348,18 +347,6 @@ def _bpe_dropout_pairs(
     )
 
 
-def _examples(data_dir: Path, split: str, config: RunConfig) -> TextExamples:
-    """The examples of an lm, mlm or classify run on one split of a text data directory."""
-    return TextExamples(
-        TextCorpus.open(data_dir, split),
-        config.model.task,
-        block_size=config.data.block_size,
-        pack=config.data.pack,
-        max_positions=config.model.max_positions,
-        mask_prob=config.data.mask_prob,
-    )
-
-
 def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, torch.Tensor]:
     """The weights of ``train.init_from`` that the run starts from, checked against it: the
     whole model when it is of the run's task, the embedding and encoder of an mlm model for a
@@ -486,11 +473,11 @@ def train_run(
             else:
                 if config.data.bpe_dropout > 0:
                     raise ConfigError("data.bpe_dropout is an option of the translation task")
-                examples = _examples(data_dir, "train", config)
+                examples = text_examples(data_dir, "train", config)
                 corpus, lengths = examples, (examples.lengths, examples.lengths)
                 if validating:
                     n_classes = config.model.n_classes if config.model.task == "classify" else 0
-                    valid = TextValidSet(_examples(data_dir, "valid", config), n_classes)
+                    valid = TextValidSet(text_examples(data_dir, "valid", config), n_classes)
                 if config.model.task == "classify":
                     labels = list(load_manifest(data_dir)["labels"])
             try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,6 +24,9 @@ from torch import Tensor, nn
 from aiayn.accel.loss import projected_label_smoothed_nll
 from aiayn.config import RunConfig
 from aiayn.data.collate import PAD_ID, Batch, LabelBatch, TokenBatch
+from aiayn.data.corpus import tokenizer_path
+from aiayn.data.text import TextCorpus, TextExamples
+from aiayn.errors import UserError
 from aiayn.evaluation.classification import classification_scores
 from aiayn.training.distributed import DistInfo, all_reduce_sum, reduce_device
 from aiayn.training.loss import label_smoothed_nll
@@ -127,3 +131,43 @@ def evaluate_text(
     if was_training:
         model.train()
     return metrics
+
+
+def text_examples(data_dir: Path, split: str, config: RunConfig) -> TextExamples:
+    """The examples of an lm, mlm or classify run on one split of a text data directory."""
+    return TextExamples(
+        TextCorpus.open(data_dir, split),
+        config.model.task,
+        block_size=config.data.block_size,
+        pack=config.data.pack,
+        max_positions=config.model.max_positions,
+        mask_prob=config.data.mask_prob,
+    )
+
+
+def score_split(
+    checkpoint: str | Path,
+    data_dir: str | Path,
+    split: str = "test",
+    device: str | torch.device = "cpu",
+    tasks: Sequence[str] = ("lm", "mlm", "classify"),
+) -> dict[str, float]:
+    """The metrics a run validates with (:func:`evaluate_text`: loss, NLL and perplexity per
+    predicted token; a classifier's accuracy and macro-F1) of the lm, mlm or classify model of
+    ``checkpoint`` (a file or a run directory) on ``split`` of a directory that ``aiayn prepare
+    --task`` made with the model's tokenizer, its examples cut as the run cut them. A model
+    of a task outside ``tasks`` is refused."""
+    from aiayn.inference.loading import load_model
+
+    loaded = load_model(checkpoint, device, tasks=tasks)
+    data_dir = Path(data_dir)
+    spm = tokenizer_path(data_dir)
+    if spm.is_file() and spm.read_bytes() != loaded.tokenizer.to_bytes():
+        raise UserError(
+            f"{data_dir} was prepared with another tokenizer than {loaded.path}'s: prepare it "
+            f"with --tokenizer {loaded.path}"
+        )
+    config = loaded.config
+    n_classes = config.model.n_classes if config.model.task == "classify" else 0
+    valid = TextValidSet(text_examples(data_dir, split, config), n_classes)
+    return evaluate_text(loaded.model, valid, config, DistInfo(device=torch.device(device)))
