@@ -322,3 +322,41 @@ def test_a_packed_projection_above_the_mmap_threshold_is_served_from_the_heap() 
     # Under the threshold (4 rows, 320 KB), the decoding setting is left as it is.
     small = _heap_probe(4)
     assert small["same"] and small["during"] == decode and small["after"] == decode
+
+
+# Two caches' holds: the larger one ends first, the other's stays in force (argv: none).
+_HOLDS_PROBE = """
+import gc, json
+from aiayn.accel import memory
+from aiayn.accel.linear import LogitsBuffer
+decode = memory.hold(memory.DECODE)
+big, small = LogitsBuffer(), LogitsBuffer()
+big.keep_in_heap(40 << 20)
+small.keep_in_heap(20 << 20)
+both = memory.in_force()
+del big
+gc.collect()
+alone = memory.in_force()
+del small
+gc.collect()
+print(json.dumps([both, alone, memory.in_force()]))
+"""
+
+
+@pytest.mark.skipif(
+    __import__("platform").libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's"
+)
+def test_a_caches_hold_outlives_a_larger_one_that_ends_first() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "AIAYN_MALLOC"}
+    out = subprocess.run(
+        [sys.executable, "-c", _HOLDS_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    both, alone, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert both[0] > 40 << 20
+    assert 20 << 20 < alone[0] < 40 << 20
+    assert after == [16 << 20, 32 << 20]

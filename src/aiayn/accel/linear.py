@@ -393,13 +393,13 @@ class LogitsBuffer:
     def keep_in_heap(self, nbytes: int) -> None:
         """Have blocks of ``nbytes`` served from malloc's heap while this cache lives: the
         mmap threshold held above them, where an acceleration already holds the thresholds
-        raised (:mod:`aiayn.accel.memory`) and not that high. Nothing where malloc is left
-        alone."""
+        raised (:mod:`aiayn.accel.memory`). Held also where another hold covers them now: that
+        one may end first. Nothing where malloc is left alone."""
         held = self._heap_hold
         if held is not None and held[0] >= nbytes:
             return
         in_force = memory.in_force()
-        if in_force is None or nbytes + HEAP_MARGIN <= in_force[0]:
+        if in_force is None:
             return
         token = memory.hold((nbytes + HEAP_MARGIN, in_force[1]))
         if held is not None:
