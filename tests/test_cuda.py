@@ -58,12 +58,15 @@ def test_translation_on_cuda_equals_the_cpu_in_fp32(fp32_run, reverse_data_dir):
 
     sources = (reverse_data_dir / "valid.src").read_text().splitlines()
     for beam in (1, 4):
-        out = {
+        translators = {
             device: Translator.from_checkpoint(
                 fp32_run, device=device, decode_overrides={"beam_size": beam}
-            )[0].translate(sources)
+            )[0]
             for device in ("cpu", "cuda")
         }
+        # The CPU's levers: not applied on CUDA, and said so.
+        assert [t.engine_details()["accelerated"] for t in translators.values()] == [True, False]
+        out = {device: t.translate(sources) for device, t in translators.items()}
         same = sum(a == b for a, b in zip(out["cpu"], out["cuda"], strict=True))
         assert same >= len(sources) - 1, (beam, same)
 

@@ -537,6 +537,25 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     return config
 
 
+# What a run's data sets whatever its preset, and the dropout rates: not a change of the
+# preset's model.
+_DATA_MODEL_KEYS = frozenset(
+    ("vocab_size", "tgt_vocab_size", "n_classes", "dropout", "attention_dropout", "relu_dropout")
+)
+
+
+def model_changes(config: RunConfig) -> list[str]:
+    """``model.KEY=VALUE`` for each architecture setting of ``config`` that is not its
+    preset's (the data's vocabulary and classes, and the dropout rates, aside)."""
+    preset = build_section(ModelConfig, preset_overrides(config.preset).get("model", {}), "model")
+    return [
+        f"model.{f.name}={getattr(config.model, f.name)}"
+        for f in fields(ModelConfig)
+        if f.name not in _DATA_MODEL_KEYS
+        and getattr(config.model, f.name) != getattr(preset, f.name)
+    ]
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     """A TOML run file's tables (a UTF-8 byte order mark at its start is skipped); a
     ConfigError naming the file where it cannot be read or parsed."""

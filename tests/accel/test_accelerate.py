@@ -347,6 +347,7 @@ def test_trainer_and_translator_accelerate_on_the_cpu_unless_asked_not_to(tmp_pa
             accelerated=accelerated,  # type: ignore[arg-type]
         )
         assert (translator.acceleration is not None) is accelerated
+        assert translator.engine_details()["accelerated"] is accelerated
         if translator.acceleration is not None:
             translator.acceleration.undo()
 

@@ -63,6 +63,7 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     assert main([*args, "model.task=lm", "train.max_steps=10", *QUICK]) == 0  # resumes
     err = capsys.readouterr().err
     assert "resuming from" in err and "valid @ 10: loss" in err
+    assert "training tiny with model.max_positions=64, model.task=lm (" in err  # not tiny's own
     state = loading.load_checkpoint(run / "averaged.pt")
     assert state["config"]["model"]["task"] == "lm" and state["step"] == 10
     assert main(["generate", str(run), "sun moon", "--seed", "1", "--max-new-tokens", "5"]) == 0

@@ -46,6 +46,16 @@ def test_tiny_model_learns_to_reverse_through_the_cli(data_dir, tmp_path, capsys
         {"loss", "lr", "tgt_tokens_per_s"} <= r.keys() for r in records if r["kind"] == "train"
     )
     assert _exact_match(run, data_dir) >= 0.9
+    # Decoding settings named and typed as the config file's [decode] keys.
+    from aiayn.errors import ConfigError
+    from aiayn.inference.translator import Translator
+
+    for bad, message in (
+        ({"beam": 2}, r"unknown key\(s\) decode\.beam; valid keys in \[decode\]"),
+        ({"beam_size": "four"}, "decode.beam_size must be an integer, got 'four'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            Translator.from_checkpoint(run, decode_overrides=bad)
 
     # The written config reads back as the resolved one (vocabulary size from the data).
     from aiayn.config import load_config

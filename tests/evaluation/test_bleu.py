@@ -70,6 +70,22 @@ def test_mismatched_lengths() -> None:
         sacrebleu_bleu(["a", "b"], [["a"]])
 
 
+@pytest.mark.parametrize(
+    ("hypotheses", "references", "error", "message"),
+    [
+        ([], [[]], ValueError, "no hypotheses: nothing to score"),
+        ("abc", [["a", "b", "c"]], TypeError, "hypotheses: a list of lines, not one string"),
+        (["a b", "c d"], ["a b", "c d"], TypeError, "for one set, pass \\[references\\]"),
+        (["a b"], [], ValueError, "a list of reference sets"),
+        (["abc"], [["abc"], "abc"], TypeError, "reference set 2: a list of lines"),
+    ],
+)
+def test_what_would_be_misread_is_refused(hypotheses, references, error, message) -> None:
+    for metric in (sacrebleu_bleu, sacrebleu_chrf, tokenized_bleu):
+        with pytest.raises(error, match=message):
+            metric(hypotheses, references)
+
+
 def test_bleu_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hyp = tmp_path / "hyp.txt"
     ref = tmp_path / "ref.txt"

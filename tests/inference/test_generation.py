@@ -83,6 +83,13 @@ def test_generation_stops_at_the_models_positions_and_refuses_long_prompts():
         generator.generate("w5 " * 40)
     with pytest.raises(UserError, match="top-p"):
         generator.generate("w5", GenerateOptions(top_p=0.0))
+    for temperature in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(UserError, match="temperature must be a positive number"):
+            generator.generate("w5", GenerateOptions(temperature=temperature))
+    with pytest.raises(UserError, match="seed must be from"):
+        generator.generate("w5", GenerateOptions(seed=2**64))
+    with pytest.raises(TypeError, match="generate continues one prompt"):
+        generator.generate(["w5", "w6"])  # type: ignore[arg-type]
 
 
 def test_classifier_probabilities_in_input_order_and_batch_independent():
@@ -100,6 +107,8 @@ def test_classifier_probabilities_in_input_order_and_batch_independent():
     best = big.predict(texts)
     assert [p.label for p in best] == [["a", "b", "c"][int(i)] for i in probs.argmax(-1)]
     assert big.inputs("w5 " * 60)[-1] == EOS_ID and len(big.inputs("w5 " * 60)) == 40
+    with pytest.raises(ValueError, match="batch_tokens must be positive, got 0"):
+        TextClassifier(model, Words(), ["a", "b", "c"], batch_tokens=0)
     for call in (big.predict, big.probabilities):  # one string is not four one-letter texts
         with pytest.raises(TypeError, match=r"a list of lines, not one string"):
             call("w5 w6")

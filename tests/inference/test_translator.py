@@ -109,6 +109,8 @@ def test_batch_invariance_random_weights() -> None:
     for call in (translator.translate, translator.translate_nbest):  # not a line per letter
         with pytest.raises(TypeError, match=r"takes a list of lines, not one string"):
             call(lines[0])
+        with pytest.raises(TypeError, match=r"line 2 is bytes, not str"):
+            call([lines[0], lines[1].encode()])
 
 
 def test_search_never_outputs_pad_or_bos() -> None:

@@ -344,6 +344,16 @@ def test_a_tokenizer_that_cannot_be_read_is_a_checkpoint_error(tmp_path):
         loading.load_model(path)
 
 
+def test_a_model_of_another_vocabulary_than_its_tokenizer_is_refused(tmp_path):
+    from aiayn.data.corpus import tokenizer_path
+
+    data = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
+    path = tmp_path / "m.pt"
+    _model_file(path, tiny_config("model.vocab_size=40"), 0, tokenizer_path(data).read_bytes())
+    with pytest.raises(loading.CheckpointError, match=r"m\.pt: its model has a vocabulary of 40 "):
+        loading.load_model(path)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
 def test_inference_maps_the_checkpoint_instead_of_reading_it(tmp_path):
     """load_model's parameters are the checkpoint file's pages (no copy of the weights in

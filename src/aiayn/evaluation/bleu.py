@@ -35,9 +35,23 @@ class MetricScore:
 
 
 def _check(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> None:
-    if not references:
-        raise ValueError("at least one reference set is needed")
+    """A TypeError or ValueError for what sacreBLEU would misread or fail on: one string for
+    the hypotheses (a line per character) or for a reference set, references given as one set
+    (a list of strings, not a list of sets), no lines at all, sets of other lengths."""
+    if isinstance(hypotheses, str):
+        raise TypeError("hypotheses: a list of lines, not one string")
+    if isinstance(references, str) or not references:
+        raise ValueError("references: a list of reference sets (each a list of lines) is needed")
+    if isinstance(references[0], str):
+        raise TypeError(
+            "references: a list of reference sets, each a list of lines parallel to the "
+            "hypotheses; for one set, pass [references]"
+        )
+    if not hypotheses:
+        raise ValueError("no hypotheses: nothing to score")
     for i, refs in enumerate(references, start=1):
+        if isinstance(refs, str):
+            raise TypeError(f"reference set {i}: a list of lines, not one string")
         if len(refs) != len(hypotheses):
             raise ValueError(
                 f"{len(hypotheses)} hypotheses but {len(refs)} lines in reference set {i}"

@@ -17,7 +17,7 @@ from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, pad_sequences
 from aiayn.devices import inference_attention
 from aiayn.errors import UserError
 from aiayn.inference.loading import load_model
-from aiayn.inference.textio import refuse_one_string
+from aiayn.inference.textio import check_lines
 from aiayn.inference.translator import TextTokenizer
 from aiayn.model.families import EncoderOnly
 
@@ -46,6 +46,8 @@ class TextClassifier:
             raise UserError("the model has no classification head (model.task is not classify)")
         if len(labels) != model.config.n_classes:
             raise UserError(f"{len(labels)} class names for {model.config.n_classes} classes")
+        if batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.labels = list(labels)
@@ -68,7 +70,7 @@ class TextClassifier:
     @torch.no_grad()
     def probabilities(self, texts: Sequence[str]) -> torch.Tensor:
         """(len(texts), n_classes) class probabilities, float32, in input order."""
-        refuse_one_string(texts, "probabilities")
+        check_lines(texts, "probabilities")
         encoded = [self.inputs(text) for text in texts]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out = torch.zeros(len(encoded), len(self.labels))
@@ -90,7 +92,7 @@ class TextClassifier:
 
     def predict(self, texts: Sequence[str]) -> list[Prediction]:
         """The most probable class of each text, with all probabilities."""
-        refuse_one_string(texts, "predict")
+        check_lines(texts, "predict")
         probs = self.probabilities(texts)
         best = probs.argmax(dim=-1).tolist()
         return [

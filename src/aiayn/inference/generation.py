@@ -12,6 +12,7 @@ only at the end.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,12 +61,14 @@ class GenerateOptions:
         if self.beam_size < 1:
             raise UserError(f"beam size must be at least 1, got {self.beam_size}")
         check_alpha(self.alpha)
-        if self.temperature <= 0:
-            raise UserError(f"temperature must be positive, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:  # NaN fails too
+            raise UserError(f"temperature must be a positive number, got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"top-k must be 0 (off) or more, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch takes
+            raise UserError(f"seed must be from -2**63 to 2**64 - 1, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class TextGenerator:
     ) -> Generation:
         """Continue ``prompt``. With ``on_text`` (greedy and sampling), each new piece of text
         is passed to it as soon as it is known; the pieces add up to ``Generation.text``."""
+        if not isinstance(prompt, str):
+            raise TypeError(
+                f"generate continues one prompt (a string), not {type(prompt).__name__}: "
+                "call it once for each"
+            )
         options = options or GenerateOptions()
         options.validate()
         context = self.checked_prompt_ids(prompt)

@@ -372,6 +372,16 @@ def load_model(
         raise CheckpointCorrupt(
             f"{path}: its tokenizer cannot be read (corrupt?): {_first_sentence(err)}"
         ) from None
+    pieces = (tokenizer.vocab_size, tokenizer.target_vocab_size)
+    sizes = (config.model.vocab_size, config.model.target_vocab_size)
+    if pieces != sizes:  # its ids would not be the model's: a wrong piece or an IndexError
+        raise CheckpointError(
+            f"{path}: its model has a vocabulary of {sizes[0]} pieces "
+            + (f"({sizes[1]} on the target side) " if sizes[1] != sizes[0] else "")
+            + f"but its tokenizer {pieces[0]}"
+            + (f" ({pieces[1]} on the target side)" if pieces[1] != pieces[0] else "")
+            + ": it was trained with a model.vocab_size that is not its data's"
+        )
     labels = [str(name) for name in state.get("labels") or []]
     if task == "classify" and len(labels) != config.model.n_classes:
         raise CheckpointError(f"{path}: {len(labels)} class names for {config.model.n_classes}")

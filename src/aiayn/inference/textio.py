@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from aiayn.errors import UserError
@@ -55,11 +56,14 @@ def read_lines(path: str | Path) -> list[str]:
     return split_lines(data, str(path))
 
 
-def refuse_one_string(lines: object, call: str) -> None:
-    """A TypeError where a method that takes a sequence of lines is given one string, each of
-    whose characters would otherwise be a line."""
+def check_lines(lines: Iterable[object], call: str) -> None:
+    """A TypeError where a method that takes a sequence of lines is given one string (each of
+    its characters would be a line) or a line that is no string (bytes, None)."""
     if isinstance(lines, str):
         raise TypeError(f"{call} takes a list of lines, not one string: {call}([text])")
+    for number, line in enumerate(lines, 1):
+        if not isinstance(line, str):
+            raise TypeError(f"{call}: line {number} is {type(line).__name__}, not str")
 
 
 def one_line(text: str) -> str:

@@ -17,7 +17,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,7 +34,7 @@ from aiayn.accel import (
     cpu_has_bfloat16,
 )
 from aiayn.accel.compiled import use_compiled_step
-from aiayn.config import DecodeConfig, ModelConfig, RunConfig
+from aiayn.config import DecodeConfig, ModelConfig, RunConfig, build_section
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.devices import inference_attention
 from aiayn.errors import ConfigError
@@ -46,7 +46,7 @@ from aiayn.inference.search import (
     max_output_lengths,
     never_pad_or_bos,
 )
-from aiayn.inference.textio import one_line, refuse_one_string
+from aiayn.inference.textio import check_lines, one_line
 from aiayn.model.families import TranslationModel
 from aiayn.model.patterns import check_decodable
 
@@ -212,13 +212,13 @@ class TextTranslator:
 
     def translate(self, lines: Sequence[str], first_line: int = 1) -> list[str]:
         """One detokenised translation per line, in order (the best hypothesis)."""
-        refuse_one_string(lines, "translate")
+        check_lines(lines, "translate")
         return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(lines, first_line)]
 
     def translate_nbest(self, lines: Sequence[str], first_line: int = 1) -> list[list[Translation]]:
         """Up to ``nbest`` translations per line, best first; an empty line gives ``[]``.
         ``first_line`` numbers the lines in warnings."""
-        refuse_one_string(lines, "translate_nbest")
+        check_lines(lines, "translate_nbest")
         sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
         results = self.search_ids(sources)
         return [
@@ -398,7 +398,10 @@ class Translator(TextTranslator):
         translator = cls(
             model,
             tokenizer,
-            replace(config.decode, **dict(decode_overrides or {})),
+            # Named and typed as the config file's [decode] keys are: refused otherwise.
+            build_section(
+                DecodeConfig, {**asdict(config.decode), **dict(decode_overrides or {})}, "decode"
+            ),
             nbest=nbest,
             device=device,
             warn=warn,
@@ -419,7 +422,8 @@ class Translator(TextTranslator):
             "engine": self.engine_name,
             "device": str(self.device),
             "weights_dtype": sorted(weights),
-            "accelerated": self.acceleration is not None,
+            # A model off the CPU is handed back as it is: no lever applies there.
+            "accelerated": self.acceleration is not None and bool(self.acceleration.levers),
         }
 
     @torch.inference_mode()

@@ -326,7 +326,8 @@ def _warn_if_cpu_busy() -> None:
         print(
             f"warning: the CPU is busy with other work: {threads} threads ran a test product "
             f"{slowdown:.1f}x slower than 1 thread; training will likely be faster with "
-            "--threads 1 (or fewer threads than cores are free)",
+            "--threads 1, torch.set_num_threads(1) from Python (or fewer threads than cores "
+            "are free)",
             file=sys.stderr,
         )
 
@@ -432,9 +433,13 @@ def train_run(
     show_progress: bool = True,
     start_over: bool = False,
 ) -> TrainResult:
-    """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank."""
+    """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank.
+    ``config`` as :func:`resolve_config` makes it from a config file and the data (the
+    vocabulary size and a classifier's classes taken from the data); one that does not fit the
+    data is refused (:func:`check_fits_data`) before anything is written."""
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
+    check_fits_data(config, data_dir, load_manifest(data_dir))
     info: DistInfo = init_distributed(device)
     # A run refused before it wrote anything leaves no directory holding only its lock.
     fresh = info.is_main and not (run_dir.is_dir() and any(run_dir.iterdir()))

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16
-from aiayn.config import ModelConfig, RunConfig, config_from_dict
+from aiayn.config import ModelConfig, RunConfig, config_from_dict, model_changes
 from aiayn.data.collate import Batch, LabelBatch, TokenBatch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference import loading
@@ -252,9 +252,12 @@ class Trainer:
         if reason is None and 0 < cfg.max_minutes <= self.minutes_before:
             reason = f"reached train.max_minutes={cfg.max_minutes:g}"  # before this resume
         if self.step == 0 and self.info.is_main:
+            changes = model_changes(self.config)  # the preset's name alone would not say
+            changed = f" with {', '.join(changes[:4])}{', ...' if len(changes) > 4 else ''}"
             self.log(
-                f"training {self.config.preset} ({sum(p.numel() for p in self.params):,} "
-                f"parameters) on {self.info.world_size} × {self.device.type}, "
+                f"training {self.config.preset}{changed if changes else ''} "
+                f"({sum(p.numel() for p in self.params):,} parameters) on "
+                f"{self.info.world_size} × {self.device.type}, "
                 f"~{cfg.update_tokens:,} target tokens per update"
             )
         elif reason is None:
