@@ -105,8 +105,9 @@ def test_every_preset_builds(name):
         ("train.max_steps=-5", r"train\.max_steps must be 0 or more, got -5"),
         ("train.keep_last=-1", r"train\.keep_last must be 0 or more"),
         ("decode.beam_size=0", r"decode\.beam_size must be positive, got 0"),
-        ("decode.alpha=-0.6", r"decode\.alpha must be a number of 0 or more, got -0\.6"),
-        ("decode.alpha=inf", r"decode\.alpha must be a number of 0 or more, got inf"),
+        ("decode.alpha=-0.6", r"decode\.alpha must be a number from 0 to 10, got -0\.6"),
+        ("decode.alpha=inf", r"decode\.alpha must be a number from 0 to 10, got inf"),
+        ("decode.alpha=400", r"decode\.alpha must be a number from 0 to 10, got 400\.0"),
         ("decode.batch_tokens=0", r"decode\.batch_tokens must be positive"),
     ],
 )

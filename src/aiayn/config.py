@@ -59,6 +59,11 @@ _POSITIVE = (_positive, "positive")
 _NON_NEGATIVE = (_non_negative, "0 or more")
 _PROBABILITY = (_probability, "in [0, 1)")
 _FINITE_NON_NEGATIVE = (_finite_non_negative, "a number of 0 or more")
+# The largest length penalty alpha: ((5 + |Y|) / 6) ** alpha stays within float32's range for
+# every output length a model has positions for, so that scores stay apart (beyond about 40,
+# scores of long outputs round to 0 and tie; far beyond, the penalty overflows).
+MAX_ALPHA = 10.0
+_ALPHA = (lambda v: math.isfinite(v) and 0 <= v <= MAX_ALPHA, f"a number from 0 to {MAX_ALPHA:g}")
 
 
 # The attention of a stack's self-attention: aiayn.model.patterns.PATTERNS.
@@ -353,7 +358,7 @@ class DecodeConfig:
     def validate(self) -> None:
         rules = {
             "beam_size": _POSITIVE,
-            "alpha": _FINITE_NON_NEGATIVE,
+            "alpha": _ALPHA,
             "max_len_a": _NON_NEGATIVE,
             "max_len_b": _NON_NEGATIVE,
             "batch_tokens": _POSITIVE,

@@ -130,7 +130,7 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
         (["--beam", "0"], "beam size must be at least 1"),
         (
             ["--beam", "2", "--alpha", "-1"],
-            "alpha (the length penalty) must be a number of 0 or more",
+            "alpha (the length penalty) must be a number from 0 to 10",
         ),
         (["--greedy", "--samples", "2"], "--samples goes with sampling"),
         (["--beam", "2", "--top-p", "0.5"], "--top-p sets the sampling; drop it"),

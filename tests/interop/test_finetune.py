@@ -138,7 +138,7 @@ def test_init_from_refuses_data_of_another_tokenizer_or_shape(tmp_path, capsys):
     # The model's shape is the imported one; the run may change only its dropout.
     assert main([*run, "--data", str(borrowed), "--out", str(tmp_path / "b"), "model.d_ff=16"]) == 2
     err = capsys.readouterr().err
-    assert "in its own shape" in err and "model.d_ff 64 vs 16" in err
+    assert "in its own shape" in err and "model.d_ff is 64 in it, 16 in this run" in err
     # A model of another task is not a starting point.
     lm = ["model.task=lm"]
     assert main([*run, "--data", str(borrowed), "--out", str(tmp_path / "c"), *lm]) == 2

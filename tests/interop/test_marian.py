@@ -296,6 +296,12 @@ def test_import_command_then_translate(tmp_path, capsys):
     state = torch.load(out, weights_only=True)
     tokenizer = Tokenizer.from_bytes(bytes(state["tokenizer"].numpy().tobytes()))
     assert isinstance(tokenizer, PieceVocabTokenizer) and tokenizer.shared
+    # A last piece of "▁" alone leaves no space at the end, as MarianTokenizer decodes.
+    pieces = [*hf_tok.tokenize(SENTENCES[0])[:3], "▁"]
+    assert "▁" in tokenizer.target_vocab
+    ours_text = tokenizer.decode([tokenizer.target_vocab.index(p) for p in pieces])
+    hf_ids = hf_tok.convert_tokens_to_ids(pieces)
+    assert ours_text == hf_tok.decode(hf_ids, skip_special_tokens=True) == ours_text.strip()
 
 
 def test_pytorch_model_bin_imports_the_same(tmp_path):

@@ -327,6 +327,7 @@ BAD_INPUTS = [
     (b'{"text": ["alpha"], "beam": 2, "nbest": 3}', 422, "nbest", "limit"),
     (b'{"text": ["alpha"], "nbest": 0}', 422, "nbest", "greater_than_equal"),
     (b'{"text": ["alpha"], "alpha": -0.5}', 422, "alpha", "greater_than_equal"),
+    (b'{"text": ["alpha"], "alpha": 400}', 422, "alpha", "less_than_equal"),
     (b'{"text": ["alpha"], "alpha": "high"}', 422, "alpha", "float_type"),
     (b'{"text": ["alpha", "\\ud800 bravo"]}', 422, "text[1]", {"encoding", "string_unicode"}),
     (json.dumps({"text": ["alpha", "b" * 201]}).encode(), 422, "text[1]", "too_long"),
@@ -364,6 +365,11 @@ def test_every_kind_of_bad_input_is_a_4xx_naming_the_field(make_app, engine):
             # Unknown paths and methods: JSON too.
             assert_error(await client.get("/v1/nothing"), 404, "path", "http")
             assert_error(await client.get("/v1/translate"), 405, "method", "http")
+            slash = await client.post("/v1/translate/", json={"text": ["alpha"]})
+            assert_error(slash, 404, "path", "http")  # not a redirect that drops the body
+            for path in ("/", "/v1/health"):  # health checkers and curl -I probe with HEAD
+                head = await client.head(path)
+                assert head.status_code == 200, path
             # And the server still translates.
             good = await client.post("/v1/translate", json={"text": ["alpha bravo"]})
             assert good.status_code == 200 and good.json()["translations"][0]["text"]

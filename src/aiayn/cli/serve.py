@@ -55,47 +55,59 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--no-batching", action="store_true", help="decode each request alone, as it comes"
     )
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per text")
-    limits.add_argument("--max-texts", type=int, default=d.max_texts, help="texts per request")
     limits.add_argument(
-        "--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size"
+        "--max-chars", type=int, default=d.max_chars, help="characters per text (%(default)s)"
+    )
+    limits.add_argument(
+        "--max-texts",
+        type=int,
+        default=d.max_texts,
+        help="texts per request, at most --max-queue (%(default)s)",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="request body size (%(default)s)",
     )
     limits.add_argument(
         "--max-queue",
         type=int,
         default=d.max_queue,
-        help="texts waiting for a batch; beyond: 503 with Retry-After",
+        help="texts waiting for a batch; beyond: 503 with Retry-After (%(default)s)",
     )
     limits.add_argument(
         "--timeout",
         type=float,
         default=d.request_timeout_s,
-        help="seconds from a request's body to its answer; beyond: 504",
+        help="seconds from a request's body to its answer; beyond: 504 (%(default)s)",
     )
     limits.add_argument(
         "--body-timeout",
         type=float,
         default=d.body_timeout_s,
-        help="seconds to receive a request's body; beyond: 408",
+        help="seconds to receive a request's body; beyond: 408 (%(default)s)",
     )
     limits.add_argument(
         "--header-timeout",
         type=float,
         default=d.header_timeout_s,
-        help="seconds for a connection to send a request's head; beyond: closed",
+        help="seconds for a connection to send a request's head; beyond: closed (%(default)s)",
     )
-    limits.add_argument("--max-beam", type=int, default=d.max_beam, help="largest beam allowed")
+    limits.add_argument(
+        "--max-beam", type=int, default=d.max_beam, help="largest beam allowed (%(default)s)"
+    )
     limits.add_argument(
         "--max-attention-tokens",
         type=int,
         default=d.max_attention_tokens,
-        help="source tokens of a sentence for /v1/attention",
+        help="source tokens of a sentence for /v1/attention (%(default)s)",
     )
     limits.add_argument(
         "--max-connections",
         type=int,
         default=d.max_connections,
-        help="open connections; beyond: 503",
+        help="open connections; beyond: 503 (%(default)s)",
     )
     parser.add_argument(
         "--log-level",
@@ -199,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(str(err)) from None
     if engine.default_key.beam > settings.max_beam:
-        raise CLIError(f"the default beam {engine.default_key.beam} exceeds --max-beam")
+        raise CLIError(
+            f"the default beam {engine.default_key.beam} exceeds --max-beam "
+            f"{settings.max_beam}: raise it, or pass a smaller --beam"
+        )
     try:
         sock = bind(args.host, args.port)
     except OSError as err:

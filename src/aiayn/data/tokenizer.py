@@ -278,9 +278,10 @@ class PieceVocabTokenizer(Tokenizer):
         return [self.encode_target(text) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Detokenised target text; PAD, BOS and EOS are skipped, UNK becomes ``<unk>``."""
+        """Detokenised target text; PAD, BOS and EOS are skipped, UNK becomes ``<unk>``; no
+        space at either end (a last piece of ``▁`` alone), as ``MarianTokenizer`` gives."""
         pieces = [self.target_vocab[int(i)] for i in ids if int(i) not in _SPECIAL_IDS]
-        return str(self._target_sp.decode_pieces(pieces))
+        return str(self._target_sp.decode_pieces(pieces)).strip()
 
     def piece(self, token_id: int) -> str:
         return self.target_vocab[int(token_id)]

@@ -34,7 +34,7 @@ from aiayn.accel import (
     cpu_has_bfloat16,
 )
 from aiayn.accel.compiled import use_compiled_step
-from aiayn.config import DecodeConfig, ModelConfig, RunConfig, build_section
+from aiayn.config import MAX_ALPHA, DecodeConfig, ModelConfig, RunConfig, build_section
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.devices import inference_attention
 from aiayn.errors import ConfigError
@@ -88,17 +88,19 @@ class Translation:
 
 
 def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
-    """Refuse (ConfigError, a ValueError) a length penalty that is not a finite number of 0 or
-    more, as the server's requests are refused; ``stored_in``: the checkpoint whose decode
-    settings hold it."""
-    if math.isfinite(alpha) and alpha >= 0:
+    """Refuse (ConfigError, a ValueError) a length penalty that is not a number from 0 to
+    :data:`~aiayn.config.MAX_ALPHA`, as the server's requests are refused; ``stored_in``: the
+    checkpoint whose decode settings hold it."""
+    if math.isfinite(alpha) and 0 <= alpha <= MAX_ALPHA:
         return
     if stored_in is not None:
         raise ConfigError(
-            f"{stored_in}: its decode.alpha={alpha} is no length penalty of 0 or more; "
-            "pass --alpha (the paper's is 0.6)"
+            f"{stored_in}: its decode.alpha={alpha} is no length penalty from 0 to "
+            f"{MAX_ALPHA:g}; pass --alpha (the paper's is 0.6)"
         )
-    raise ConfigError(f"alpha (the length penalty) must be a number of 0 or more, got {alpha}")
+    raise ConfigError(
+        f"alpha (the length penalty) must be a number from 0 to {MAX_ALPHA:g}, got {alpha}"
+    )
 
 
 def shortest_with_output(decode: DecodeConfig) -> int:

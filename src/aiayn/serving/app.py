@@ -130,6 +130,9 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        # An unknown path is a JSON 404, a trailing slash too (not a redirect to the path
+        # without it, which a POST client would not follow with its body).
+        redirect_slashes=False,
     )
     app.state.engine = engine
     app.state.batcher = batcher
@@ -222,12 +225,20 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
             raise ApiError.of(422, problems)
         return sources
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    # HEAD too on the pages a health checker or a browser probes (curl -I).
+    @app.api_route(
+        "/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False
+    )
     async def index() -> HTMLResponse:
         headers = {"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"}
         return HTMLResponse(page, headers=headers)
 
-    @app.get("/v1/health", response_model=Health, responses={503: {"model": Health}})
+    @app.api_route(
+        "/v1/health",
+        methods=["GET", "HEAD"],
+        response_model=Health,
+        responses={503: {"model": Health}},
+    )
     async def health() -> JSONResponse:
         stats = batcher.stats
         report = Health(

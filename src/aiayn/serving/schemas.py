@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from aiayn.config import MAX_ALPHA
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
@@ -27,8 +29,9 @@ class TranslateRequest(BaseModel):
     alpha: float | None = Field(
         default=None,
         ge=0.0,
+        le=MAX_ALPHA,
         allow_inf_nan=False,
-        description="length penalty ((5+|Y|)/6)^alpha (default: the run's)",
+        description="length penalty ((5+|Y|)/6)^alpha, 0 to 10 (default: the run's)",
     )
     nbest: int = Field(default=1, ge=1, description="hypotheses per text, at most the beam size")
 
@@ -41,7 +44,7 @@ class AttentionRequest(BaseModel):
     text: str = Field(min_length=1, description="one source sentence")
     beam: int | None = Field(default=None, ge=1, description="beam size (default: the run's)")
     alpha: float | None = Field(
-        default=None, ge=0.0, allow_inf_nan=False, description="length penalty"
+        default=None, ge=0.0, le=MAX_ALPHA, allow_inf_nan=False, description="length penalty"
     )
 
 

@@ -359,15 +359,16 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
     if config.model.task != "classify":
         _check_tokenizer(found, state, tokenizer_bytes)
         differ = [
-            f"model.{f.name} {getattr(stored.model, f.name)!r} vs {getattr(config.model, f.name)!r}"
+            f"model.{f.name} is {getattr(stored.model, f.name)!r} in it, "
+            f"{getattr(config.model, f.name)!r} in this run"
             for f in dataclasses.fields(ModelConfig)
             if f.name not in _FREE_MODEL_KEYS
             and getattr(stored.model, f.name) != getattr(config.model, f.name)
         ]
         if differ:
             raise ConfigError(
-                f"train.init_from={found}: a model goes on training in its own shape; the run "
-                "sets " + "; ".join(differ)
+                f"train.init_from={found}: a model goes on training in its own shape; "
+                + "; ".join(differ)
             )
         return dict(state["model"])
     if stored.model.task not in ("mlm", "classify"):
@@ -382,7 +383,8 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
     if "linformer" in (stored.model.encoder_attention, config.model.encoder_attention):
         shape = (*shape, "encoder_attention", "linformer_k")  # its projections are weights
     differ = [
-        f"{name} {getattr(stored.model, name)!r} vs {getattr(config.model, name)!r}"
+        f"model.{name} is {getattr(stored.model, name)!r} in it, "
+        f"{getattr(config.model, name)!r} in this run"
         for name in shape
         if getattr(stored.model, name) != getattr(config.model, name)
     ]
