@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -418,20 +419,20 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if annotation is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
+        if isinstance(value, numbers.Integral):  # numpy's integers too
+            return int(value)
         if isinstance(value, str):
             try:
                 return int(value.replace("_", ""))
             except ValueError:
                 pass
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, numbers.Real) and float(value).is_integer():
+            return int(float(value))
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if annotation is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
+        if isinstance(value, numbers.Real):  # numpy's numbers too
             return float(value)
         if isinstance(value, str):
             try:

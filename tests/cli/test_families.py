@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from aiayn.cli import main
+from aiayn.errors import UserError
 from aiayn.inference import loading
 from aiayn.training.tasks import score_split
 from tests.helpers import TINY
@@ -167,6 +168,11 @@ def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys)
     out = capsys.readouterr().out
     assert "accuracy" in out and "macro-F1" in out and "hot" in out
     assert png.stat().st_size > 1000
+    # The library's scoring of the prepared split reads the accuracy the command printed.
+    accuracy = float(re.search(r"accuracy ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert score_split(clf, data / "classify", "test", "auto")["accuracy"] == pytest.approx(
+        accuracy, abs=5e-5
+    )
     # Options of the other mode are refused, not ignored; a --confusion that cannot be
     # written is refused before the scoring.
     for extra, message in (
@@ -184,6 +190,13 @@ def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys)
     assert main([*prepare, "--tokenizer", str(mlm), "--out", str(again)]) == 0
     spm = (data / "classify" / "spm.model").read_bytes()
     assert (again / "spm.model").read_bytes() == spm
+    # Other classes with that tokenizer: the model's class indices would mean others.
+    other = tmp_path / "other.tsv"
+    other.write_text("".join(f"{'wet' if i % 2 else 'dry'}\tsun moon fire\n" for i in range(20)))
+    prepare = ["prepare", "--task", "classify", "--train", str(other), "--valid", str(other)]
+    assert main([*prepare, "--tokenizer", str(mlm), "--out", str(tmp_path / "other")]) == 0
+    with pytest.raises(UserError, match=r"the classes of .*other are not those of .*\(cold, hot"):
+        score_split(clf, tmp_path / "other", "valid")
     capsys.readouterr()
     texts = tmp_path / "texts.txt"
     texts.write_text("fire fire sun\n\nsnow rain\n  \n")

@@ -1,3 +1,4 @@
+import json
 import pickle
 import random
 from pathlib import Path
@@ -119,9 +120,20 @@ def test_a_token_id_outside_the_vocabulary_names_the_file_and_line(data_dir, tmp
     ids.flush()
     corpus = Corpus.open(copy, "train")
     corpus.batch([0, 1, 36, 38])  # the lines around it are read
-    message = rf"train\.yy\.bin: line 38 holds token id {corpus.vocab_size}, outside the vocab"
+    vocab = corpus.vocab_size
+    message = rf"train\.yy\.bin: the sentence of line 38 of train\.yy holds token id {vocab}, "
     with pytest.raises(UserError, match=message):
         corpus.batch([3, line, 9])
+    # Separate vocabularies: the target side is checked against its own size.
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tgt_vocab_size"] = corpus.vocab_size + 10
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    Corpus.open(copy, "train").batch([3, line, 9])
+    ids[int(corpus._tgt_off[line]) + 1] = corpus.vocab_size + 10
+    ids.flush()
+    beyond = vocab + 10
+    with pytest.raises(UserError, match=rf"id {beyond}, outside the vocabulary of {beyond}:"):
+        Corpus.open(copy, "train").batch([line])
 
 
 def test_tokenizer_round_trips_and_keeps_the_special_ids(tmp_path):

@@ -451,7 +451,7 @@ def test_a_token_id_outside_the_vocabulary_names_the_file_and_line(
     ids.flush()
     examples = TextExamples(TextCorpus.open(copy, "train"), task, block_size=0, max_positions=64)
     examples.batch([10, 12])
-    with pytest.raises(UserError, match=r"train\.txt\.bin: line 12 holds token id 60000"):
+    with pytest.raises(UserError, match=r"txt\.bin: the sentence of line 12 of train\.txt holds"):
         examples.batch([10, line, 12])
 
 

@@ -77,6 +77,7 @@ def test_mismatched_lengths() -> None:
         ("abc", [["a", "b", "c"]], TypeError, "hypotheses: a list of lines, not one string"),
         (["a b", "c d"], ["a b", "c d"], TypeError, "for one set, pass \\[references\\]"),
         (["a b"], [], ValueError, "a list of reference sets"),
+        (["a b"], "a b", TypeError, "reference sets \\(each a list of lines\\), not one string"),
         (["abc"], [["abc"], "abc"], TypeError, "reference set 2: a list of lines"),
     ],
 )

@@ -105,6 +105,8 @@ def test_classifier_probabilities_in_input_order_and_batch_independent():
     alone = big.probabilities([texts[1]])
     assert torch.allclose(alone[0], probs[1], atol=1e-6)
     best = big.predict(texts)
+    assert torch.equal(big.probabilities(iter(texts)), probs)  # an iterator, read once
+    assert [p.label for p in big.predict(t for t in texts)] == [p.label for p in best]
     assert [p.label for p in best] == [["a", "b", "c"][int(i)] for i in probs.argmax(-1)]
     assert big.inputs("w5 " * 60)[-1] == EOS_ID and len(big.inputs("w5 " * 60)) == 40
     with pytest.raises(ValueError, match="batch_tokens must be positive, got 0"):

@@ -111,6 +111,7 @@ def test_batch_invariance_random_weights() -> None:
             call(lines[0])
         with pytest.raises(TypeError, match=r"line 2 is bytes, not str"):
             call([lines[0], lines[1].encode()])
+    assert translator.translate(line for line in lines) == together  # an iterator, read once
 
 
 def test_search_never_outputs_pad_or_bos() -> None:

@@ -14,6 +14,21 @@ if TYPE_CHECKING:
     from aiayn.inference.generation import GenerateOptions, Strategy, TextGenerator
 
 
+# The options of generating and their defaults (GenerateOptions's): --data refuses them set.
+_GENERATING: dict[str, object] = {
+    "prompt": "-",
+    "max_new_tokens": 100,
+    "greedy": False,
+    "beam": None,
+    "alpha": 0.6,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "seed": None,
+    "samples": 1,
+}
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "generate",
@@ -27,19 +42,37 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "a prepared split instead.",
     )
     add_checkpoint_argument(parser)
-    parser.add_argument("prompt", nargs="?", default="-", help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=100, help="default %(default)s")
+    parser.add_argument(
+        "prompt", nargs="?", default=_GENERATING["prompt"], help="the text to continue"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=_GENERATING["max_new_tokens"],
+        help="default %(default)s",
+    )
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--greedy", action="store_true", help="the most probable token each step")
     how.add_argument("--beam", type=int, metavar="K", help="beam search with K beams")
-    parser.add_argument("--alpha", type=float, default=0.6, help="beam: length penalty alpha")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the K best (0: all)")
     parser.add_argument(
-        "--top-p", type=float, default=1.0, help="sample within the nucleus of mass P (1: off)"
+        "--alpha", type=float, default=_GENERATING["alpha"], help="beam: length penalty alpha"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=_GENERATING["temperature"], help="sampling temperature"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=_GENERATING["top_k"], help="sample among the K best (0: all)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=_GENERATING["top_p"],
+        help="sample within the nucleus of mass P (1: off)",
     )
     parser.add_argument("--seed", type=int, help="seed of the sampling (repeatable output)")
-    parser.add_argument("--samples", type=int, default=1, help="continuations per prompt")
+    parser.add_argument(
+        "--samples", type=int, default=_GENERATING["samples"], help="continuations per prompt"
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     score = parser.add_argument_group("scoring (instead of generating)")
     score.add_argument(
@@ -131,23 +164,13 @@ def _score(args: argparse.Namespace) -> int:
     from aiayn.training.tasks import score_split
 
     generating = [
-        flag
-        for flag, value, default in (
-            ("a prompt", args.prompt, "-"),
-            ("--max-new-tokens", args.max_new_tokens, 100),
-            ("--greedy", args.greedy, False),
-            ("--beam", args.beam, None),
-            ("--alpha", args.alpha, 0.6),
-            ("--temperature", args.temperature, 1.0),
-            ("--top-k", args.top_k, 0),
-            ("--top-p", args.top_p, 1.0),
-            ("--seed", args.seed, None),
-            ("--samples", args.samples, 1),
-        )
-        if value != default
+        "a prompt" if name == "prompt" else f"--{name.replace('_', '-')}"
+        for name, default in _GENERATING.items()
+        if getattr(args, name) != default
     ]
     if generating:
-        raise CLIError(f"--data scores the model; {', '.join(generating)} goes with generating")
+        verb = "go" if len(generating) > 1 else "goes"
+        raise CLIError(f"--data scores the model; {', '.join(generating)} {verb} with generating")
     split = args.split or "test"
     device = pick_device(args.device or "auto")
     metrics = score_split(args.checkpoint, args.data, split, device, tasks=("lm",))

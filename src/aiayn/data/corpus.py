@@ -106,6 +106,8 @@ class Corpus:
         self.src_lang: str = manifest["src"]
         self.tgt_lang: str = manifest["tgt"]
         self.vocab_size: int = int(manifest["vocab_size"])
+        # Separate vocabularies (an imported Marian model's): the target side's own size.
+        self.tgt_vocab_size: int = int(manifest.get("tgt_vocab_size", self.vocab_size))
         dtype = np.dtype(manifest["dtype"])
         self._src_ids, self._src_off, self.src_lengths = _open_side(
             data_dir, split, self.src_lang, dtype
@@ -162,9 +164,11 @@ class Corpus:
         src_ids = _pad_rows(self._src_ids, self._src_off, idx, lead=None, tail=EOS_ID)
         tgt_in = _pad_rows(self._tgt_ids, self._tgt_off, idx, lead=BOS_ID, tail=None)
         tgt_out = _pad_rows(self._tgt_ids, self._tgt_off, idx, lead=None, tail=EOS_ID)
-        for rows, lang in ((src_ids, self.src_lang), (tgt_out, self.tgt_lang)):
-            bin_path = ids_paths(self.data_dir, self.split, lang)[0]
-            check_ids(rows, idx[:, None], self.vocab_size, bin_path)
+        for rows, lang, vocab in (
+            (src_ids, self.src_lang, self.vocab_size),
+            (tgt_out, self.tgt_lang, self.tgt_vocab_size),
+        ):
+            check_ids(rows, idx[:, None], vocab, self.data_dir, self.split, lang)
         src = torch.from_numpy(src_ids)
         return Batch(src, src == PAD_ID, torch.from_numpy(tgt_in), torch.from_numpy(tgt_out))
 
@@ -183,18 +187,23 @@ class Corpus:
         return _read_lines(self.tgt_text_path())
 
 
-def check_ids(ids: np.ndarray, lines: np.ndarray, vocab_size: int, bin_path: Path) -> None:
-    """A :class:`UserError` naming the file and line when token ids read from ``bin_path``
-    hold one outside the vocabulary: a damaged file, or one written with another tokenizer.
-    ``lines``: the line of the split (from 0) of each id, broadcast to ``ids``' shape. A min
-    and a max where the ids are good."""
+def check_ids(
+    ids: np.ndarray, lines: np.ndarray, vocab_size: int, data_dir: Path, split: str, side: str
+) -> None:
+    """A :class:`UserError` naming the file and the sentence when token ids read from
+    ``split``'s ``side`` (a language, or ``txt``) hold one outside the vocabulary: a damaged
+    file, or one written with another tokenizer. ``lines``: the line of the split (from 0) of
+    each id, broadcast to ``ids``' shape. A min and a max where the ids are good."""
     if not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
         return
     where = tuple(np.argwhere((ids < 0) | (ids >= vocab_size))[0])
     line = int(np.broadcast_to(lines, ids.shape)[where]) + 1
+    bin_path = ids_paths(data_dir, split, side)[0]
     raise UserError(
-        f"{bin_path}: line {line} holds token id {int(ids[where])}, outside the vocabulary "
-        f"of {vocab_size}; the file is damaged: run `aiayn prepare` again with --force"
+        f"{bin_path}: the sentence of line {line} of {text_path(data_dir, split, side).name} "
+        f"holds token id {int(ids[where])}, outside the vocabulary of {vocab_size}: the file "
+        "is damaged or was written with another tokenizer; run `aiayn prepare` again with "
+        "--force"
     )
 
 

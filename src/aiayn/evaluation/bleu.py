@@ -40,7 +40,11 @@ def _check(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> No
     (a list of strings, not a list of sets), no lines at all, sets of other lengths."""
     if isinstance(hypotheses, str):
         raise TypeError("hypotheses: a list of lines, not one string")
-    if isinstance(references, str) or not references:
+    if isinstance(references, str):
+        raise TypeError(
+            "references: a list of reference sets (each a list of lines), not one string"
+        )
+    if not references:
         raise ValueError("references: a list of reference sets (each a list of lines) is needed")
     if isinstance(references[0], str):
         raise TypeError(

@@ -7,7 +7,7 @@ comes back in input order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, pad_sequences
 from aiayn.devices import inference_attention
 from aiayn.errors import UserError
 from aiayn.inference.loading import load_model
-from aiayn.inference.textio import check_lines
+from aiayn.inference.textio import checked_lines
 from aiayn.inference.translator import TextTokenizer
 from aiayn.model.families import EncoderOnly
 
@@ -68,9 +68,9 @@ class TextClassifier:
         return [BOS_ID, *self.tokenizer.encode(text)[:room], EOS_ID]
 
     @torch.no_grad()
-    def probabilities(self, texts: Sequence[str]) -> torch.Tensor:
+    def probabilities(self, texts: Iterable[str]) -> torch.Tensor:
         """(len(texts), n_classes) class probabilities, float32, in input order."""
-        check_lines(texts, "probabilities")
+        texts = checked_lines(texts, "probabilities")
         encoded = [self.inputs(text) for text in texts]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out = torch.zeros(len(encoded), len(self.labels))
@@ -90,9 +90,9 @@ class TextClassifier:
             start = end
         return out
 
-    def predict(self, texts: Sequence[str]) -> list[Prediction]:
+    def predict(self, texts: Iterable[str]) -> list[Prediction]:
         """The most probable class of each text, with all probabilities."""
-        check_lines(texts, "predict")
+        texts = checked_lines(texts, "predict")
         probs = self.probabilities(texts)
         best = probs.argmax(dim=-1).tolist()
         return [

@@ -320,13 +320,15 @@ def assign_weights(model: nn.Module, state: Mapping[str, Tensor]) -> None:
 @dataclass
 class LoadedModel:
     """A checkpoint ready for inference: the model of its task (eval mode), its config, its
-    tokenizer, a classifier's class names, and the file it came from."""
+    tokenizer, a classifier's class names, the file it came from, and the tokenizer's bytes
+    as the checkpoint holds them (a data directory prepared with it holds the same)."""
 
     model: nn.Module
     config: RunConfig
     tokenizer: Tokenizer
     labels: list[str]
     path: Path
+    tokenizer_bytes: bytes = b""
 
 
 # What each task's model is used with, for the error that a wrong command gets.
@@ -366,8 +368,9 @@ def load_model(
     model.to(device).eval()
     if "tokenizer" not in state or state["tokenizer"].numel() == 0:
         raise CheckpointError(f"{path} carries no tokenizer")
+    tokenizer_bytes = tensor_to_bytes(state["tokenizer"])
     try:
-        tokenizer = Tokenizer.from_bytes(tensor_to_bytes(state["tokenizer"]))
+        tokenizer = Tokenizer.from_bytes(tokenizer_bytes)
     except (RuntimeError, ValueError, OSError) as err:  # sentencepiece's parse errors
         raise CheckpointCorrupt(
             f"{path}: its tokenizer cannot be read (corrupt?): {_first_sentence(err)}"
@@ -385,7 +388,7 @@ def load_model(
     labels = [str(name) for name in state.get("labels") or []]
     if task == "classify" and len(labels) != config.model.n_classes:
         raise CheckpointError(f"{path}: {len(labels)} class names for {config.model.n_classes}")
-    return LoadedModel(model, config, tokenizer, labels, path)
+    return LoadedModel(model, config, tokenizer, labels, path, tokenizer_bytes)
 
 
 def load_for_inference(

@@ -56,14 +56,17 @@ def read_lines(path: str | Path) -> list[str]:
     return split_lines(data, str(path))
 
 
-def check_lines(lines: Iterable[object], call: str) -> None:
-    """A TypeError where a method that takes a sequence of lines is given one string (each of
-    its characters would be a line) or a line that is no string (bytes, None)."""
+def checked_lines(lines: Iterable[object], call: str) -> list[str]:
+    """The lines of a method that takes a sequence of them, as a list (an iterator is read
+    once); a TypeError where it is one string (each of its characters would be a line) or a
+    line is no string (bytes, None)."""
     if isinstance(lines, str):
         raise TypeError(f"{call} takes a list of lines, not one string: {call}([text])")
-    for number, line in enumerate(lines, 1):
+    out = list(lines)
+    for number, line in enumerate(out, 1):
         if not isinstance(line, str):
             raise TypeError(f"{call}: line {number} is {type(line).__name__}, not str")
+    return out  # type: ignore[return-value]
 
 
 def one_line(text: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,7 +46,7 @@ from aiayn.inference.search import (
     max_output_lengths,
     never_pad_or_bos,
 )
-from aiayn.inference.textio import check_lines, one_line
+from aiayn.inference.textio import checked_lines, one_line
 from aiayn.model.families import TranslationModel
 from aiayn.model.patterns import check_decodable
 
@@ -101,6 +101,12 @@ def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
     raise ConfigError(
         f"alpha (the length penalty) must be a number from 0 to {MAX_ALPHA:g}, got {alpha}"
     )
+
+
+def decode_with(decode: DecodeConfig, overrides: Mapping[str, Any] | None) -> DecodeConfig:
+    """``decode`` with ``overrides`` (``decode_overrides`` of ``from_checkpoint``), named and
+    typed as the config file's ``[decode]`` keys: a ConfigError otherwise."""
+    return build_section(DecodeConfig, {**asdict(decode), **dict(overrides or {})}, "decode")
 
 
 def shortest_with_output(decode: DecodeConfig) -> int:
@@ -212,15 +218,15 @@ class TextTranslator:
 
     # -- text ------------------------------------------------------------------------------
 
-    def translate(self, lines: Sequence[str], first_line: int = 1) -> list[str]:
+    def translate(self, lines: Iterable[str], first_line: int = 1) -> list[str]:
         """One detokenised translation per line, in order (the best hypothesis)."""
-        check_lines(lines, "translate")
+        lines = checked_lines(lines, "translate")
         return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(lines, first_line)]
 
-    def translate_nbest(self, lines: Sequence[str], first_line: int = 1) -> list[list[Translation]]:
+    def translate_nbest(self, lines: Iterable[str], first_line: int = 1) -> list[list[Translation]]:
         """Up to ``nbest`` translations per line, best first; an empty line gives ``[]``.
         ``first_line`` numbers the lines in warnings."""
-        check_lines(lines, "translate_nbest")
+        lines = checked_lines(lines, "translate_nbest")
         sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
         results = self.search_ids(sources)
         return [
@@ -400,10 +406,7 @@ class Translator(TextTranslator):
         translator = cls(
             model,
             tokenizer,
-            # Named and typed as the config file's [decode] keys are: refused otherwise.
-            build_section(
-                DecodeConfig, {**asdict(config.decode), **dict(decode_overrides or {})}, "decode"
-            ),
+            decode_with(config.decode, decode_overrides),
             nbest=nbest,
             device=device,
             warn=warn,

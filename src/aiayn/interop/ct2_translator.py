@@ -47,7 +47,6 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.inference.loading import AVERAGED_NAME, resolve_checkpoint
 from aiayn.inference.search import Hypothesis, gnmt_length_penalty
-from aiayn.inference.translator import TextTranslator, check_alpha
+from aiayn.inference.translator import TextTranslator, check_alpha, decode_with
 from aiayn.interop.ct2 import cached_export, import_ctranslate2, read_export, vocabularies
 
 # A length penalty that changes no score (length ** 1e-30 == 1.0 in float32) but is not 0,
@@ -222,7 +221,7 @@ class Ct2Translator(TextTranslator):
         translator = cls(
             model_dir,
             export.tokenizer,
-            replace(config.decode, **overrides),
+            decode_with(config.decode, overrides),
             config.model,
             nbest=nbest,
             device=device,

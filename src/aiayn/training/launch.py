@@ -441,7 +441,21 @@ def train_run(
     data is refused (:func:`check_fits_data`) before anything is written."""
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
-    check_fits_data(config, data_dir, load_manifest(data_dir))
+    manifest = load_manifest(data_dir)
+    classes = len(manifest.get("labels") or [])
+    sizes = (config.model.vocab_size, config.model.target_vocab_size)
+    vocab = int(manifest["vocab_size"])
+    if sizes != (vocab, int(manifest.get("tgt_vocab_size", vocab))) or (
+        config.model.task == "classify" and classes and config.model.n_classes != classes
+    ):
+        # A config read with load_config alone: the preset's sizes, not the data's.
+        raise ConfigError(
+            f"the config's model (a vocabulary of {sizes[0]} pieces"
+            + (f", {config.model.n_classes} classes" if config.model.task == "classify" else "")
+            + f") does not fit {data_dir}: make it with aiayn.training.launch.resolve_config("
+            "config_file, data_dir, overrides), which takes them from the data"
+        )
+    check_fits_data(config, data_dir, manifest)
     info: DistInfo = init_distributed(device)
     # A run refused before it wrote anything leaves no directory holding only its lock.
     fresh = info.is_main and not (run_dir.is_dir() and any(run_dir.iterdir()))

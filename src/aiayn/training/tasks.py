@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from aiayn.accel.loss import projected_label_smoothed_nll
 from aiayn.config import RunConfig
 from aiayn.data.collate import PAD_ID, Batch, LabelBatch, TokenBatch
-from aiayn.data.corpus import tokenizer_path
+from aiayn.data.corpus import load_manifest, tokenizer_path
 from aiayn.data.text import TextCorpus, TextExamples
 from aiayn.errors import UserError
 from aiayn.evaluation.classification import classification_scores
@@ -157,17 +157,25 @@ def score_split(
     ``checkpoint`` (a file or a run directory) on ``split`` of a directory that ``aiayn prepare
     --task`` made with the model's tokenizer, its examples cut as the run cut them. A model
     of a task outside ``tasks`` is refused."""
+    from aiayn.devices import pick_device
     from aiayn.inference.loading import load_model
 
+    device = pick_device(str(device))  # "auto" too, as train_run takes it
     loaded = load_model(checkpoint, device, tasks=tasks)
     data_dir = Path(data_dir)
     spm = tokenizer_path(data_dir)
-    if spm.is_file() and spm.read_bytes() != loaded.tokenizer.to_bytes():
+    if spm.is_file() and spm.read_bytes() != loaded.tokenizer_bytes:
         raise UserError(
             f"{data_dir} was prepared with another tokenizer than {loaded.path}'s: prepare it "
             f"with --tokenizer {loaded.path}"
         )
     config = loaded.config
-    n_classes = config.model.n_classes if config.model.task == "classify" else 0
+    classify = config.model.task == "classify"
+    if classify and list(load_manifest(data_dir).get("labels") or []) != loaded.labels:
+        raise UserError(
+            f"the classes of {data_dir} are not those of {loaded.path} "
+            f"({', '.join(loaded.labels)}, in this order): its indices would mean other classes"
+        )
+    n_classes = len(loaded.labels) if classify else 0
     valid = TextValidSet(text_examples(data_dir, split, config), n_classes)
-    return evaluate_text(loaded.model, valid, config, DistInfo(device=torch.device(device)))
+    return evaluate_text(loaded.model, valid, config, DistInfo(device=device))

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from aiayn.data.collate import BOS_ID, EOS_ID, MASK_ID, PAD_ID, LabelBatch, TokenBatch
-from aiayn.data.corpus import check_ids, ids_paths
+from aiayn.data.corpus import check_ids
 from aiayn.data.text.corpus import TEXT_SUFFIX, TextCorpus
 from aiayn.errors import ConfigError, UserError
 
@@ -171,8 +171,7 @@ class TextExamples:
         flat = np.asarray(self.corpus.offsets[doc[inner]], dtype=np.int64) + within[inner] - 1
         ids = np.asarray(self.corpus.token_ids[flat])
         corpus = self.corpus
-        bin_path = ids_paths(corpus.data_dir, corpus.split, TEXT_SUFFIX)[0]
-        check_ids(ids, doc[inner], corpus.vocab_size, bin_path)
+        check_ids(ids, doc[inner], corpus.vocab_size, corpus.data_dir, corpus.split, TEXT_SUFFIX)
         tokens[inner] = ids
         out[rows, cols] = tokens
         return out
