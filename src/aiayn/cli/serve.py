@@ -55,60 +55,36 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--no-batching", action="store_true", help="decode each request alone, as it comes"
     )
     limits = parser.add_argument_group("limits")
-    limits.add_argument(
-        "--max-chars", type=int, default=d.max_chars, help="characters per text (%(default)s)"
+    beyond = "; beyond:"
+    limit_options: tuple[tuple[str, type, object, str], ...] = (
+        ("--max-chars", int, d.max_chars, "characters per text"),
+        ("--max-texts", int, d.max_texts, "texts per request, at most --max-queue"),
+        ("--max-body-bytes", int, d.max_body_bytes, "request body size"),
+        ("--max-queue", int, d.max_queue, f"texts waiting for a batch{beyond} 503, Retry-After"),
+        (
+            "--timeout",
+            float,
+            d.request_timeout_s,
+            f"seconds from a request's body to its answer{beyond} 504",
+        ),
+        ("--body-timeout", float, d.body_timeout_s, f"seconds to receive a body{beyond} 408"),
+        (
+            "--header-timeout",
+            float,
+            d.header_timeout_s,
+            f"seconds to receive a request's head{beyond} closed",
+        ),
+        ("--max-beam", int, d.max_beam, "largest beam allowed"),
+        (
+            "--max-attention-tokens",
+            int,
+            d.max_attention_tokens,
+            "source tokens of a sentence for /v1/attention",
+        ),
+        ("--max-connections", int, d.max_connections, f"open connections{beyond} 503"),
     )
-    limits.add_argument(
-        "--max-texts",
-        type=int,
-        default=d.max_texts,
-        help="texts per request, at most --max-queue (%(default)s)",
-    )
-    limits.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help="request body size (%(default)s)",
-    )
-    limits.add_argument(
-        "--max-queue",
-        type=int,
-        default=d.max_queue,
-        help="texts waiting for a batch; beyond: 503 with Retry-After (%(default)s)",
-    )
-    limits.add_argument(
-        "--timeout",
-        type=float,
-        default=d.request_timeout_s,
-        help="seconds from a request's body to its answer; beyond: 504 (%(default)s)",
-    )
-    limits.add_argument(
-        "--body-timeout",
-        type=float,
-        default=d.body_timeout_s,
-        help="seconds to receive a request's body; beyond: 408 (%(default)s)",
-    )
-    limits.add_argument(
-        "--header-timeout",
-        type=float,
-        default=d.header_timeout_s,
-        help="seconds for a connection to send a request's head; beyond: closed (%(default)s)",
-    )
-    limits.add_argument(
-        "--max-beam", type=int, default=d.max_beam, help="largest beam allowed (%(default)s)"
-    )
-    limits.add_argument(
-        "--max-attention-tokens",
-        type=int,
-        default=d.max_attention_tokens,
-        help="source tokens of a sentence for /v1/attention (%(default)s)",
-    )
-    limits.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        help="open connections; beyond: 503 (%(default)s)",
-    )
+    for flag, kind, default, what in limit_options:
+        limits.add_argument(flag, type=kind, default=default, help=f"{what} (%(default)s)")
     parser.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
