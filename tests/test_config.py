@@ -116,6 +116,11 @@ def test_values_out_of_range_are_refused_when_read(override, message):
         load_config(overrides=[override])
 
 
+def test_patience_without_validation_is_refused():
+    with pytest.raises(ConfigError, match=r"train\.patience=3 counts validations, and train\.v"):
+        load_config(overrides=["train.patience=3", "train.valid_interval=0"])
+
+
 def test_zero_means_off_where_documented():
     zeros = ["train.max_steps=0", "train.valid_interval=0", "train.clip_norm=0"]
     zeros += ["train.patience=0", "train.average_last=0", "train.lr_scale=0", "decode.alpha=0"]

@@ -279,11 +279,12 @@ class TrainConfig:
     compile: bool = False
     # At the end of `aiayn train` on the CPU: compile the run's decoder step for `translate`
     # and `serve` on this machine (aiayn.accel.compiled; a Transformer with full attention, a
-    # C++ compiler; about half a minute for the small model). They use it from then on.
+    # C++ compiler; three libraries, about 30 s each for the Multi30k model). They use it from
+    # then on.
     compile_step: bool = True
     # Keep only each layer's input in the forward pass and recompute the layer in the
-    # backward pass: less memory for long sequences and big models, about a third more time
-    # (docs/long-sequences.md).
+    # backward pass: less memory for long sequences and big models, for about one more forward
+    # pass of time (BASE on the CPU: +7% time, -47% memory; docs/long-sequences.md).
     activation_checkpointing: bool = False
     log_interval: int = 100
     valid_interval: int = 1000
@@ -339,6 +340,11 @@ class TrainConfig:
                 'train.lr_schedule = "linear" decays to zero at train.max_steps: set '
                 f"train.max_steps above train.warmup_steps={self.warmup_steps}, got "
                 f"{self.max_steps}"
+            )
+        if self.patience > 0 and self.valid_interval == 0:
+            raise ConfigError(
+                f"train.patience={self.patience} counts validations, and train.valid_interval=0 "
+                "runs none: set train.valid_interval, or train.patience=0"
             )
 
 

@@ -161,3 +161,18 @@ def test_training_caps_samples_at_the_prepared_length_and_the_positions(data_dir
         assert pairs.max_len == cap
     batch = pairs.batch(np.arange(len(corpus)))
     assert batch.src_ids.size(1) <= longest + 1 and batch.tgt_in.size(1) <= longest + 1
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_resumed_run_says_its_samples_are_not_the_uninterrupted_runs(data_dir, tmp_path, capsys):
+    from aiayn.cli import main
+    from tests.helpers import TINY
+
+    args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    args += ["--no-progress", "data.bpe_dropout=0.1", "train.valid_interval=0"]
+    args += ["train.save_interval_steps=2", "train.average_last=0"]
+    assert main([*args, "train.max_steps=2"]) == 0
+    assert "note: data.bpe_dropout" not in capsys.readouterr().err
+    assert main([*args, "train.max_steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "does not repeat the uninterrupted one exactly" in err

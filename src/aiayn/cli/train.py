@@ -7,6 +7,7 @@ checkpoints resumes from the newest readable one (``--resume`` says so explicitl
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if data_dir is None:
             data_dir = _saved_data(run_dir)
-        if has_checkpoints and not args.resume:
+        if has_checkpoints and not args.resume and os.environ.get("RANK", "0") == "0":
+            # Under torchrun, the first process says it for all.
             print(f"{run_dir} holds checkpoints: resuming (as with --resume)", file=sys.stderr)
     if config_path is None:
         raise CLIError("--config is required (except when resuming a run directory)")

@@ -6,7 +6,9 @@ model learns its pieces as well as its whole form. Validation and translation ke
 deterministic segmentation. Off (0) by default: the paper segments once.
 
 The samples are drawn by sentencepiece from a seed made of the run's seed, the epoch and the
-batch's pair indices, so a resumed run draws exactly what the uninterrupted one did.
+batch's pair indices: within a process, the same batch draws the same samples. sentencepiece's
+draws for a seed differ from one process to the next, so a resumed run (or the same command
+run again) segments otherwise than the uninterrupted one.
 """
 
 from __future__ import annotations

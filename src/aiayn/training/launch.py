@@ -540,6 +540,13 @@ def train_run(
                 trainer.passed_over = set(passed_over)
                 if found is not None:
                     print(f"resuming from {found[0]}", file=sys.stderr)
+                    if config.data.bpe_dropout > 0:
+                        print(
+                            "note: data.bpe_dropout: sentencepiece samples other segmentations "
+                            "in each process, whatever the seed: the resumed run does not "
+                            "repeat the uninterrupted one exactly",
+                            file=sys.stderr,
+                        )
                     state = found[1]
                 elif had and not start_over:
                     # Those set aside, now or by an earlier attempt (then `had` lists them),

@@ -678,6 +678,8 @@ class Trainer:
         if self._signal is not None:  # a second signal: stop now
             raise KeyboardInterrupt
         self._signal = signum
+        if not self.info.is_main:  # under torchrun, the first process says it for all
+            return
         name = signal.Signals(signum).name
         print(
             f"\n{name} received: finishing the current update, then saving a checkpoint "
