@@ -175,3 +175,17 @@ def test_activation_checkpointing_is_refused_for_the_rnn_baselines():
         with pytest.raises(ConfigError, match=r"model\.arch=\w+ has none: set it to false"):
             load_config(overrides=[f"preset={preset}", "train.activation_checkpointing=true"])
     assert load_config(overrides=["preset=tiny", "train.activation_checkpointing=true"])
+
+
+def test_numpy_numbers_are_taken_as_pythons():
+    import numpy as np
+
+    from aiayn.config import config_from_dict
+
+    raw = {"decode": {"beam_size": np.int64(5), "alpha": np.float32(0.5)}}
+    config = config_from_dict({**raw, "train": {"compile": np.True_}})
+    assert type(config.decode.beam_size) is int and config.decode.beam_size == 5
+    assert type(config.decode.alpha) is float and config.train.compile is True
+    for bad in (float("inf"), 2.5, True):
+        with pytest.raises(ConfigError, match=r"decode\.beam_size must be an integer"):
+            config_from_dict({"decode": {"beam_size": bad}})

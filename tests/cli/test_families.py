@@ -84,6 +84,7 @@ def test_lm_trains_resumes_and_generates(data, tmp_path, capsys, monkeypatch):
     for bad, message in (
         (["sun", "--data", str(data / "lm")], "a prompt goes with generating"),
         (["--data", str(data / "lm"), "--greedy"], "--greedy goes with generating"),
+        (["--data", str(data / "lm"), "--seed", "1", "--top-k", "3"], "--top-k, --seed go with"),
         (["sun", "--split", "valid"], "--split goes with --data"),
         (["--data", str(data / "classify")], "prepared with another tokenizer than"),
     ):

@@ -134,6 +134,14 @@ def test_a_token_id_outside_the_vocabulary_names_the_file_and_line(data_dir, tmp
     beyond = vocab + 10
     with pytest.raises(UserError, match=rf"id {beyond}, outside the vocabulary of {beyond}:"):
         Corpus.open(copy, "train").batch([line])
+    # And the source side against its own: an id the target vocabulary has is refused there.
+    ids[int(corpus._tgt_off[line]) + 1] = 4
+    ids.flush()
+    source = np.memmap(copy / "train.xx.bin", dtype=load_manifest(copy)["dtype"], mode="r+")
+    source[int(corpus._src_off[line])] = vocab + 5
+    source.flush()
+    with pytest.raises(UserError, match=rf"train\.xx\.bin: .* id {vocab + 5}, outside .* {vocab}:"):
+        Corpus.open(copy, "train").batch([line])
 
 
 def test_tokenizer_round_trips_and_keeps_the_special_ids(tmp_path):

@@ -111,6 +111,8 @@ def test_batch_invariance_random_weights() -> None:
             call(lines[0])
         with pytest.raises(TypeError, match=r"line 2 is bytes, not str"):
             call([lines[0], lines[1].encode()])
+        with pytest.raises(TypeError, match=r"takes a list of lines, not bytes"):
+            call(lines[0].encode())
     assert translator.translate(line for line in lines) == together  # an iterator, read once
 
 

@@ -368,6 +368,15 @@ def test_translate_engine_refusals(
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.splitlines()) == 1, err
+    # decode_overrides named and typed as Translator's, before anything is exported.
+    from aiayn.errors import ConfigError
+
+    logged: list[str] = []
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) decode\.beam;"):
+        Ct2Translator.from_checkpoint(checkpoint, decode_overrides={"beam": 2}, log=logged.append)
+    assert logged == [] and not list(tmp_path.glob("*.ct2-*"))
+    alpha = Ct2Translator.from_checkpoint(checkpoint, decode_overrides={"alpha": "0.5"})[0]
+    assert alpha.decode.alpha == 0.5
 
 
 def test_export_cache(

@@ -13,7 +13,7 @@ def test_train_run_refuses_a_config_that_does_not_fit_the_data(reverse_data_dir,
     vocab = int(load_manifest(reverse_data_dir)["vocab_size"])
     plain = load_config(TINY)  # the config file alone: not the data's vocabulary
     assert plain.model.vocab_size != vocab
-    message = rf"vocabulary of {plain.model.vocab_size} pieces\) does not fit .*resolve_config\("
+    message = rf"model\.vocab_size={plain.model.vocab_size} but the tokenizer .*resolve_config,"
     with pytest.raises(ConfigError, match=message):
         train_run(plain, reverse_data_dir, tmp_path / "run", show_progress=False)
     assert not (tmp_path / "run").exists()

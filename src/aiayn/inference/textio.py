@@ -60,8 +60,9 @@ def checked_lines(lines: Iterable[object], call: str) -> list[str]:
     """The lines of a method that takes a sequence of them, as a list (an iterator is read
     once); a TypeError where it is one string (each of its characters would be a line) or a
     line is no string (bytes, None)."""
-    if isinstance(lines, str):
-        raise TypeError(f"{call} takes a list of lines, not one string: {call}([text])")
+    if isinstance(lines, (str, bytes, bytearray)):
+        kind = "one string" if isinstance(lines, str) else type(lines).__name__
+        raise TypeError(f"{call} takes a list of lines, not {kind}: {call}([text])")
     out = list(lines)
     for number, line in enumerate(out, 1):
         if not isinstance(line, str):

@@ -201,8 +201,11 @@ class Ct2Translator(TextTranslator):
         is refused). Also returns the run's config."""
         compute = compute_type(quantize, precision)
         checkpoint = resolve_without_loading(path)
-        given_alpha = dict(decode_overrides or {}).get("alpha")
-        if given_alpha is not None:  # before an export, which takes a while
+        # Names, types and alpha checked before an export, which takes a while.
+        overrides = dict(decode_overrides or {})
+        checked = decode_with(DecodeConfig(), overrides)
+        given_alpha = checked.alpha if "alpha" in overrides else None
+        if given_alpha is not None:
             check_alpha(given_alpha)
         scratch: list[tempfile.TemporaryDirectory[str]] = []
 
@@ -217,7 +220,7 @@ class Ct2Translator(TextTranslator):
             raise UserError(f"{checkpoint}: not a translation model")
         if given_alpha is None:
             check_alpha(config.decode.alpha, stored_in=checkpoint)
-        overrides = {"beam_rule": "fairseq", **dict(decode_overrides or {})}
+        overrides = {"beam_rule": "fairseq", **overrides}
         translator = cls(
             model_dir,
             export.tokenizer,

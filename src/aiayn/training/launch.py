@@ -140,6 +140,13 @@ def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
     return replace(config, model=model, preset=stored_config.preset)
 
 
+# For a config made in Python: load_config alone keeps the preset's sizes.
+_FROM_PYTHON = (
+    " (from Python, make the config with aiayn.training.launch.resolve_config, which takes "
+    "them from the data)"
+)
+
+
 def check_fits_data(
     config: RunConfig,
     data_dir: str | Path,
@@ -184,6 +191,7 @@ def check_fits_data(
             raise ConfigError(
                 f"model.n_classes={config.model.n_classes} but {data_dir} has {len(labels)} "
                 "classes; drop model.n_classes from the config (it is then taken from the data)"
+                + _FROM_PYTHON
             )
     target_vocab = int(manifest.get("tgt_vocab_size", vocab))
     sizes = (config.model.vocab_size, config.model.target_vocab_size)
@@ -200,7 +208,7 @@ def check_fits_data(
         raise ConfigError(
             f"model.vocab_size={config.model.vocab_size} but the tokenizer of {data_dir} has "
             f"{vocab} pieces; drop model.vocab_size from the config (it is then taken from the "
-            f"data) or prepare the data with --vocab-size {config.model.vocab_size}"
+            f"data) or prepare the data with --vocab-size {config.model.vocab_size}" + _FROM_PYTHON
         )
     if config.model.target_vocab_size != target_vocab:
         raise ConfigError(
@@ -442,19 +450,6 @@ def train_run(
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
     manifest = load_manifest(data_dir)
-    classes = len(manifest.get("labels") or [])
-    sizes = (config.model.vocab_size, config.model.target_vocab_size)
-    vocab = int(manifest["vocab_size"])
-    if sizes != (vocab, int(manifest.get("tgt_vocab_size", vocab))) or (
-        config.model.task == "classify" and classes and config.model.n_classes != classes
-    ):
-        # A config read with load_config alone: the preset's sizes, not the data's.
-        raise ConfigError(
-            f"the config's model (a vocabulary of {sizes[0]} pieces"
-            + (f", {config.model.n_classes} classes" if config.model.task == "classify" else "")
-            + f") does not fit {data_dir}: make it with aiayn.training.launch.resolve_config("
-            "config_file, data_dir, overrides), which takes them from the data"
-        )
     check_fits_data(config, data_dir, manifest)
     info: DistInfo = init_distributed(device)
     # A run refused before it wrote anything leaves no directory holding only its lock.

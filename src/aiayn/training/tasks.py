@@ -174,7 +174,8 @@ def score_split(
     if classify and list(load_manifest(data_dir).get("labels") or []) != loaded.labels:
         raise UserError(
             f"the classes of {data_dir} are not those of {loaded.path} "
-            f"({', '.join(loaded.labels)}, in this order): its indices would mean other classes"
+            f"({', '.join(loaded.labels)}, in this order): prepare it from text of those "
+            "classes (aiayn prepare sorts them)"
         )
     n_classes = len(loaded.labels) if classify else 0
     valid = TextValidSet(text_examples(data_dir, split, config), n_classes)
