@@ -64,7 +64,14 @@ _FINITE_NON_NEGATIVE = (_finite_non_negative, "a number of 0 or more")
 # every output length a model has positions for, so that scores stay apart (beyond about 40,
 # scores of long outputs round to 0 and tie; far beyond, the penalty overflows).
 MAX_ALPHA = 10.0
-_ALPHA = (lambda v: math.isfinite(v) and 0 <= v <= MAX_ALPHA, f"a number from 0 to {MAX_ALPHA:g}")
+
+
+def alpha_in_range(alpha: float) -> bool:
+    """Whether ``alpha`` is a length penalty decoding takes: a number from 0 to MAX_ALPHA."""
+    return math.isfinite(alpha) and 0 <= alpha <= MAX_ALPHA
+
+
+_ALPHA = (alpha_in_range, f"a number from 0 to {MAX_ALPHA:g}")
 
 
 # The attention of a stack's self-attention: aiayn.model.patterns.PATTERNS.

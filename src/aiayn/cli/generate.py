@@ -102,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     changed = [
         name
         for name, value, default in (
-            ("--temperature", args.temperature, 1.0),
-            ("--top-k", args.top_k, 0),
-            ("--top-p", args.top_p, 1.0),
-            ("--seed", args.seed, None),
+            ("--temperature", args.temperature, _GENERATING["temperature"]),
+            ("--top-k", args.top_k, _GENERATING["top_k"]),
+            ("--top-p", args.top_p, _GENERATING["top_p"]),
+            ("--seed", args.seed, _GENERATING["seed"]),
         )
         if value != default
     ]
@@ -160,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
 def _score(args: argparse.Namespace) -> int:
     """The perplexity of the model on a prepared split (the metrics `aiayn train` validates
     with)."""
-    from aiayn.devices import pick_device
     from aiayn.training.tasks import score_split
 
     generating = [
@@ -172,8 +171,7 @@ def _score(args: argparse.Namespace) -> int:
         verb = "go" if len(generating) > 1 else "goes"
         raise CLIError(f"--data scores the model; {', '.join(generating)} {verb} with generating")
     split = args.split or "test"
-    device = pick_device(args.device or "auto")
-    metrics = score_split(args.checkpoint, args.data, split, device, tasks=("lm",))
+    metrics = score_split(args.checkpoint, args.data, split, args.device or "auto", tasks=("lm",))
     print(
         f"{split}: loss {metrics['loss']:.4f}, nll {metrics['nll']:.4f} per token, "
         f"perplexity {metrics['ppl']:.2f}"

@@ -67,10 +67,13 @@ class TextClassifier:
         room = self.model.config.max_positions - 2
         return [BOS_ID, *self.tokenizer.encode(text)[:room], EOS_ID]
 
-    @torch.no_grad()
     def probabilities(self, texts: Iterable[str]) -> torch.Tensor:
         """(len(texts), n_classes) class probabilities, float32, in input order."""
-        texts = checked_lines(texts, "probabilities")
+        return self._probabilities(checked_lines(texts, "probabilities"))
+
+    @torch.no_grad()
+    def _probabilities(self, texts: list[str]) -> torch.Tensor:
+        """:meth:`probabilities` of texts already checked."""
         encoded = [self.inputs(text) for text in texts]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out = torch.zeros(len(encoded), len(self.labels))
@@ -92,8 +95,7 @@ class TextClassifier:
 
     def predict(self, texts: Iterable[str]) -> list[Prediction]:
         """The most probable class of each text, with all probabilities."""
-        texts = checked_lines(texts, "predict")
-        probs = self.probabilities(texts)
+        probs = self._probabilities(checked_lines(texts, "predict"))
         best = probs.argmax(dim=-1).tolist()
         return [
             Prediction(self.labels[k], float(row[k]), row.tolist())

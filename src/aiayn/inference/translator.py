@@ -34,7 +34,14 @@ from aiayn.accel import (
     cpu_has_bfloat16,
 )
 from aiayn.accel.compiled import use_compiled_step
-from aiayn.config import MAX_ALPHA, DecodeConfig, ModelConfig, RunConfig, build_section
+from aiayn.config import (
+    MAX_ALPHA,
+    DecodeConfig,
+    ModelConfig,
+    RunConfig,
+    alpha_in_range,
+    build_section,
+)
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.devices import inference_attention
 from aiayn.errors import ConfigError
@@ -91,7 +98,7 @@ def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
     """Refuse (ConfigError, a ValueError) a length penalty that is not a number from 0 to
     :data:`~aiayn.config.MAX_ALPHA`, as the server's requests are refused; ``stored_in``: the
     checkpoint whose decode settings hold it."""
-    if math.isfinite(alpha) and 0 <= alpha <= MAX_ALPHA:
+    if alpha_in_range(alpha):
         return
     if stored_in is not None:
         raise ConfigError(
@@ -220,13 +227,16 @@ class TextTranslator:
 
     def translate(self, lines: Iterable[str], first_line: int = 1) -> list[str]:
         """One detokenised translation per line, in order (the best hypothesis)."""
-        lines = checked_lines(lines, "translate")
-        return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(lines, first_line)]
+        nbest = self._translations(checked_lines(lines, "translate"), first_line)
+        return [hyps[0].text if hyps else "" for hyps in nbest]
 
     def translate_nbest(self, lines: Iterable[str], first_line: int = 1) -> list[list[Translation]]:
         """Up to ``nbest`` translations per line, best first; an empty line gives ``[]``.
         ``first_line`` numbers the lines in warnings."""
-        lines = checked_lines(lines, "translate_nbest")
+        return self._translations(checked_lines(lines, "translate_nbest"), first_line)
+
+    def _translations(self, lines: list[str], first_line: int) -> list[list[Translation]]:
+        """:meth:`translate_nbest` of lines already checked."""
         sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
         results = self.search_ids(sources)
         return [

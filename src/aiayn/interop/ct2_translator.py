@@ -204,9 +204,8 @@ class Ct2Translator(TextTranslator):
         # Names, types and alpha checked before an export, which takes a while.
         overrides = dict(decode_overrides or {})
         checked = decode_with(DecodeConfig(), overrides)
-        given_alpha = checked.alpha if "alpha" in overrides else None
-        if given_alpha is not None:
-            check_alpha(given_alpha)
+        if "alpha" in overrides:
+            check_alpha(checked.alpha)
         scratch: list[tempfile.TemporaryDirectory[str]] = []
 
         def scratch_dir() -> Path:
@@ -218,7 +217,7 @@ class Ct2Translator(TextTranslator):
         config = export.config
         if config.model.task != "translation":
             raise UserError(f"{checkpoint}: not a translation model")
-        if given_alpha is None:
+        if "alpha" not in overrides:
             check_alpha(config.decode.alpha, stored_in=checkpoint)
         overrides = {"beam_rule": "fairseq", **overrides}
         translator = cls(

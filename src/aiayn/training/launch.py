@@ -14,6 +14,7 @@ import dataclasses
 import json
 import random
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +357,16 @@ def _bpe_dropout_pairs(
     )
 
 
+def _differences(stored: ModelConfig, run: ModelConfig, names: Iterable[str]) -> list[str]:
+    """``model.NAME is X in it, Y in this run`` for each of ``names`` where the checkpoint's
+    model (``stored``) and the run's differ."""
+    return [
+        f"model.{name} is {getattr(stored, name)!r} in it, {getattr(run, name)!r} in this run"
+        for name in names
+        if getattr(stored, name) != getattr(run, name)
+    ]
+
+
 def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, torch.Tensor]:
     """The weights of ``train.init_from`` that the run starts from, checked against it: the
     whole model when it is of the run's task, the embedding and encoder of an mlm model for a
@@ -366,13 +377,8 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
     stored = config_from_dict(state["config"], stored=True)
     if config.model.task != "classify":
         _check_tokenizer(found, state, tokenizer_bytes)
-        differ = [
-            f"model.{f.name} is {getattr(stored.model, f.name)!r} in it, "
-            f"{getattr(config.model, f.name)!r} in this run"
-            for f in dataclasses.fields(ModelConfig)
-            if f.name not in _FREE_MODEL_KEYS
-            and getattr(stored.model, f.name) != getattr(config.model, f.name)
-        ]
+        names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in _FREE_MODEL_KEYS]
+        differ = _differences(stored.model, config.model, names)
         if differ:
             raise ConfigError(
                 f"train.init_from={found}: a model goes on training in its own shape; "
@@ -390,12 +396,7 @@ def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, 
     )
     if "linformer" in (stored.model.encoder_attention, config.model.encoder_attention):
         shape = (*shape, "encoder_attention", "linformer_k")  # its projections are weights
-    differ = [
-        f"model.{name} is {getattr(stored.model, name)!r} in it, "
-        f"{getattr(config.model, name)!r} in this run"
-        for name in shape
-        if getattr(stored.model, name) != getattr(config.model, name)
-    ]
+    differ = _differences(stored.model, config.model, shape)
     if differ:
         # Another vocabulary: the data's tokenizer is not the pre-trained model's.
         advice = (

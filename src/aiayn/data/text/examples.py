@@ -169,8 +169,8 @@ class TextExamples:
         tokens = np.where(within == 0, BOS_ID, EOS_ID)
         inner = (within > 0) & (within <= self._doc_lengths[doc])
         flat = np.asarray(self.corpus.offsets[doc[inner]], dtype=np.int64) + within[inner] - 1
-        ids = np.asarray(self.corpus.token_ids[flat])
         corpus = self.corpus
+        ids = np.asarray(corpus.token_ids[flat])
         check_ids(ids, doc[inner], corpus.vocab_size, corpus.data_dir, corpus.split, TEXT_SUFFIX)
         tokens[inner] = ids
         out[rows, cols] = tokens
