@@ -266,7 +266,7 @@ def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
             int8=system == "aiayn-int8",
             packed=system == "aiayn-packed",
             bf16=system == "aiayn-bf16",
-            compiled=system == "aiayn",
+            compiled=system in ("aiayn", "aiayn-packed"),
             weights=None if ct2_dir is None else ct2_dir / AIAYN_WEIGHTS,
         )
     if system == "torch":

@@ -204,10 +204,14 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    from aiayn.model.patterns import PATTERNS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    parser.add_argument("--patterns", nargs="+", default=None, help="default: all")
+    parser.add_argument(
+        "--patterns", nargs="+", choices=PATTERNS, default=None, help="default: all"
+    )
     parser.add_argument("--causal", action="store_true", help="decoder-only layers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0)
@@ -220,6 +224,8 @@ def main() -> None:
         help="folder for the .json, .md and .png (default: benchmarks/results and docs/images)",
     )
     args = parser.parse_args()
+    if min(args.lengths) < 1 or args.repeats < 1:
+        parser.error("--lengths and --repeats must be at least 1")
     if args.worker is not None:
         kind, *rest = args.worker
         if kind == "layer":
@@ -227,8 +233,6 @@ def main() -> None:
         else:
             checkpointing_worker(rest[0] == "on", int(rest[1]))
         return
-    from aiayn.model.patterns import PATTERNS
-
     patterns = args.patterns or list(PATTERNS)
     waited = wait_for_quiet(args.wait_quiet)
     result: dict[str, Any] = {

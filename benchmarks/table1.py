@@ -12,7 +12,7 @@ The layers (batch of one sequence, fp32, 2 threads, no dropout):
 - ``restricted``: the same sub-layer with the ``local`` pattern, a neighbourhood of r positions
   on each side (``--window``);
 - ``recurrent``: ``nn.LSTM(d, d)``, one layer (oneDNN's kernel);
-- ``convolutional``: ``nn.Conv1d(d, d, k)``, kernel k (``--kernel``), length kept by padding;
+- ``convolutional``: ``nn.Conv1d(d, d, k)``, kernel k (``--kernel``, odd), length kept by padding;
 - ``separable``: a depthwise ``Conv1d(d, d, k, groups=d)`` then a pointwise ``Conv1d(d, d, 1)``.
 
 Time: forward + backward (gradients of the input and the weights), median of ``--repeats``
@@ -303,6 +303,14 @@ def main() -> None:
         help="folder for table1.{json,md,png} (default: benchmarks/results and docs/images)",
     )
     args = parser.parse_args()
+    # Refused before any timing: a window of 0 or a kernel of 1 connects no two positions,
+    # and an even kernel's padding of k // 2 would not keep the length.
+    if args.window < 1:
+        parser.error(f"--window must be at least 1, got {args.window}")
+    if args.kernel < 3 or args.kernel % 2 == 0:
+        parser.error(f"--kernel must be odd and at least 3, got {args.kernel}")
+    if min(args.lengths) < 2 or args.repeats < 1:
+        parser.error("--lengths must be at least 2 and --repeats at least 1")
     if args.worker is not None:
         kind, n, repeats = args.worker[0], int(args.worker[1]), int(args.worker[2])
         time_worker(kind, n, repeats, args.window, args.kernel)

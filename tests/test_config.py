@@ -189,3 +189,15 @@ def test_numpy_numbers_are_taken_as_pythons():
     for bad in (float("inf"), 2.5, True):
         with pytest.raises(ConfigError, match=r"decode\.beam_size must be an integer"):
             config_from_dict({"decode": {"beam_size": bad}})
+
+
+def test_load_config_takes_a_shipped_recipe_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    assert load_config("tiny").preset == "tiny"
+    assert load_config("multi30k.toml", ["train.max_steps=7"]).train.max_steps == 7
+    with pytest.raises(
+        ConfigError, match=r"nonesuch does not exist, nor .*\(base, bible_classify, "
+    ):
+        load_config("nonesuch")
+    with pytest.raises(ConfigError, match=r"config file sub/nonesuch\.toml does not exist$"):
+        load_config("sub/nonesuch.toml")

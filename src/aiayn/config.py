@@ -27,6 +27,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from aiayn.errors import ConfigError
 from aiayn.presets import preset_overrides
+from aiayn.recipes import recipe_names, resolve_recipe
 
 CONFIG_FORMAT_VERSION = 1
 
@@ -202,6 +203,16 @@ class ModelConfig:
             for name, default in (("tgt_vocab_size", None), *extra):
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
+        # A baseline's own setting on a model that has no use for it: refused, not ignored.
+        owners = {"rnn_hidden": ("bahdanau", "luong"), "luong_score": ("luong",)}
+        owners |= {"input_feeding": ("luong",)}
+        for name, archs in owners.items():
+            default = next(f.default for f in fields(ModelConfig) if f.name == name)
+            if self.arch not in archs and getattr(self, name) != default:
+                raise ConfigError(
+                    f"model.{name} is an option of model.arch={' and '.join(archs)}, not of "
+                    f"model.arch={self.arch}"
+                )
         if self.arch != "transformer":
             _require(self, "model", {"rnn_hidden": _POSITIVE})
             if self.task != "translation":
@@ -602,10 +613,16 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a TOML run file (optional) and apply dotted overrides on top of it."""
+    """Read a TOML run file (optional: a path, or the name of a recipe that ships with aiayn,
+    as ``aiayn train --config`` takes it) and apply dotted overrides on top of it."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = resolve_recipe(path)
+        if not path.exists() and len(path.parts) == 1:
+            raise ConfigError(
+                f"config file {path} does not exist, nor is there a recipe of that name "
+                f"({', '.join(recipe_names())})"
+            )
         raw = read_toml(path)
     try:
         return config_from_dict(_merge(raw, parse_overrides(overrides or [])))

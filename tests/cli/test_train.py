@@ -307,7 +307,7 @@ def test_every_shipped_config_loads(path):
 def test_a_run_directory_is_owned_by_one_process(data_dir, tmp_path, capsys):
     """A second train into a directory in use is refused with the holder's PID; the first
     process's work is untouched; a holder killed with -9 leaves nothing locked."""
-    from aiayn.training.lock import run_lock
+    from aiayn.lock import run_lock
 
     run = tmp_path / "run"
     run.mkdir()
@@ -318,7 +318,7 @@ def test_a_run_directory_is_owned_by_one_process(data_dir, tmp_path, capsys):
         assert f"is in use by another aiayn train (PID {os.getpid()})" in err
         assert not (run / "metrics.jsonl").exists() and not (run / "config.toml").exists()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from aiayn.training.lock import run_lock\n"
+        [sys.executable, "-c", "import sys, time; from aiayn.lock import run_lock\n"
          "with run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)", str(run)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -421,8 +421,11 @@ def test_config_takes_a_shipped_recipe_by_name_anywhere(data_dir, tmp_path, monk
     args = ["train", "--data", str(data_dir), "--out", "run", "--no-progress"]
     assert main([*args, "--config", "tiny", "train.max_steps=1", "train.valid_interval=0"]) == 0
     assert 'preset = "tiny"' in (tmp_path / "run" / "config.toml").read_text()
+    capsys.readouterr()
     assert main([*args[:3], "--out", "other", "--config", "nonesuch"]) == 2
-    assert "config file nonesuch does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "config file nonesuch does not exist, nor is there a recipe of that name (" in err
+    assert "multi30k, " in err and len(err.strip().splitlines()) == 1
     help_text = subprocess.run(
         [sys.executable, "-m", "aiayn", "train", "--help"], capture_output=True, text=True
     ).stdout

@@ -11,6 +11,7 @@ from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.prepare import count_lines, prepare_data
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
+from aiayn.lock import PREPARE_LOCK_NAME
 
 WORDS = (
     "the a one dog cat bird runs sees eats big small red blue green house tree river man woman "
@@ -155,6 +156,36 @@ def test_a_byte_order_mark_is_dropped_and_a_nul_or_gzip_named(text, tmp_path):
         _prepare(train, valid, tmp_path / "gz")
 
 
+def test_a_utf16_or_utf32_file_is_named_before_the_line_counts(text, tmp_path):
+    # Its NUL bytes would count one line more than the UTF-8 side has.
+    train, valid = text
+    tgt = Path(f"{train}.de")
+    plain = tgt.read_text(encoding="utf-8")
+    for encoding, name in (("utf-16", "UTF-16"), ("utf-16-be", None), ("utf-32", "UTF-32")):
+        data = plain.encode(encoding)
+        if name is None:  # big-endian with its mark written out
+            data, name = b"\xfe\xff" + data, "UTF-16"
+        tgt.write_bytes(data)
+        with pytest.raises(UserError, match=rf"^{tgt}: the file is {name} text .*iconv -f {name}"):
+            _prepare(train, valid, tmp_path / "wide")
+
+
+def test_a_second_prepare_into_a_busy_directory_is_refused(text, tmp_path):
+    from aiayn.lock import RunDirectoryBusy, prepare_lock
+
+    train, valid = text
+    out = tmp_path / "data"
+    out.mkdir()
+    with prepare_lock(out):  # as a running prepare holds it, its staging directory beside it
+        live = out / ".prepare-live"
+        live.mkdir()
+        with pytest.raises(RunDirectoryBusy, match=f"{out} is in use by another aiayn prepare"):
+            _prepare(train, valid, out)
+        assert live.is_dir()
+    _prepare(train, valid, out)  # once it ends; a staging directory left behind is cleared
+    assert not live.exists()
+
+
 def test_a_valid_split_with_no_pairs_left_is_refused(text, tmp_path):
     train, valid = text
     for side in ("en", "de"):
@@ -219,7 +250,7 @@ def test_rerun_with_same_inputs_reuses_everything(text, tmp_path, monkeypatch):
     train, valid = text
     out = tmp_path / "data"
     first = _prepare(train, valid, out)
-    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != PREPARE_LOCK_NAME}
 
     def fail(*args, **kwargs):
         raise AssertionError("should not retrain or re-encode")
@@ -230,7 +261,9 @@ def test_rerun_with_same_inputs_reuses_everything(text, tmp_path, monkeypatch):
     second = _prepare(train, valid, out, log=messages.append)
     assert second == first
     assert any("up to date" in m for m in messages)
-    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+    assert {
+        p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != PREPARE_LOCK_NAME
+    } == mtimes
 
 
 def test_changed_filter_reuses_the_tokenizer_changed_text_retrains(text, tmp_path):

@@ -175,6 +175,18 @@ def test_the_rnn_archs_are_translation_models():
     with pytest.raises(ConfigError, match="rnn_hidden must be positive"):
         ModelConfig(arch="bahdanau", rnn_hidden=0).validate()
     ModelConfig(arch="bahdanau", d_model=30).validate()  # no heads to divide d_model by
+    # A baseline's own setting where the model has no use for it is refused, not ignored.
+    for arch, change, owners in (
+        ("transformer", {"rnn_hidden": 512}, "bahdanau and luong"),
+        ("transformer", {"luong_score": "dot"}, "luong"),
+        ("bahdanau", {"input_feeding": False}, "luong"),
+    ):
+        [name] = change
+        with pytest.raises(
+            ConfigError, match=rf"^model\.{name} is an option of model\.arch={owners}, not of "
+        ):
+            ModelConfig(arch=arch, **change).validate()
+    ModelConfig(arch="luong", luong_score="dot", input_feeding=False).validate()
 
 
 def test_rnnsearch_equals_the_papers_equations_written_out():

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiayn.config import DataConfig
 from aiayn.errors import CLIError
+from aiayn.lock import PREPARE_LOCK_NAME as LOCK
 from aiayn.progress import Report, counted, stderr_report
 
 _CORPORA = ("bible", "multi30k", "wmt14")
@@ -143,8 +144,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except BaseException:
-        # A failed first prepare leaves no empty DATA_DIR behind (one that held files stays).
-        if not existed and out.is_dir() and not any(out.iterdir()):
+        # A failed first prepare leaves no empty DATA_DIR behind (one that held files stays);
+        # its lock file goes with it.
+        if not existed and out.is_dir() and [p.name for p in out.iterdir()] in ([], [LOCK]):
+            (out / LOCK).unlink(missing_ok=True)
             out.rmdir()
         raise
 
@@ -157,8 +160,12 @@ def _run(args: argparse.Namespace) -> int:
     ratio = args.max_len_ratio
     if ratio is not None and not (ratio == 0 or 1 <= ratio < math.inf):
         raise CLIError(f"--max-len-ratio must be 0 (off) or a finite 1 or more, got {ratio:g}")
-    if args.input_sentence_size is not None and args.input_sentence_size < 1:
-        raise CLIError(f"--input-sentence-size must be at least 1, got {args.input_sentence_size}")
+    from aiayn.data.tokenizer import MIN_INPUT_SENTENCE_SIZE as least
+
+    if args.input_sentence_size is not None and args.input_sentence_size < least:
+        raise CLIError(
+            f"--input-sentence-size must be at least {least}, got {args.input_sentence_size}"
+        )
     coverage = args.character_coverage
     if coverage is not None and not 0 < coverage <= 1:
         raise CLIError(f"--character-coverage must be above 0 and at most 1, got {coverage:g}")

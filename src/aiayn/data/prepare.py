@@ -52,6 +52,7 @@ from aiayn.data.tokenizer import (
     train_tokenizer,
 )
 from aiayn.errors import UserError
+from aiayn.lock import prepare_lock
 from aiayn.progress import Log, Meter, Report, as_report
 
 EncodingErrors = Literal["strict", "replace"]
@@ -191,76 +192,81 @@ def prepare_data(
         [text_path(out, split, lang) for split in inputs for lang in (src, tgt)],
         out,
     )
-    old = _existing_manifest(out)
-    if not force and old is not None and _up_to_date(out, old, fingerprint):
-        say(f"{out}: up to date (same inputs and options), reusing it")
-        return old
+    with _held(out):
+        old = _existing_manifest(out)
+        if not force and old is not None and _up_to_date(out, old, fingerprint):
+            say(f"{out}: up to date (same inputs and options), reusing it")
+            return old
 
-    with _staging_dir(out) as staging:
-        stats: dict[str, _SplitStats] = {}
-        for split, (src_path, tgt_path) in inputs.items():
-            say(f"reading {split}: {src_path}, {tgt_path}")
-            meter = say.meter(f"reading {split}", line_counts[split])
-            stats[split] = _clean_split(
-                src_path, tgt_path, staging, split, src, tgt, encoding_errors, meter
-            )
-            meter.finish()
-        for split, split_stats in stats.items():
-            if split_stats.pairs == 0:  # a valid or test split scores nothing: refused too
-                src_path, tgt_path = inputs[split]
-                what = "training pairs" if split == "train" else f"{split} pairs"
-                raise UserError(
-                    f"{src_path}, {tgt_path}: no {what} left after dropping empty lines"
+        with _staging_dir(out) as staging:
+            stats: dict[str, _SplitStats] = {}
+            for split, (src_path, tgt_path) in inputs.items():
+                say(f"reading {split}: {src_path}, {tgt_path}")
+                meter = say.meter(f"reading {split}", line_counts[split])
+                stats[split] = _clean_split(
+                    src_path, tgt_path, staging, split, src, tgt, encoding_errors, meter
                 )
+                meter.finish()
+            for split, split_stats in stats.items():
+                if split_stats.pairs == 0:  # a valid or test split scores nothing: refused too
+                    src_path, tgt_path = inputs[split]
+                    what = "training pairs" if split == "train" else f"{split} pairs"
+                    raise UserError(
+                        f"{src_path}, {tgt_path}: no {what} left after dropping empty lines"
+                    )
 
-        origin = None
-        if given is not None:
-            origin = tokenizer_source or str(given.resolve())
-            say(f"using the tokenizer of {origin}")
-            shutil.copyfile(given, staging / TOKENIZER_NAME)
-            vocab = Tokenizer.load(staging / TOKENIZER_NAME)
-            tokenizer_key = str(options["tokenizer"])
-        else:
-            # The vocabulary depends on the cleaned training text and the options, not on where
-            # the files are or when they were written: a copy or a rewrite of the same text
-            # reuses it.
-            train_text = [_staged_text(staging, "train", lang) for lang in (src, tgt)]
-            tokenizer_key = _digest(
-                {"train_text": _content_digest(train_text), **{k: options[k] for k in vocab_keys}}
-            )
-            vocab = _staged_tokenizer(
-                staging,
-                _reusable_tokenizer(out, old, tokenizer_key) if not force else None,
-                f"training a joint {model_type} vocabulary of {vocab_size:,} on train.{src}+{tgt}",
-                lambda prefix: train_tokenizer(
-                    train_text,
-                    vocab_size,
-                    prefix,
-                    model_type,
-                    character_coverage=character_coverage,
-                    input_sentence_size=input_sentence_size,
-                    source=" and ".join(str(p) for p in inputs["train"]),
-                ),
-                say,
-            )
-        dtype = ids_dtype(max(vocab.vocab_size, vocab.target_vocab_size))
-
-        for split in inputs:
-            meter = say.meter(f"encoding {split}", stats[split].pairs)
-            limits = (max_len, max_len_ratio) if split == "train" else None
-            _encode_split(vocab, staging, split, src, tgt, dtype, limits, stats[split], meter)
-            meter.finish()
-            if split == "train" and stats[split].pairs == 0:
-                raise UserError(
-                    f"every training pair was dropped by the length limits (max_len={max_len}, "
-                    f"max_len_ratio={max_len_ratio})"
+            origin = None
+            if given is not None:
+                origin = tokenizer_source or str(given.resolve())
+                say(f"using the tokenizer of {origin}")
+                shutil.copyfile(given, staging / TOKENIZER_NAME)
+                vocab = Tokenizer.load(staging / TOKENIZER_NAME)
+                tokenizer_key = str(options["tokenizer"])
+            else:
+                # The vocabulary depends on the cleaned training text and the options, not on where
+                # the files are or when they were written: a copy or a rewrite of the same text
+                # reuses it.
+                train_text = [_staged_text(staging, "train", lang) for lang in (src, tgt)]
+                tokenizer_key = _digest(
+                    {
+                        "train_text": _content_digest(train_text),
+                        **{k: options[k] for k in vocab_keys},
+                    }
                 )
+                vocab = _staged_tokenizer(
+                    staging,
+                    _reusable_tokenizer(out, old, tokenizer_key) if not force else None,
+                    f"training a joint {model_type} vocabulary of {vocab_size:,} "
+                    f"on train.{src}+{tgt}",
+                    lambda prefix: train_tokenizer(
+                        train_text,
+                        vocab_size,
+                        prefix,
+                        model_type,
+                        character_coverage=character_coverage,
+                        input_sentence_size=input_sentence_size,
+                        source=" and ".join(str(p) for p in inputs["train"]),
+                    ),
+                    say,
+                )
+            dtype = ids_dtype(max(vocab.vocab_size, vocab.target_vocab_size))
 
-        manifest = _manifest(
-            options, inputs, stats, vocab, origin, dtype, fingerprint, tokenizer_key, staging
-        )
-        _commit(staging, out, manifest, old)
-    return manifest
+            for split in inputs:
+                meter = say.meter(f"encoding {split}", stats[split].pairs)
+                limits = (max_len, max_len_ratio) if split == "train" else None
+                _encode_split(vocab, staging, split, src, tgt, dtype, limits, stats[split], meter)
+                meter.finish()
+                if split == "train" and stats[split].pairs == 0:
+                    raise UserError(
+                        f"every training pair was dropped by the length limits (max_len={max_len}, "
+                        f"max_len_ratio={max_len_ratio})"
+                    )
+
+            manifest = _manifest(
+                options, inputs, stats, vocab, origin, dtype, fingerprint, tokenizer_key, staging
+            )
+            _commit(staging, out, manifest, old)
+        return manifest
 
 
 def _refuse_overwriting(inputs: list[Path], outputs: list[Path], out: Path) -> None:
@@ -277,13 +283,21 @@ def _up_to_date(out: Path, old: dict[str, Any], fingerprint: str) -> bool:
 
 
 @contextlib.contextmanager
+def _held(out: Path) -> Iterator[None]:
+    """``out`` (created when missing) held against other prepares for the block: one at a
+    time, so that no staging directory found there belongs to a live run."""
+    _make_dir(out)
+    with prepare_lock(out):
+        yield
+
+
+@contextlib.contextmanager
 def _staging_dir(out: Path) -> Iterator[Path]:
-    """A fresh staging directory inside ``out`` (created when missing), removed afterwards.
+    """A fresh staging directory inside ``out``, removed afterwards.
 
     Stale ones of killed runs go first; an ``OSError`` inside (disk full, permissions changed
     under us, ...) becomes a :class:`UserError` naming the file.
     """
-    _make_dir(out)
     _remove_stale_staging(out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
@@ -340,9 +354,18 @@ def _open_input(path: Path) -> BinaryIO:
         raise UserError(f"{path}: is a directory, expected a text file") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read ({err.strerror})") from None
-    if handle.peek(2)[:2] == _GZIP_MAGIC:
+    start = handle.peek(4)[:4]
+    if start[:2] == _GZIP_MAGIC:
         handle.close()
         raise UserError(f"{path}: the file is gzip-compressed: decompress it first (gunzip)")
+    # UTF-32's marks first: UTF-32LE's starts with UTF-16LE's.
+    wide = next((name for name, mark in _WIDE_MARKS if start.startswith(mark)), None)
+    if wide is not None:
+        handle.close()
+        raise UserError(
+            f"{path}: the file is {wide} text (it starts with that byte order mark); convert "
+            f"it to UTF-8 first (iconv -f {wide} -t UTF-8)"
+        )
     return handle
 
 
@@ -372,6 +395,12 @@ def _decode(raw: bytes, path: Path, line_no: int, errors: EncodingErrors) -> tup
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
+_WIDE_MARKS = (
+    ("UTF-32", b"\xff\xfe\x00\x00"),
+    ("UTF-32", b"\x00\x00\xfe\xff"),
+    ("UTF-16", b"\xff\xfe"),
+    ("UTF-16", b"\xfe\xff"),
+)
 
 
 def _clean_split(

@@ -27,6 +27,8 @@ DEFAULT_CHARACTER_COVERAGE = 0.9995
 # At most this many sentences (sampled uniformly) train the vocabulary; enough for a stable BPE
 # merge table while keeping memory flat on WMT-sized text.
 DEFAULT_INPUT_SENTENCE_SIZE = 2_000_000
+# sentencepiece's trainer refuses a sample of 1 to 100 sentences.
+MIN_INPUT_SENTENCE_SIZE = 101
 _SPECIAL_IDS = frozenset((PAD_ID, BOS_ID, EOS_ID))
 # The masked-language-model symbol of the text tasks' tokenizers (at MASK_ID).
 MASK_PIECE = "<mask>"
@@ -325,6 +327,11 @@ def train_tokenizer(
         raise UserError(
             f"vocabulary size {vocab_size} leaves no room beyond the {reserved} special ids"
         )
+    if input_sentence_size < MIN_INPUT_SENTENCE_SIZE:
+        raise UserError(
+            f"input_sentence_size must be at least {MIN_INPUT_SENTENCE_SIZE}, "
+            f"got {input_sentence_size}"
+        )
     spm.set_random_generator_seed(seed)
     model_prefix = Path(model_prefix)
     try:
@@ -352,12 +359,13 @@ def train_tokenizer(
         if match := _TOO_HIGH.search(message):
             raise UserError(
                 f"vocabulary size {match.group(1)} is larger than the training text allows "
-                f"(at most {match.group(2)} for {files}); lower --vocab-size"
+                f"(at most {match.group(2)} for {files}); lower the vocabulary size (--vocab-size)"
             ) from None
         if match := _TOO_LOW.search(message):
             raise UserError(
                 f"vocabulary size {match.group(1)} is smaller than the {match.group(2)} "
-                f"characters and special symbols of {files} need; raise --vocab-size"
+                f"characters and special symbols of {files} need; raise the vocabulary size "
+                f"(--vocab-size)"
             ) from None
         raise UserError(f"sentencepiece could not train on {files}: {message}") from None
     return Tokenizer.load(model_prefix.with_name(model_prefix.name + ".model"))

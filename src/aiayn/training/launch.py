@@ -38,6 +38,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.devices import busy_cpu_slowdown
 from aiayn.errors import ConfigError, UserError
 from aiayn.inference import loading
+from aiayn.lock import LOCK_NAME, RunDirectoryBusy, run_lock
 from aiayn.model.families import build_model, pretrained_encoder_state
 from aiayn.progress import counted
 from aiayn.training import checkpoint as ckpt
@@ -49,7 +50,6 @@ from aiayn.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from aiayn.training.lock import LOCK_NAME, RunDirectoryBusy, run_lock
 from aiayn.training.tasks import TextValidSet, text_examples
 from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
 from aiayn.training.validation import ValidSet

@@ -41,6 +41,7 @@ from aiayn.data.prepare import (
     _digest,
     _existing_manifest,
     _file_stamp,
+    _held,
     _open_input,
     _refuse_overwriting,
     _reusable_tokenizer,
@@ -144,60 +145,67 @@ def prepare_text(
     _refuse_overwriting(
         list(files.values()), [text_path(out, split, TEXT_SUFFIX) for split in files], out
     )
-    old = _existing_manifest(out)
-    if not force and old is not None and _up_to_date(out, old, fingerprint):
-        say(f"{out}: up to date (same inputs and options), reusing it")
-        return old
+    with _held(out):
+        old = _existing_manifest(out)
+        if not force and old is not None and _up_to_date(out, old, fingerprint):
+            say(f"{out}: up to date (same inputs and options), reusing it")
+            return old
 
-    with _staging_dir(out) as staging:
-        stats, names = _read_splits(task, files, staging, names, encoding_errors, say)
-        vocab, tokenizer_key = _staged_text_tokenizer(
-            staging,
-            given,
-            vocab_options,
-            encoding_errors,
-            (out, None if force else old),
-            files["train"],
-            say,
-        )
-        dtype = ids_dtype(vocab.vocab_size)
-        for split, split_stats in stats.items():
-            meter = say.meter(f"encoding {split}", split_stats.lines)
-            _encode_split(vocab, staging, split, dtype, split_stats, meter)
-            meter.finish()
-            if names is not None:
-                np.save(labels_path(staging, split), np.frombuffer(split_stats.labels, np.int64))
+        with _staging_dir(out) as staging:
+            stats, names = _read_splits(task, files, staging, names, encoding_errors, say)
+            vocab, tokenizer_key = _staged_text_tokenizer(
+                staging,
+                given,
+                vocab_options,
+                encoding_errors,
+                (out, None if force else old),
+                files["train"],
+                say,
+            )
+            dtype = ids_dtype(vocab.vocab_size)
+            for split, split_stats in stats.items():
+                meter = say.meter(f"encoding {split}", split_stats.lines)
+                _encode_split(vocab, staging, split, dtype, split_stats, meter)
+                meter.finish()
+                if names is not None:
+                    np.save(
+                        labels_path(staging, split), np.frombuffer(split_stats.labels, np.int64)
+                    )
 
-        manifest = {
-            "format": "aiayn-data",
-            "format_version": MANIFEST_FORMAT_VERSION,
-            "kind": "text",
-            "task": task,
-            "aiayn_version": __version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "vocab_size": vocab.vocab_size,
-            "tokenizer": TOKENIZER_NAME,
-            "tokenizer_options": {
-                **(
-                    {"from": tokenizer_source or str(given.resolve())}
-                    if given is not None
-                    else {k: v for k, v in vocab_options.items() if k != "vocab_size"}
+            manifest = {
+                "format": "aiayn-data",
+                "format_version": MANIFEST_FORMAT_VERSION,
+                "kind": "text",
+                "task": task,
+                "aiayn_version": __version__,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"
                 ),
-                "special_ids": SPECIAL_IDS,
-            },
-            "dtype": dtype.name,
-            "encoding_errors": encoding_errors,
-            **({"labels": names} if names is not None else {}),
-            "splits": {
-                split: _split_manifest(files[split], s, names) for split, s in stats.items()
-            },
-            "dropped_reasons": {"empty": "an empty or whitespace-only line"},
-            "files": {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()},
-            "fingerprint": fingerprint,
-            "tokenizer_key": tokenizer_key,
-        }
-        _commit(staging, out, manifest, old)
-    return manifest
+                "vocab_size": vocab.vocab_size,
+                "tokenizer": TOKENIZER_NAME,
+                "tokenizer_options": {
+                    **(
+                        {"from": tokenizer_source or str(given.resolve())}
+                        if given is not None
+                        else {k: v for k, v in vocab_options.items() if k != "vocab_size"}
+                    ),
+                    "special_ids": SPECIAL_IDS,
+                },
+                "dtype": dtype.name,
+                "encoding_errors": encoding_errors,
+                **({"labels": names} if names is not None else {}),
+                "splits": {
+                    split: _split_manifest(files[split], s, names) for split, s in stats.items()
+                },
+                "dropped_reasons": {"empty": "an empty or whitespace-only line"},
+                "files": {
+                    p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()
+                },
+                "fingerprint": fingerprint,
+                "tokenizer_key": tokenizer_key,
+            }
+            _commit(staging, out, manifest, old)
+        return manifest
 
 
 def _check_label_names(labels: Sequence[str], task: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""One process at a time in a run directory: ``RUN_DIR/.lock``, held with ``flock``.
+"""One process at a time in a run directory (``RUN_DIR/.lock``) or a data directory being
+prepared (``DATA_DIR/.prepare.lock``), held with ``flock``.
 
 The kernel releases the lock when the process ends, however it ends (``kill -9`` included),
 so a crashed run never leaves the directory locked; the file itself stays, with the PID of the
@@ -21,10 +22,11 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 LOCK_NAME = ".lock"
+PREPARE_LOCK_NAME = ".prepare.lock"
 
 
 class RunDirectoryBusy(UserError):
-    """Another process trains into the run directory."""
+    """Another process trains into the run directory (or prepares the data directory)."""
 
 
 def _holder(fd: int) -> str:
@@ -36,25 +38,36 @@ def _holder(fd: int) -> str:
     return text if text.isdigit() else "unknown"
 
 
-@contextlib.contextmanager
-def run_lock(run_dir: str | Path) -> Iterator[None]:
+def run_lock(run_dir: str | Path) -> contextlib.AbstractContextManager[None]:
     """Hold ``RUN_DIR/.lock`` for the block; :class:`RunDirectoryBusy` naming the holder's PID
     when another process holds it."""
+    return directory_lock(run_dir, LOCK_NAME, "train")
+
+
+def prepare_lock(data_dir: str | Path) -> contextlib.AbstractContextManager[None]:
+    """Hold ``DATA_DIR/.prepare.lock`` for the block, as :func:`run_lock` does a run's."""
+    return directory_lock(data_dir, PREPARE_LOCK_NAME, "prepare")
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str | Path, name: str, command: str) -> Iterator[None]:
+    """Hold ``directory/name`` for the block; :class:`RunDirectoryBusy` naming the holder's
+    PID when another process (an ``aiayn COMMAND``) holds it."""
     if fcntl is None:  # pragma: no cover
         yield
         return
-    path = Path(run_dir) / LOCK_NAME
+    path = Path(directory) / name
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as err:
-        raise UserError(f"{path}: cannot create the run's lock file ({err.strerror})") from None
+        raise UserError(f"{path}: cannot create the lock file ({err.strerror})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunDirectoryBusy(
-                f"{run_dir} is in use by another aiayn train (PID {_holder(fd)}); wait for it to "
-                "end or stop it, or train into another directory"
+                f"{directory} is in use by another aiayn {command} (PID {_holder(fd)}); wait for "
+                f"it to end or stop it, or {command} into another directory"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
