@@ -204,10 +204,12 @@ class ModelConfig:
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
         # A baseline's own setting on a model that has no use for it: refused, not ignored.
-        owners = {"rnn_hidden": ("bahdanau", "luong"), "luong_score": ("luong",)}
-        owners |= {"input_feeding": ("luong",)}
-        for name, archs in owners.items():
-            default = next(f.default for f in fields(ModelConfig) if f.name == name)
+        baselines = (
+            ("rnn_hidden", None, ("bahdanau", "luong")),
+            ("luong_score", "general", ("luong",)),
+            ("input_feeding", True, ("luong",)),
+        )
+        for name, default, archs in baselines:
             if self.arch not in archs and getattr(self, name) != default:
                 raise ConfigError(
                     f"model.{name} is an option of model.arch={' and '.join(archs)}, not of "
