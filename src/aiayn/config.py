@@ -203,18 +203,6 @@ class ModelConfig:
             for name, default in (("tgt_vocab_size", None), *extra):
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name} is an option of the translation task")
-        # A baseline's own setting on a model that has no use for it: refused, not ignored.
-        baselines = (
-            ("rnn_hidden", None, ("bahdanau", "luong")),
-            ("luong_score", "general", ("luong",)),
-            ("input_feeding", True, ("luong",)),
-        )
-        for name, default, archs in baselines:
-            if self.arch not in archs and getattr(self, name) != default:
-                raise ConfigError(
-                    f"model.{name} is an option of model.arch={' and '.join(archs)}, not of "
-                    f"model.arch={self.arch}"
-                )
         if self.arch != "transformer":
             _require(self, "model", {"rnn_hidden": _POSITIVE})
             if self.task != "translation":
@@ -562,6 +550,8 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
                 f"model.{absent}_attention: model.task={model.task} is {kind}, with no "
                 f"{absent}; set model.{present}_attention instead"
             )
+    if not stored:
+        _refuse_unread_baseline_keys(model, raw.get("model", {}), preset)
     if not stored and config.train.activation_checkpointing and model.arch != "transformer":
         raise ConfigError(
             "train.activation_checkpointing recomputes Transformer layers; "
@@ -574,6 +564,23 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
                 "BLEU needs: set train.valid_bleu = false"
             )
     return config
+
+
+def _refuse_unread_baseline_keys(model: ModelConfig, given: Mapping[str, Any], preset: str) -> None:
+    """A baseline's own setting on a model that does not read it: refused, not ignored. (Not
+    for a stored config: what its run used, and a run of an older aiayn ignored them.)"""
+    baselines = (
+        ("rnn_hidden", None, ("bahdanau", "luong")),
+        ("luong_score", "general", ("luong",)),
+        ("input_feeding", True, ("luong",)),
+    )
+    for name, default, archs in baselines:
+        if model.arch not in archs and getattr(model, name) != default:
+            origin = "" if name in given else f" (preset {preset} sets it)"
+            raise ConfigError(
+                f"model.{name}{origin} is an option of model.arch={' and '.join(archs)}, not of "
+                f"model.arch={model.arch}"
+            )
 
 
 # What a run's data sets whatever its preset, and the dropout rates: not a change of the

@@ -41,36 +41,53 @@ def _holder(fd: int) -> str:
 def run_lock(run_dir: str | Path) -> contextlib.AbstractContextManager[None]:
     """Hold ``RUN_DIR/.lock`` for the block; :class:`RunDirectoryBusy` naming the holder's PID
     when another process holds it."""
-    return directory_lock(run_dir, LOCK_NAME, "train")
+    return directory_lock(
+        run_dir, LOCK_NAME, "aiayn train", "train into another directory", "the run's lock file"
+    )
 
 
 def prepare_lock(data_dir: str | Path) -> contextlib.AbstractContextManager[None]:
     """Hold ``DATA_DIR/.prepare.lock`` for the block, as :func:`run_lock` does a run's."""
-    return directory_lock(data_dir, PREPARE_LOCK_NAME, "prepare")
+    return directory_lock(
+        data_dir,
+        PREPARE_LOCK_NAME,
+        "aiayn process preparing data",
+        "prepare into another directory",
+        "its lock file (is the directory writable?)",
+    )
 
 
 @contextlib.contextmanager
-def directory_lock(directory: str | Path, name: str, command: str) -> Iterator[None]:
+def directory_lock(
+    directory: str | Path, name: str, holder: str, instead: str, what: str
+) -> Iterator[None]:
     """Hold ``directory/name`` for the block; :class:`RunDirectoryBusy` naming the holder's
-    PID when another process (an ``aiayn COMMAND``) holds it."""
+    PID when another process (``holder``) holds it. A lock file another user made, which this
+    one may not write, is locked all the same (without the PID)."""
     if fcntl is None:  # pragma: no cover
         yield
         return
     path = Path(directory) / name
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
     except OSError as err:
-        raise UserError(f"{path}: cannot create the lock file ({err.strerror})") from None
+        try:
+            if not isinstance(err, PermissionError):
+                raise
+            fd, writable = os.open(path, os.O_RDONLY), False
+        except OSError:
+            raise UserError(f"{path}: cannot create {what} ({err.strerror})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunDirectoryBusy(
-                f"{directory} is in use by another aiayn {command} (PID {_holder(fd)}); wait for "
-                f"it to end or stop it, or {command} into another directory"
+                f"{directory} is in use by another {holder} (PID {_holder(fd)}); wait for it to "
+                f"end or stop it, or {instead}"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        if writable:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         try:
             yield
         finally:

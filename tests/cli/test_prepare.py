@@ -131,7 +131,10 @@ def test_usage_errors(prefixes, tmp_path, capsys):
         (["--max-len-ratio", "-1"], "--max-len-ratio must be 0 (off) or a finite 1 or more"),
         (["--max-len-ratio", "0.5"], "got 0.5"),
         (["--max-len-ratio", "inf"], "got inf"),
-        (["--input-sentence-size", "100"], "--input-sentence-size must be at least 101"),
+        (
+            ["--input-sentence-size", "100"],
+            "--input-sentence-size must be 0 (every sentence) or at least 101",
+        ),
         (["--character-coverage", "2"], "--character-coverage must be above 0 and at most 1"),
         (["--character-coverage", "0"], "got 0"),
     ):

@@ -179,11 +179,21 @@ def test_a_second_prepare_into_a_busy_directory_is_refused(text, tmp_path):
     with prepare_lock(out):  # as a running prepare holds it, its staging directory beside it
         live = out / ".prepare-live"
         live.mkdir()
-        with pytest.raises(RunDirectoryBusy, match=f"{out} is in use by another aiayn prepare"):
+        with pytest.raises(
+            RunDirectoryBusy, match=f"{out} is in use by another aiayn process preparing data"
+        ):
             _prepare(train, valid, out)
         assert live.is_dir()
     _prepare(train, valid, out)  # once it ends; a staging directory left behind is cleared
     assert not live.exists()
+    # An up-to-date directory is reused without the lock (it may be read-only, or busy).
+    with prepare_lock(out):
+        assert _prepare(train, valid, out) == load_manifest(out)
+    # A first prepare that fails leaves no directory, its lock file included.
+    Path(f"{valid}.de").write_text("\n" * (Path(f"{valid}.en").read_text().count("\n")))
+    with pytest.raises(UserError, match="no valid pairs left"):
+        _prepare(train, valid, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_valid_split_with_no_pairs_left_is_refused(text, tmp_path):

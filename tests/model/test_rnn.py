@@ -2,13 +2,15 @@
 teacher forcing through beams and finished sentences; attention weights; padding and batch
 invariance; learning a small task; the accelerated training path."""
 
+import re
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 from aiayn.accel import accelerate
 from aiayn.accel.loss import projected_label_smoothed_nll
-from aiayn.config import DecodeConfig, ModelConfig
+from aiayn.config import DecodeConfig, ModelConfig, config_from_dict
 from aiayn.data.collate import PAD_ID, collate_pairs
 from aiayn.errors import ConfigError
 from aiayn.inference.translator import search_batch
@@ -175,18 +177,19 @@ def test_the_rnn_archs_are_translation_models():
     with pytest.raises(ConfigError, match="rnn_hidden must be positive"):
         ModelConfig(arch="bahdanau", rnn_hidden=0).validate()
     ModelConfig(arch="bahdanau", d_model=30).validate()  # no heads to divide d_model by
-    # A baseline's own setting where the model has no use for it is refused, not ignored.
-    for arch, change, owners in (
-        ("transformer", {"rnn_hidden": 512}, "bahdanau and luong"),
-        ("transformer", {"luong_score": "dot"}, "luong"),
-        ("bahdanau", {"input_feeding": False}, "luong"),
+    # A baseline's own setting where the model has no use for it is refused, not ignored;
+    # a stored config (a checkpoint's) still loads.
+    for preset, model, refused in (
+        ("small", {"rnn_hidden": 512}, "rnn_hidden is an option of model.arch=bahdanau and luong"),
+        ("small", {"luong_score": "dot"}, "luong_score is an option of model.arch=luong"),
+        ("rnnsearch", {"input_feeding": False}, "input_feeding is an option of model.arch=luong"),
+        ("rnnsearch", {"arch": "transformer"}, "rnn_hidden (preset rnnsearch sets it) is an"),
     ):
-        [name] = change
-        with pytest.raises(
-            ConfigError, match=rf"^model\.{name} is an option of model\.arch={owners}, not of "
-        ):
-            ModelConfig(arch=arch, **change).validate()
-    ModelConfig(arch="luong", luong_score="dot", input_feeding=False).validate()
+        raw = {"preset": preset, "model": model}
+        with pytest.raises(ConfigError, match=rf"^model\.{re.escape(refused)}"):
+            config_from_dict(raw)
+        config_from_dict(raw, stored=True)
+    config_from_dict({"preset": "luong", "model": {"luong_score": "dot", "input_feeding": False}})
 
 
 def test_rnnsearch_equals_the_papers_equations_written_out():

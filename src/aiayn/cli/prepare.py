@@ -13,7 +13,6 @@ from typing import Any
 
 from aiayn.config import DataConfig
 from aiayn.errors import CLIError
-from aiayn.lock import PREPARE_LOCK_NAME as LOCK
 from aiayn.progress import Report, counted, stderr_report
 
 _CORPORA = ("bible", "multi30k", "wmt14")
@@ -125,7 +124,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--input-sentence-size",
         type=int,
         default=None,
-        help="sentences sampled to train the vocabulary (default 2,000,000)",
+        help="sentences sampled to train the vocabulary (default 2,000,000; 0: every one)",
     )
     parser.add_argument(
         "--character-coverage", type=float, default=None, help="sentencepiece character coverage"
@@ -144,11 +143,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except BaseException:
-        # A failed first prepare leaves no empty DATA_DIR behind (one that held files stays);
-        # its lock file goes with it.
-        if not existed and out.is_dir() and [p.name for p in out.iterdir()] in ([], [LOCK]):
-            (out / LOCK).unlink(missing_ok=True)
-            out.rmdir()
+        # A failed first prepare leaves no empty DATA_DIR behind (one that held files stays;
+        # the library takes its own lock file away).
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            with contextlib.suppress(OSError):
+                out.rmdir()
         raise
 
 
@@ -160,12 +159,14 @@ def _run(args: argparse.Namespace) -> int:
     ratio = args.max_len_ratio
     if ratio is not None and not (ratio == 0 or 1 <= ratio < math.inf):
         raise CLIError(f"--max-len-ratio must be 0 (off) or a finite 1 or more, got {ratio:g}")
-    from aiayn.data.tokenizer import MIN_INPUT_SENTENCE_SIZE as least
+    if args.input_sentence_size is not None:
+        from aiayn.data.tokenizer import MIN_INPUT_SENTENCE_SIZE as least
 
-    if args.input_sentence_size is not None and args.input_sentence_size < least:
-        raise CLIError(
-            f"--input-sentence-size must be at least {least}, got {args.input_sentence_size}"
-        )
+        if not (args.input_sentence_size == 0 or args.input_sentence_size >= least):
+            raise CLIError(
+                f"--input-sentence-size must be 0 (every sentence) or at least {least}, got "
+                f"{args.input_sentence_size}"
+            )
     coverage = args.character_coverage
     if coverage is not None and not 0 < coverage <= 1:
         raise CLIError(f"--character-coverage must be above 0 and at most 1, got {coverage:g}")

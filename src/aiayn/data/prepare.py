@@ -52,7 +52,7 @@ from aiayn.data.tokenizer import (
     train_tokenizer,
 )
 from aiayn.errors import UserError
-from aiayn.lock import prepare_lock
+from aiayn.lock import PREPARE_LOCK_NAME, prepare_lock
 from aiayn.progress import Log, Meter, Report, as_report
 
 EncodingErrors = Literal["strict", "replace"]
@@ -192,11 +192,13 @@ def prepare_data(
         [text_path(out, split, lang) for split in inputs for lang in (src, tgt)],
         out,
     )
+    # Checked before the lock too: a directory that needs no work may be read-only.
+    if not force and (done := _reusable(out, fingerprint, say)) is not None:
+        return done
     with _held(out):
+        if not force and (done := _reusable(out, fingerprint, say)) is not None:
+            return done
         old = _existing_manifest(out)
-        if not force and old is not None and _up_to_date(out, old, fingerprint):
-            say(f"{out}: up to date (same inputs and options), reusing it")
-            return old
 
         with _staging_dir(out) as staging:
             stats: dict[str, _SplitStats] = {}
@@ -277,6 +279,16 @@ def _refuse_overwriting(inputs: list[Path], outputs: list[Path], out: Path) -> N
             raise UserError(f"{path}: an input file inside --out {out} would be overwritten")
 
 
+def _reusable(out: Path, fingerprint: str, say: Report) -> dict[str, Any] | None:
+    """``out``'s manifest where it holds complete data of the same inputs and options (said
+    so), else None."""
+    old = _existing_manifest(out)
+    if old is None or not _up_to_date(out, old, fingerprint):
+        return None
+    say(f"{out}: up to date (same inputs and options), reusing it")
+    return old
+
+
 def _up_to_date(out: Path, old: dict[str, Any], fingerprint: str) -> bool:
     """Whether ``out`` holds complete data (manifest ``old``) of the same inputs and options."""
     return old.get("fingerprint") == fingerprint and _files_intact(out, old)
@@ -285,10 +297,19 @@ def _up_to_date(out: Path, old: dict[str, Any], fingerprint: str) -> bool:
 @contextlib.contextmanager
 def _held(out: Path) -> Iterator[None]:
     """``out`` (created when missing) held against other prepares for the block: one at a
-    time, so that no staging directory found there belongs to a live run."""
+    time, so that no staging directory found there belongs to a live run. Where the block
+    fails in a directory it created, the directory goes (its lock file first, still held)."""
+    created = not out.exists()
     _make_dir(out)
     with prepare_lock(out):
-        yield
+        try:
+            yield
+        except BaseException:
+            if created and [p.name for p in out.iterdir()] == [PREPARE_LOCK_NAME]:
+                with contextlib.suppress(OSError):
+                    (out / PREPARE_LOCK_NAME).unlink()
+                    out.rmdir()
+            raise
 
 
 @contextlib.contextmanager

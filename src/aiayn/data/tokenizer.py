@@ -27,7 +27,7 @@ DEFAULT_CHARACTER_COVERAGE = 0.9995
 # At most this many sentences (sampled uniformly) train the vocabulary; enough for a stable BPE
 # merge table while keeping memory flat on WMT-sized text.
 DEFAULT_INPUT_SENTENCE_SIZE = 2_000_000
-# sentencepiece's trainer refuses a sample of 1 to 100 sentences.
+# sentencepiece's trainer refuses a sample of 1 to 100 sentences (0 takes every one).
 MIN_INPUT_SENTENCE_SIZE = 101
 _SPECIAL_IDS = frozenset((PAD_ID, BOS_ID, EOS_ID))
 # The masked-language-model symbol of the text tasks' tokenizers (at MASK_ID).
@@ -327,10 +327,10 @@ def train_tokenizer(
         raise UserError(
             f"vocabulary size {vocab_size} leaves no room beyond the {reserved} special ids"
         )
-    if input_sentence_size < MIN_INPUT_SENTENCE_SIZE:
+    if not (input_sentence_size == 0 or input_sentence_size >= MIN_INPUT_SENTENCE_SIZE):
         raise UserError(
-            f"input_sentence_size must be at least {MIN_INPUT_SENTENCE_SIZE}, "
-            f"got {input_sentence_size}"
+            f"input_sentence_size must be 0 (every sentence) or at least "
+            f"{MIN_INPUT_SENTENCE_SIZE}, got {input_sentence_size}"
         )
     spm.set_random_generator_seed(seed)
     model_prefix = Path(model_prefix)

@@ -41,6 +41,7 @@ from aiayn.inference import loading
 from aiayn.lock import LOCK_NAME, RunDirectoryBusy, run_lock
 from aiayn.model.families import build_model, pretrained_encoder_state
 from aiayn.progress import counted
+from aiayn.recipes import resolve_recipe
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.averaging import average_run
 from aiayn.training.distributed import (
@@ -88,7 +89,7 @@ def resolve_config(
     training, whose data the refusals then point to."""
     overrides = list(overrides or [])
     manifest = load_manifest(data_dir)
-    path = Path(config_path) if config_path is not None else None
+    path = resolve_recipe(config_path) if config_path is not None else None
     explicit = _explicit_model_keys(path, overrides)
     if "vocab_size" not in explicit:
         overrides.append(f"model.vocab_size={int(manifest['vocab_size'])}")

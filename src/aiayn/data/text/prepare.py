@@ -44,10 +44,10 @@ from aiayn.data.prepare import (
     _held,
     _open_input,
     _refuse_overwriting,
+    _reusable,
     _reusable_tokenizer,
     _staged_tokenizer,
     _staging_dir,
-    _up_to_date,
     _write_ids,
     _write_offsets,
 )
@@ -145,11 +145,13 @@ def prepare_text(
     _refuse_overwriting(
         list(files.values()), [text_path(out, split, TEXT_SUFFIX) for split in files], out
     )
+    # Checked before the lock too: a directory that needs no work may be read-only.
+    if not force and (done := _reusable(out, fingerprint, say)) is not None:
+        return done
     with _held(out):
+        if not force and (done := _reusable(out, fingerprint, say)) is not None:
+            return done
         old = _existing_manifest(out)
-        if not force and old is not None and _up_to_date(out, old, fingerprint):
-            say(f"{out}: up to date (same inputs and options), reusing it")
-            return old
 
         with _staging_dir(out) as staging:
             stats, names = _read_splits(task, files, staging, names, encoding_errors, say)
