@@ -402,3 +402,22 @@ def test_write_failure_midway_is_a_user_error(text, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="No space left on device"):
         _prepare(train, valid, tmp_path / "data")
     assert not list((tmp_path / "data").glob(".prepare-*"))
+
+
+def test_copies_of_one_language_and_training_files_as_valid_are_warned_of(text, tmp_path):
+    train, valid = text
+    messages: list[str] = []
+    _prepare(train, valid, tmp_path / "plain", log=messages.append)
+    assert not [m for m in messages if m.startswith("warning:")]
+    Path(f"{train}.de").write_bytes(Path(f"{train}.en").read_bytes())
+    messages.clear()
+    _prepare(train, train, tmp_path / "copies", log=messages.append)
+    warned = [m for m in messages if m.startswith("warning:")]
+    assert warned == [
+        "warning: the valid split reads the training files: its scores will not tell how the "
+        "model does on text it has not seen",
+        f"warning: 400 of the 400 train pairs are the same text on both sides: are {train}.en "
+        f"and {train}.de in one language?",
+        f"warning: 400 of the 400 valid pairs are the same text on both sides: are {train}.en "
+        f"and {train}.de in one language?",
+    ]

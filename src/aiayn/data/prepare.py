@@ -72,6 +72,7 @@ class _SplitStats:
         default_factory=lambda: {"empty": 0, "too_long": 0, "length_ratio": 0}
     )
     replaced: dict[str, int] = field(default_factory=lambda: {"src": 0, "tgt": 0})
+    same: int = 0  # kept pairs whose two sides are the same text
     tokens: dict[str, int] = field(default_factory=lambda: {"src": 0, "tgt": 0})
     longest: dict[str, int] = field(default_factory=lambda: {"src": 0, "tgt": 0})
 
@@ -200,6 +201,12 @@ def prepare_data(
             return done
         old = _existing_manifest(out)
 
+        for split in ("valid", "test"):
+            if split in inputs and _same_files(inputs[split], inputs["train"]):
+                say(
+                    f"warning: the {split} split reads the training files: its scores will "
+                    "not tell how the model does on text it has not seen"
+                )
         with _staging_dir(out) as staging:
             stats: dict[str, _SplitStats] = {}
             for split, (src_path, tgt_path) in inputs.items():
@@ -210,6 +217,13 @@ def prepare_data(
                 )
                 meter.finish()
             for split, split_stats in stats.items():
+                if split_stats.pairs and split_stats.same * 2 > split_stats.pairs:
+                    src_path, tgt_path = inputs[split]
+                    say(
+                        f"warning: {split_stats.same:,} of the {split_stats.pairs:,} {split} "
+                        f"pairs are the same text on both sides: are {src_path} and "
+                        f"{tgt_path} in one language?"
+                    )
                 if split_stats.pairs == 0:  # a valid or test split scores nothing: refused too
                     src_path, tgt_path = inputs[split]
                     what = "training pairs" if split == "train" else f"{split} pairs"
@@ -269,6 +283,14 @@ def prepare_data(
             )
             _commit(staging, out, manifest, old)
         return manifest
+
+
+def _same_files(paths: tuple[Path, Path], others: tuple[Path, Path]) -> bool:
+    """Whether the two pairs of input files are the same files (by path or by inode)."""
+    try:
+        return all(a.samefile(b) for a, b in zip(paths, others, strict=True))
+    except OSError:
+        return False
 
 
 def _refuse_overwriting(inputs: list[Path], outputs: list[Path], out: Path) -> None:
@@ -457,6 +479,7 @@ def _clean_split(
             src_out.write(src_text + "\n")
             tgt_out.write(tgt_text + "\n")
             stats.pairs += 1
+            stats.same += src_text == tgt_text
         # The line counts were compared up front; a file that changed since is caught here.
         if src_in.readline() or tgt_in.readline():
             raise UserError(f"{src_path} and {tgt_path} changed while being read")
