@@ -424,6 +424,8 @@ def test_averaging_names_a_missing_run_takes_its_checkpoints_folder_and_spares_s
 ):
     with pytest.raises(loading.CheckpointError, match=r"nowhere does not exist"):
         averaging.average_run(tmp_path / "nowhere", 2)
+    with pytest.raises(loading.CheckpointError, match=r"checkpoints to average \(--last\) must"):
+        averaging.average_run(tmp_path, 0)
     config = tiny_config("train.max_steps=2", "train.save_interval_steps=1")
     small_reverse_trainer(config, tmp_path).train()
     folder = tmp_path / loading.CHECKPOINT_DIR

@@ -134,7 +134,9 @@ def average_run(
     full disk's message then says how the run goes on)."""
     run_dir = Path(run_dir)
     if last <= 0:
-        raise CheckpointError(f"--last must be positive, got {last}")
+        raise CheckpointError(
+            f"the number of checkpoints to average (--last) must be positive, got {last}"
+        )
     if run_dir.name == CHECKPOINT_DIR and not (run_dir / CHECKPOINT_DIR).is_dir():
         run_dir = run_dir.parent  # the run's checkpoints folder, as translate takes it
     if not run_dir.is_dir():
