@@ -6,7 +6,7 @@ import torch
 
 from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.collate import EOS_ID, PAD_ID
-from aiayn.data.corpus import Corpus, tokenizer_path
+from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.prepare import prepare_data
 from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
 from aiayn.data.tokenizer import Tokenizer, train_tokenizer
@@ -157,7 +157,7 @@ def test_training_caps_samples_at_the_prepared_length_and_the_positions(data_dir
     longest = int(max(corpus.src_lengths.max(), corpus.tgt_lengths.max()))
     for positions, cap in ((1024, 256), (longest + 1, longest)):  # prepare's --max-len: 256
         config = tiny_config("data.bpe_dropout=0.5", f"model.max_positions={positions}")
-        pairs = _bpe_dropout_pairs(data_dir, corpus, tokenizer, config)
+        pairs = _bpe_dropout_pairs(load_manifest(data_dir), corpus, tokenizer, config)
         assert pairs.max_len == cap
     batch = pairs.batch(np.arange(len(corpus)))
     assert batch.src_ids.size(1) <= longest + 1 and batch.tgt_in.size(1) <= longest + 1

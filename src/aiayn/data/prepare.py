@@ -193,14 +193,8 @@ def prepare_data(
         [text_path(out, split, lang) for split in inputs for lang in (src, tgt)],
         out,
     )
-    # Checked before the lock too: a directory that needs no work may be read-only.
-    if not force and (done := _reusable(out, fingerprint, say)) is not None:
-        return done
-    with _held(out):
-        if not force and (done := _reusable(out, fingerprint, say)) is not None:
-            return done
-        old = _existing_manifest(out)
 
+    def write(old: dict[str, Any] | None) -> dict[str, Any]:
         for split in ("valid", "test"):
             if split in inputs and _same_files(inputs[split], inputs["train"]):
                 say(
@@ -284,6 +278,8 @@ def prepare_data(
             _commit(staging, out, manifest, old)
         return manifest
 
+    return _prepared(out, fingerprint, force, say, write)
+
 
 def _same_files(paths: tuple[Path, Path], others: tuple[Path, Path]) -> bool:
     """Whether the two pairs of input files are the same files (by path or by inode)."""
@@ -299,6 +295,25 @@ def _refuse_overwriting(inputs: list[Path], outputs: list[Path], out: Path) -> N
     for path in inputs:
         if path.resolve() in written:
             raise UserError(f"{path}: an input file inside --out {out} would be overwritten")
+
+
+def _prepared(
+    out: Path,
+    fingerprint: str,
+    force: bool,
+    say: Report,
+    write: Callable[[dict[str, Any] | None], dict[str, Any]],
+) -> dict[str, Any]:
+    """``out``'s manifest where it holds complete data of the same inputs and options (unless
+    ``force``), else the manifest ``write(old manifest or None)`` commits there, with ``out``
+    held against other prepares. Checked before the lock (a directory that needs no work may
+    be read-only) and again under it (another prepare may have just written it)."""
+    if not force and (done := _reusable(out, fingerprint, say)) is not None:
+        return done
+    with _held(out):
+        if not force and (done := _reusable(out, fingerprint, say)) is not None:
+            return done
+        return write(_existing_manifest(out))
 
 
 def _reusable(out: Path, fingerprint: str, say: Report) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ class TranslateRequest(BaseModel):
         ge=0.0,
         le=MAX_ALPHA,
         allow_inf_nan=False,
-        description="length penalty ((5+|Y|)/6)^alpha, 0 to 10 (default: the run's)",
+        description=f"length penalty ((5+|Y|)/6)^alpha, 0 to {MAX_ALPHA:g} (default: the run's)",
     )
     nbest: int = Field(default=1, ge=1, description="hypotheses per text, at most the beam size")
 

@@ -343,12 +343,13 @@ def _warn_if_cpu_busy() -> None:
 
 
 def _bpe_dropout_pairs(
-    data_dir: Path, pairs: Corpus, tokenizer: Tokenizer, config: RunConfig
+    manifest: dict[str, Any], pairs: Corpus, tokenizer: Tokenizer, config: RunConfig
 ) -> BpeDropoutPairs:
-    """The training pairs segmented with ``data.bpe_dropout`` (aiayn.data.sampling)."""
+    """The training pairs segmented with ``data.bpe_dropout`` (aiayn.data.sampling);
+    ``manifest``: their data directory's."""
     check_bpe_dropout(config.data.bpe_dropout, tokenizer)
     # No sample longer than prepare let through, nor than the positions hold (+ BOS/EOS).
-    prepared = int(load_manifest(data_dir).get("filters", {}).get("max_len", config.data.max_len))
+    prepared = int(manifest.get("filters", {}).get("max_len", config.data.max_len))
     return BpeDropoutPairs(
         pairs,
         tokenizer,
@@ -486,7 +487,7 @@ def train_run(
                 pairs = Corpus.open(data_dir, "train")
                 corpus, lengths = pairs, (pairs.src_lengths, pairs.tgt_lengths)
                 if config.data.bpe_dropout > 0:
-                    corpus = _bpe_dropout_pairs(data_dir, pairs, tokenizer, config)
+                    corpus = _bpe_dropout_pairs(manifest, pairs, tokenizer, config)
                 valid = _valid_set(data_dir, tokenizer) if validating else None
             else:
                 if config.data.bpe_dropout > 0:
@@ -497,7 +498,7 @@ def train_run(
                     n_classes = config.model.n_classes if config.model.task == "classify" else 0
                     valid = TextValidSet(text_examples(data_dir, "valid", config), n_classes)
                 if config.model.task == "classify":
-                    labels = list(load_manifest(data_dir)["labels"])
+                    labels = list(manifest["labels"])
             try:
                 sampler = TokenBatchSampler(
                     *lengths,

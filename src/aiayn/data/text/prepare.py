@@ -39,12 +39,10 @@ from aiayn.data.prepare import (
     _content_digest,
     _decode,
     _digest,
-    _existing_manifest,
     _file_stamp,
-    _held,
     _open_input,
+    _prepared,
     _refuse_overwriting,
-    _reusable,
     _reusable_tokenizer,
     _staged_tokenizer,
     _staging_dir,
@@ -145,16 +143,10 @@ def prepare_text(
     _refuse_overwriting(
         list(files.values()), [text_path(out, split, TEXT_SUFFIX) for split in files], out
     )
-    # Checked before the lock too: a directory that needs no work may be read-only.
-    if not force and (done := _reusable(out, fingerprint, say)) is not None:
-        return done
-    with _held(out):
-        if not force and (done := _reusable(out, fingerprint, say)) is not None:
-            return done
-        old = _existing_manifest(out)
 
+    def write(old: dict[str, Any] | None) -> dict[str, Any]:
         with _staging_dir(out) as staging:
-            stats, names = _read_splits(task, files, staging, names, encoding_errors, say)
+            stats, classes = _read_splits(task, files, staging, names, encoding_errors, say)
             vocab, tokenizer_key = _staged_text_tokenizer(
                 staging,
                 given,
@@ -169,7 +161,7 @@ def prepare_text(
                 meter = say.meter(f"encoding {split}", split_stats.lines)
                 _encode_split(vocab, staging, split, dtype, split_stats, meter)
                 meter.finish()
-                if names is not None:
+                if classes is not None:
                     np.save(
                         labels_path(staging, split), np.frombuffer(split_stats.labels, np.int64)
                     )
@@ -195,9 +187,9 @@ def prepare_text(
                 },
                 "dtype": dtype.name,
                 "encoding_errors": encoding_errors,
-                **({"labels": names} if names is not None else {}),
+                **({"labels": classes} if classes is not None else {}),
                 "splits": {
-                    split: _split_manifest(files[split], s, names) for split, s in stats.items()
+                    split: _split_manifest(files[split], s, classes) for split, s in stats.items()
                 },
                 "dropped_reasons": {"empty": "an empty or whitespace-only line"},
                 "files": {
@@ -208,6 +200,8 @@ def prepare_text(
             }
             _commit(staging, out, manifest, old)
         return manifest
+
+    return _prepared(out, fingerprint, force, say, write)
 
 
 def _check_label_names(labels: Sequence[str], task: str) -> list[str]:
