@@ -270,8 +270,12 @@ def test_a_later_call_packs_and_pads_the_layers_an_earlier_one_swapped() -> None
     float_packs = [m.pack for m in linears]
     model.to(torch.bfloat16)  # the float32 packs no longer match the weights
     bf16 = accelerate(model, "decode", precision="bf16", memory_settings=False)
-    assert bf16.packed == len(linears) and "padded bfloat16 rows" in bf16.levers
-    assert all(m.pad_bf16_rows and m.pack is not None and m.pack.onednn for m in linears)
+    assert "padded bfloat16 rows" in bf16.levers and all(m.pad_bf16_rows for m in linears)
+    if cpu_has_bfloat16():
+        assert bf16.packed == len(linears)
+        assert all(m.pack is not None and m.pack.onednn for m in linears)
+    else:  # bfloat16 packs only where the CPU multiplies bfloat16 itself
+        assert bf16.packed == 0
     bf16.undo()  # the first call's packs and settings come back
     assert [m.pack for m in linears] == float_packs
     assert not any(m.pad_bf16_rows for m in linears)
