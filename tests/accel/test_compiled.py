@@ -155,14 +155,19 @@ def same_steps(model: Transformer, step: CompiledStep, rows: int, length: int, s
         eager = model.init_cache(memory, src_pad, slots, beam_size=1)
         compiled = step.init_cache(model, memory, src_pad, slots, 1)
         tokens = torch.ones(rows, dtype=torch.long)
-        assert compiled.capacity == min(slots, FIRST_SLOTS)
+        # Row-major (few rows): room for FIRST_SLOTS positions, grown by doubling up to
+        # max_len. Position-major (many): room for max_len, of which a step reads those
+        # decoded so far.
+        row_major = isinstance(compiled, CompiledCache)
+        assert compiled.capacity == (min(slots, FIRST_SLOTS) if row_major else slots)
         for _ in range(slots):
             want = model.log_probs_step(tokens, eager)
             got = step.log_probs_step(tokens, compiled)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             tokens = torch.randint(4, 50, (rows,), generator=generator)
-            # Room for the positions written so far, grown by doubling up to max_len.
-            assert compiled.length <= compiled.capacity < max(2 * compiled.length, FIRST_SLOTS + 1)
+            if row_major:
+                assert compiled.length <= compiled.capacity
+                assert compiled.capacity < max(2 * compiled.length, FIRST_SLOTS + 1)
         assert compiled.length == compiled.capacity == slots
         with pytest.raises(ValueError, match="cache is full"):
             step.log_probs_step(tokens, compiled)
@@ -183,6 +188,11 @@ def test_the_step_tuned_for_many_rows_is_the_eager_step(
     model: Transformer, batch_step: CompiledStep, rows: int, length: int, slots: int
 ) -> None:
     assert batch_step.path != step_path(model)
+    with torch.inference_mode():
+        cache = batch_step.init_cache(model, torch.zeros(rows, 3, 32), None, 5, 1)
+    # Position-major, each row its own set of keys and values (no lineage to follow).
+    assert isinstance(cache, CompiledBeamCache) and cache.lineage is None
+    assert cache.layers[0].self_k.shape[:2] == (5, rows)
     same_steps(model, batch_step, rows, length, slots)
 
 
@@ -556,7 +566,7 @@ def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     with torch.enable_grad():
         training = model.init_cache(memory[:1], None, 5)
     assert isinstance(small, CompiledCache) and small.step is model.compiled_step
-    assert isinstance(greedy, CompiledCache) and greedy.step is model.compiled_batch_step
+    assert isinstance(greedy, CompiledBeamCache) and greedy.step is model.compiled_batch_step
     assert greedy.step.path == batch_step.path
     assert isinstance(large, CompiledBeamCache) and large.step is model.compiled_beam_step
     assert large.step is not None and large.step.path == beam_step.path

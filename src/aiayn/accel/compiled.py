@@ -30,11 +30,13 @@ loader holds about twice the weights' size more. Its weights are read from the f
 the copy AOTInductor's loader makes, which is freed. A library that fails to load or to
 compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
 
-:class:`CompiledCache` is the incremental decoder's state for the first two, with the
+:class:`CompiledCache` is the incremental decoder's state for the first, with the
 interface search uses (``reorder``, ``keep``): one row of keys and values per beam, gathered
 when beams are reordered, which is cheap at the row counts they serve beams
-(:data:`MAX_ROWS`). :class:`CompiledBeamCache` is the third's: the eager cache's lineage, so
-that a reorder moves no keys. Beam searches of other sizes over more rows decode eagerly.
+(:data:`MAX_ROWS`). :class:`CompiledBeamCache` is the other two's: keys and values
+position-major, of which each step reads the positions decoded so far and no more, and for
+beams the eager cache's lineage, so that a reorder moves no keys. Beam searches of other
+sizes over more rows decode eagerly.
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ if TYPE_CHECKING:
 # kernels are generated for the rows they are tuned with): FEW_ROWS serves decodes of up to
 # MAX_ROWS rows (sentences × beam), MANY_ROWS greedy decodes of more. Not beam searches over
 # more: there a reorder would gather every row's keys, where the eager cache moves a lineage
-# index only; at 256 rows of SMALL the library was 25% slower (docs/performance.md).
+# index only; at 256 rows of SMALL the library was 25% slower (docs/performance.md). The
+# library for many rows keeps its keys and values position-major, as the beams' does (below):
+# each step reads the positions decoded so far and no more. Over 64 SMALL sentences the
+# library alone took 4-16% less time than over a doubling cache, about 3% in a whole greedy
+# decode (docs/performance.md).
 MAX_ROWS = 16
 FEW_ROWS = 4
 MANY_ROWS = 64
@@ -97,6 +103,13 @@ def beam_of(rows: int) -> int:
     """The beams a sentence of the library tuned for ``rows`` rows: :data:`BEAM` for
     :data:`BEAM_ROWS`, else 1 (a set of keys and values a row)."""
     return BEAM if rows == BEAM_ROWS else 1
+
+
+def position_major(rows: int) -> bool:
+    """Whether the library tuned for ``rows`` rows reads its keys and values position-major
+    (:class:`BeamDecoderStep`, :class:`CompiledBeamCache`): those for many rows; the one for
+    few reads them row-major (:class:`DecoderStep`, :class:`CompiledCache`)."""
+    return rows != FEW_ROWS
 
 
 # The source length and cache length the step is exported and tuned with, beside its rows
@@ -325,20 +338,22 @@ class DecoderStep(nn.Module):
 
 
 class BeamDecoderStep(DecoderStep):
-    """:class:`DecoderStep` for a beam search of ``beam`` beams a sentence
-    (:class:`BeamLayerCache`): ``tokens`` (sentences × beam,) at ``position``, ``self_k`` and
-    ``self_v`` per layer (position + 1, sentences, H, beam, Dh), ``cross_k`` and ``cross_v``
-    (sentences, H, S, Dh), ``cross_mask`` (sentences, 1, 1, S) True where attended, and
+    """:class:`DecoderStep` over keys and values position-major (:class:`BeamLayerCache`),
+    for ``beam`` beams a sentence (1: a greedy decode): ``tokens`` (sentences × beam,) at
+    ``position``, ``self_k`` and ``self_v`` per layer (position + 1, sentences, H, beam, Dh),
+    the positions decoded so far and this one, ``cross_k`` and ``cross_v`` (sentences, H, S,
+    Dh), ``cross_mask`` (sentences, 1, 1, S) True where attended, and with more than one beam
     ``self_mask`` (sentences, 1, beam, (position + 1) × beam), 0 where a beam attends (the
     slots of its lineage) and -inf elsewhere, the eager cache's
-    (:meth:`~aiayn.model.cache.DecoderCache.self_attention_mask`). The beams of a sentence
-    attend together, as in the eager step (``DecoderLayer.step``)."""
+    (:meth:`~aiayn.model.cache.DecoderCache.self_attention_mask`); with one, a row attends to
+    every position it is given. The beams of a sentence attend together, as in the eager step
+    (``DecoderLayer.step``)."""
 
     def __init__(self, model: Transformer, beam: int) -> None:
         super().__init__(model)
         self.beam = beam
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         tokens: Tensor,
         position: Tensor,
@@ -348,7 +363,7 @@ class BeamDecoderStep(DecoderStep):
         cross_k: list[Tensor],
         cross_v: list[Tensor],
         cross_mask: Tensor,
-        self_mask: Tensor,
+        self_mask: Tensor | None = None,
     ) -> Tensor:
         x = self.embed(tokens, position, token_table)
         caches = zip(self_k, self_v, cross_k, cross_v, strict=True)
@@ -464,13 +479,13 @@ class CompiledCache(LogitsBuffer):
 
 @dataclass(eq=False)
 class CompiledBeamCache(DecoderCache, LogitsBuffer):
-    """The incremental state of a beam search through a step compiled for beams
+    """The incremental state of a decode through a step compiled position-major
     (:class:`BeamDecoderStep`): the eager cache (:class:`~aiayn.model.cache.DecoderCache`:
     keys and values per sentence, the beams side by side, a lineage that reorders move instead
-    of keys) with its layers' self-attention keys and values position-major, (max_len,
-    sentences, H, beam, Dh), of which the step is given the positions decoded so far, and a
-    cross-attention mask always (all True without padding). The lineage is given: the
-    layers' first dimension is not the sentences'."""
+    of keys where there are beams) with its layers' self-attention keys and values
+    position-major, (max_len, sentences, H, beam, Dh), of which the step is given the
+    positions decoded so far, and a cross-attention mask always (all True without padding).
+    The lineage is given: the layers' first dimension is not the sentences'."""
 
     step: CompiledStep | None = None
 
@@ -481,8 +496,7 @@ class CompiledBeamCache(DecoderCache, LogitsBuffer):
 
     def step_inputs(self, tokens: Tensor, token_table: Tensor) -> list[Tensor]:
         """:class:`BeamDecoderStep`'s arguments for the next step, flattened in their order."""
-        mask = self.self_attention_mask()  # (sentences, 1, beam, (length + 1) × beam)
-        assert mask is not None and self.cross_mask is not None
+        assert self.cross_mask is not None
         filled = self.length + 1
         layers = self.layers
         inputs = [tokens.contiguous(), torch.tensor([self.length]), token_table]
@@ -490,7 +504,8 @@ class CompiledBeamCache(DecoderCache, LogitsBuffer):
         inputs += [layer.self_v[:filled] for layer in layers]
         inputs += [layer.cross_k for layer in layers if layer.cross_k is not None]
         inputs += [layer.cross_v for layer in layers if layer.cross_v is not None]
-        return [*inputs, self.cross_mask, mask]
+        mask = self.self_attention_mask()  # (sentences, 1, beam, (length + 1) × beam)
+        return [*inputs, self.cross_mask] if mask is None else [*inputs, self.cross_mask, mask]
 
     def _select(self, sentences: Tensor) -> None:
         """Keep only ``sentences`` (:meth:`keep` checks the rows and moves the lineage). The
@@ -530,12 +545,13 @@ class CompiledStep:
     one model: :meth:`init_cache` and :meth:`log_probs_step` stand in for the model's while
     the model's parameters are the ones it was made from (:meth:`serves`)."""
 
-    def __init__(self, path: Path, model: Transformer, beam: int = 1) -> None:
+    def __init__(self, path: Path, model: Transformer, rows: int = FEW_ROWS) -> None:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
-        # 1: a DecoderStep, one set of keys and values a row; more: a BeamDecoderStep for
-        # beam searches of that many beams.
-        self.beam = beam
+        # The beams of a sentence it decodes (one: a set of keys and values a row), and
+        # whether it is a BeamDecoderStep (position-major) or a DecoderStep.
+        self.beam = beam_of(rows)
+        self.position_major = position_major(rows)
         # Whether another path decoded since this step last served, its file's pages handed
         # back then (BufferedDecoding).
         self.idle = False
@@ -567,7 +583,7 @@ class CompiledStep:
         if model.out_proj is not self.out_proj:
             raise ValueError("a compiled step decodes for the model it was loaded for")
         check_cache_size(model.config, max_len, beam)
-        if self.beam > 1:
+        if self.position_major:
             if beam != self.beam:
                 raise ValueError(f"this compiled step decodes with beam {self.beam}, not {beam}")
             return self._beam_cache(model, memory, src_pad, max_len)
@@ -618,7 +634,7 @@ class CompiledStep:
         mask = attention_mask(src_pad)
         if mask is None:
             mask = torch.ones(sentences, 1, 1, memory.size(1), dtype=torch.bool)
-        lineage = torch.zeros(sentences * beam, max_len, dtype=torch.long)
+        lineage = torch.zeros(sentences * beam, max_len, dtype=torch.long) if beam > 1 else None
         return CompiledBeamCache(layers, mask, 0, max_len, beam, lineage, step=self)
 
     def log_probs_step(self, tokens: Tensor, cache: CompiledCache | CompiledBeamCache) -> Tensor:
@@ -759,7 +775,7 @@ def load_compiled_step(
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not _any_compiled(folder):
         return None
-    return _load(step_path(model, folder, rows), model, beam_of(rows))
+    return _load(step_path(model, folder, rows), model, rows)
 
 
 def _any_compiled(folder: Path) -> bool:
@@ -768,12 +784,12 @@ def _any_compiled(folder: Path) -> bool:
     return any(folder.glob("decoder-step-*.so"))
 
 
-def _load(path: Path, model: Transformer, beam: int = 1) -> CompiledStep | None:
+def _load(path: Path, model: Transformer, rows: int = FEW_ROWS) -> CompiledStep | None:
     if not path.is_file():
         return None
     if not trusted(path):
         raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
-    return CompiledStep(path, model, beam)
+    return CompiledStep(path, model, rows)
 
 
 def compile_step(
@@ -794,12 +810,12 @@ def compile_step(
 def _load_or_compile(
     model: Transformer, path: Path, rows: int, on_compile: Callable[[], None] | None
 ) -> CompiledStep:
-    step = _load(path, model, beam_of(rows))
+    step = _load(path, model, rows)
     if step is None:
         if on_compile is not None:
             on_compile()
         _export_and_compile(model, path, rows)
-        step = CompiledStep(path, model, beam_of(rows))
+        step = CompiledStep(path, model, rows)
     return step
 
 
@@ -846,7 +862,7 @@ def use_compiled_step(
             step = (
                 _load_or_compile(model, path, rows, say_compiling)
                 if build
-                else _load(path, model, beam_of(rows))
+                else _load(path, model, rows)
             )
             if step is not None:
                 acceleration._set(model, name, step)
@@ -895,8 +911,8 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     for module in plain.modules():  # not the accelerated attention: it is not traced
         if isinstance(module, MultiHeadAttention):
             module.__class__ = OneQueryAttention
-    beam = beam_of(rows)
-    step = (DecoderStep(plain) if beam == 1 else BeamDecoderStep(plain, beam)).eval()
+    beam, major = beam_of(rows), position_major(rows)
+    step = (BeamDecoderStep(plain, beam) if major else DecoderStep(plain)).eval()
     positions = plain.config.max_positions
     rows, src, slots = (min(n, positions) for n in (rows, *_EXAMPLE_LENGTHS))
     layers = len(plain.decoder.layers)
@@ -904,7 +920,7 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     heads, dk, dv = attn.n_heads, attn.d_k, attn.d_v
     s = Dim("source", min=1, max=positions)
     t = Dim("slots", min=1, max=positions)
-    if beam == 1:
+    if not major:
         r = Dim("rows", min=1, max=4096)
         self_shape: tuple[int, ...] = (rows, heads, slots)
         n, tokens, mask_shape = rows, {0: r}, None
@@ -913,7 +929,8 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
         n = max(1, rows // beam)
         r = Dim("sentences", min=1, max=4096 // beam)
         self_shape = (slots, n, heads, beam)
-        tokens, mask_shape = {0: beam * r}, {0: r, 3: beam * t}
+        tokens = {0: beam * r} if beam > 1 else {0: r}
+        mask_shape = {0: r, 3: beam * t} if beam > 1 else None
         self_dims = {0: t, 1: r}
     args: tuple[Any, ...] = (
         torch.ones(n * beam, dtype=torch.long),
