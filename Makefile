@@ -1,5 +1,5 @@
 # The two commands at the top of the README. Each creates or reuses .venv.
-.PHONY: demo demo-lm demo-classify test lint format venv bench
+.PHONY: demo demo-lm demo-classify test lint format venv bench bench-paired
 
 venv:
 	@bash scripts/setup_env.sh
@@ -37,3 +37,7 @@ format: venv
 
 bench: venv
 	.venv/bin/python benchmarks/run_all.py
+
+# aiayn and CTranslate2 taking turns batch by batch (docs/performance.md): about 10 minutes.
+bench-paired: venv
+	.venv/bin/python benchmarks/paired_decode.py --write
