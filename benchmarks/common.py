@@ -150,6 +150,25 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def rotated(items: list[str], shift: int) -> list[str]:
+    """``items`` rotated left by ``shift`` (modulo their number): the order of a round."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def replace_section(doc: Path, begin: str, end: str, markdown: str) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of ``doc`` with
+    ``markdown`` (a no-op where the file or a marker is missing)."""
+    if not doc.exists():
+        return
+    text = doc.read_text(encoding="utf-8")
+    if begin not in text or end not in text:
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{begin}\n{markdown}{end}{tail}", encoding="utf-8")
+
+
 def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):

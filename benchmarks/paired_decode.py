@@ -49,6 +49,8 @@ from benchmarks.common import (  # noqa: E402
     decode_sources,
     emit,
     peak_rss_mb,
+    replace_section,
+    rotated,
     set_threads,
     versions,
 )
@@ -82,8 +84,7 @@ def take_turns(calls: dict[str, Callable[[int], float]], pairs: int) -> dict[str
     names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in names}
     for turn in range(pairs):
-        shift = turn % len(names)
-        order = names[shift:] + names[:shift]
+        order = rotated(names, turn)
         if (turn // len(names)) % 2:
             order.reverse()
         for name in order:
@@ -196,8 +197,6 @@ def run_workload(
     try:
         for mode in modes:
             batch = mode.endswith("batch")
-            for worker in workers:  # the warm-up, untimed
-                worker.ask(f"{mode} 0")
 
             def turn(worker: Worker, mode: str = mode) -> Callable[[int], float]:
                 def call(index: int) -> float:
@@ -277,15 +276,10 @@ def write(result: dict[str, Any]) -> None:
         "Written by `make bench-paired` (benchmarks/paired_decode.py).\n\n" + table + "\n",
         encoding="utf-8",
     )
-    doc = DOC.read_text(encoding="utf-8")
-    head, rest = doc.split(DOC_BEGIN, 1)
-    _, tail = rest.split(DOC_END, 1)
-    DOC.write_text(f"{head}{DOC_BEGIN}\n{table}\n{DOC_END}{tail}", encoding="utf-8")
+    replace_section(DOC, DOC_BEGIN, DOC_END, table + "\n")
 
 
 def _commit() -> str:
-    import subprocess
-
     try:
         done = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

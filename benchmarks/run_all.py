@@ -40,6 +40,8 @@ from benchmarks.common import (  # noqa: E402
     machine,
     median,
     parse_results,
+    replace_section,
+    rotated,
     training_flops_per_target_token,
     versions,
     wait_for_quiet,
@@ -147,11 +149,6 @@ def run_child(
     return results
 
 
-def rotated(items: list[str], shift: int) -> list[str]:
-    shift %= len(items)
-    return items[shift:] + items[:shift]
-
-
 def merge_train(runs: list[dict[str, Any]], workload: str) -> dict[str, Any]:
     if any("skipped" in r for r in runs):
         return runs[0]
@@ -198,18 +195,6 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if values:
             merged[key] = median(values)
     return merged
-
-
-def update_doc(markdown: str) -> None:
-    """Replace the results section of docs/performance.md (between the bench markers)."""
-    if not DOC.exists():
-        return
-    text = DOC.read_text(encoding="utf-8")
-    if DOC_BEGIN not in text or DOC_END not in text:
-        return
-    head, rest = text.split(DOC_BEGIN, 1)
-    _, tail = rest.split(DOC_END, 1)
-    DOC.write_text(f"{head}{DOC_BEGIN}\n{markdown}{DOC_END}{tail}", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -354,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     limited = bool(PEER_MALLOC or ISA_LIMIT)
     documented = not args.no_doc and not limited and args.out == RESULTS / "latest.md"
     if mode == "full" and documented:
-        update_doc(markdown)
+        replace_section(DOC, DOC_BEGIN, DOC_END, markdown)
     print(markdown)
 
 
