@@ -38,6 +38,6 @@ format: venv
 bench: venv
 	.venv/bin/python benchmarks/run_all.py
 
-# aiayn and CTranslate2 taking turns batch by batch (docs/performance.md): about 10 minutes.
+# aiayn and CTranslate2 taking turns batch by batch (docs/performance.md): about 8 minutes.
 bench-paired: venv
 	.venv/bin/python benchmarks/paired_decode.py --write
