@@ -57,3 +57,33 @@ def amd_cpu(monkeypatch):
 
     monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(linear.platform, "machine", lambda: "x86_64")
+
+
+_PANELS_BUILT: list = []  # the panels' product, built once for the session
+
+
+@pytest.fixture(autouse=True)
+def _panels_per_test(monkeypatch):
+    """Each test starts without the panels' product (aiayn.accel.panels) in use, and leaves
+    it so; a build a test asks for (``translate --compiled-step`` builds it beside the step)
+    copies the session's one build instead of compiling it again (20 s)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from aiayn.accel import panels
+
+    real = panels._build
+
+    def build_once(path):
+        if not _PANELS_BUILT:
+            folder = Path(tempfile.mkdtemp(prefix="aiayn-panels-"))
+            real(folder / path.name)
+            _PANELS_BUILT.append(folder / path.name)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.copyfile(_PANELS_BUILT[0], path)
+        path.chmod(0o700)
+
+    build_once.real = real  # type: ignore[attr-defined]
+    monkeypatch.setattr(panels, "_loaded", None)
+    monkeypatch.setattr(panels, "_build", build_once)

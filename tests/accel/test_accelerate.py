@@ -273,7 +273,7 @@ def test_a_later_call_packs_and_pads_the_layers_an_earlier_one_swapped() -> None
     assert "padded bfloat16 rows" in bf16.levers and all(m.pad_bf16_rows for m in linears)
     if cpu_has_bfloat16():
         assert bf16.packed == len(linears)
-        assert all(m.pack is not None and m.pack.onednn for m in linears)
+        assert all(m.pack is not None and m.pack.kind == "onednn" for m in linears)
     else:  # bfloat16 packs only where the CPU multiplies bfloat16 itself
         assert bf16.packed == 0
     bf16.undo()  # the first call's packs and settings come back

@@ -57,7 +57,7 @@ def test_decoding_packs_every_float32_linear_by_default_and_not_when_told() -> N
     acceleration = accelerate(model, "decode", memory_settings=False)
     assert acceleration.packed == len(linear_layers(model)) and all(packed_flags(model))
     assert any(lever.startswith("packed weights (oneDNN") for lever in acceleration.levers)
-    assert all(m.pack is not None and m.pack.onednn for m in linear_layers(model))  # type: ignore[attr-defined]
+    assert all(m.pack is not None and m.pack.kind == "onednn" for m in linear_layers(model))  # type: ignore[attr-defined]
     acceleration.undo()
     plain = packing_model()
     assert accelerate(plain, "decode", pack_weights=False, memory_settings=False).packed == 0

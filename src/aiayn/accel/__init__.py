@@ -69,9 +69,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aiayn.accel import memory
+from aiayn.accel import memory, panels
 from aiayn.accel.attention import Float32Attention, StepAttention
-from aiayn.accel.compiled import library_products
+from aiayn.accel.compiled import library_products, step_products
 from aiayn.accel.cpu import cpu_has_bfloat16
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
@@ -300,18 +300,22 @@ def accelerate(
             if unpadded:
                 acceleration.levers.append("padded bfloat16 rows")
         if mode == "decode":
-            made: list[bool] = []  # for each new pack: whether it is oneDNN's
+            made: list[str] = []  # for each new pack: the library it is packed for
             mappings = memory.file_mappings()
             handed = {id(m.weight) for m in held}  # weights whose pages were handed back
             unpacked = {id(m) for m in held}
+            # Where the panels' product is loaded (by the compiled step's loader, before
+            # packing), it multiplies the step's products; the encoder's stay oneDNN's.
+            use_panels = fp32_library == "onednn" and not bf16 and panels.loaded()
+            stepwise = {id(m) for m in step_products(model)} if use_panels else set()
             for layer in linears:
                 if id(layer) in unpacked or layer.pack_serves():
                     continue
-                new = pack(layer, fp32_library)
+                new = pack(layer, "panels" if id(layer) in stepwise else fp32_library)
                 if new is not None:
                     acceleration._set(layer, "pack", new)
-                    made.append(new.onednn)
-                    if new.onednn and id(layer.weight) not in handed:
+                    made.append(new.kind)
+                    if new.whole and id(layer.weight) not in handed:
                         # Every product goes through the pack from now on: the pages of a
                         # weight mapped from a file go back one layer at a time.
                         handed.add(id(layer.weight))
@@ -320,7 +324,8 @@ def accelerate(
             if made:
                 watch_optimizer_steps()
                 acceleration._watching = True
-                library = "oneDNN" if all(made) else "MKL"
+                names = {"mkl": "MKL", "onednn": "oneDNN", "panels": "aiayn's AVX2 panels"}
+                library = " and ".join(names[kind] for kind in sorted(set(made)))
                 acceleration.levers.append(f"packed weights ({library}, {len(made)})")
             _relu_in_products(model, acceleration)
     if mode == "decode":
@@ -361,7 +366,7 @@ def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
         [PositionwiseFeedForward],
         "ReLU in the product",
         ReluInProduct,
-        lambda m: m.activation is F.relu and isinstance(m.w1, CpuLinear) and m.w1.onednn_packed(),
+        lambda m: m.activation is F.relu and isinstance(m.w1, CpuLinear) and m.w1.fully_packed(),
     )
 
 
@@ -375,7 +380,7 @@ def _tables_by_rows(model: nn.Module, acceleration: Acceleration) -> None:
     products: set[int] = set()  # weights some product reads whole
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            onednn = isinstance(m, CpuLinear) and m.onednn_packed()
+            onednn = isinstance(m, CpuLinear) and m.fully_packed()
             (packed if onednn else products).add(id(m.weight))
     mappings = memory.file_mappings()
     tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor, nn
 
 import aiayn
+from aiayn.accel import panels
 from aiayn.accel.library_constants import index_path, map_constants, write_index
 from aiayn.accel.linear import LogitsBuffer, logits_into
 from aiayn.accel.memory import release_file_pages, trim
@@ -854,6 +855,11 @@ def use_compiled_step(
     folder = compiled_dir()
     if not build and not _any_compiled(folder):
         return None
+    try:  # built beside the steps; the packs made after this call take it (accel.panels)
+        panels.load(folder, build)
+    except Exception as error:  # a compiler that fails, a file that is not the user's
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warn(f"panel product: {first[:300]}; packing for oneDNN")
     steps: list[CompiledStep] = []
     try:
         paths = step_paths(model, folder)  # the weights' digest, once for both
@@ -887,6 +893,20 @@ def library_products(model: nn.Module) -> list[nn.Module]:
         vars(model).get(name) is None for name in _ATTRIBUTES
     ):
         return []
+    return _decoder_products(model)
+
+
+def step_products(model: nn.Module) -> list[nn.Module]:
+    """The linear modules of a :class:`Transformer`'s decoder step whose rows are the step's
+    own (a row a hypothesis): the decoder layers' (but the cross-attention keys' and values',
+    which multiply the source's positions) and the pre-softmax projection; none for another
+    model."""
+    if not isinstance(model, Transformer):
+        return []
+    return [*_decoder_products(model), model.out_proj]
+
+
+def _decoder_products(model: Transformer) -> list[nn.Module]:
     products: list[nn.Module] = []
     for layer in model.decoder.layers:
         products += [layer.self_attn.qkv_proj, layer.self_attn.out_proj]

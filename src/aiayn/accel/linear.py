@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from aiayn.accel import memory
+from aiayn.accel import memory, panels
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 # Float32 products over this many rows use an MKL pack: a decoder step over 1 to 32 sentences
@@ -61,8 +61,10 @@ _CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_
 # and 48 MB with two, and checks at 1, 4, 64 and 128 rows cost the benchmark's decoding process
 # about 10 MB at its peak (docs/performance.md, Limits).
 _CHECK_ROWS_ONEDNN = (PACK_FOR_ROWS,)
+# The panels' product at 64 rows: ten blocks of six rows and one of four.
+_CHECK_ROWS_PANELS = (PACK_FOR_ROWS,)
 _CHECK_COLUMNS = 64
-FP32_LIBRARIES = ("mkl", "onednn")
+FP32_LIBRARIES = ("mkl", "onednn", "panels")
 # Above a packed projection's matrix, the mmap threshold a decode holds: room for malloc's
 # own header and the allocator's alignment.
 HEAP_MARGIN = 1 << 20
@@ -102,7 +104,9 @@ def fp32_pack_library() -> str | None:
     """The library float32 weights are packed for: ``"onednn"`` on an x86 CPU whose vendor is
     known and not Intel (MKL's fast float32 kernels are Intel's; on an AMD EPYC oneDNN's
     one-row product is 2.4× faster at two threads, docs/performance.md), else ``"mkl"``; the
-    other where only one is there; None where neither is."""
+    other where only one is there; None where neither is. (Where it is oneDNN, a decode packs
+    its step's products into :mod:`aiayn.accel.panels`' panels instead where that product is
+    loaded: :func:`aiayn.accel.accelerate`.)"""
     mkl, onednn = packing_available(), onednn_packing_available()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     vendor = cpu_vendor()
@@ -152,11 +156,11 @@ def optimizer_hook_registered() -> bool:
 class Pack:
     """A packed copy of a weight, and what identifies the weight it was made from."""
 
-    __slots__ = ("data_ptr", "dtype", "onednn", "packed", "steps", "version", "weight_id")
+    __slots__ = ("data_ptr", "dtype", "kind", "packed", "steps", "version", "weight_id")
 
-    def __init__(self, packed: Tensor, weight: Tensor, onednn: bool) -> None:
+    def __init__(self, packed: Tensor, weight: Tensor, kind: str) -> None:
         self.packed = packed
-        self.onednn = onednn  # packed for oneDNN (every row count), not for MKL
+        self.kind = kind  # the library it is packed for: one of FP32_LIBRARIES
         self.dtype = weight.dtype  # the inputs it multiplies
         # id, not a weak reference: a weakly referenced tensor cannot be swapped in place
         # (torch.utils.swap_tensors).
@@ -164,6 +168,12 @@ class Pack:
         self.data_ptr = weight.data_ptr()
         self.version = weight._version
         self.steps = _optimizer_steps
+
+    @property
+    def whole(self) -> bool:
+        """Whether the pack serves every product of its layer, at any row count and with a
+        ReLU (oneDNN's, the panels), not some row counts only (MKL's)."""
+        return self.kind != "mkl"
 
     def matches(self, weight: Tensor) -> bool:
         return (
@@ -199,6 +209,8 @@ def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
         return None
     if library == "onednn":
         return _onednn_pack(layer, tolerance=1e-4)
+    if library == "panels":
+        return _panels_pack(layer)
     if not packing_available():
         return None
     generator = torch.Generator().manual_seed(0)
@@ -209,7 +221,7 @@ def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
         want = F.linear(x, weight, layer.bias)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
             return None
-    return Pack(packed, layer.weight, onednn=False)
+    return Pack(packed, layer.weight, "mkl")
 
 
 def _onednn_pack(layer: nn.Linear, tolerance: float) -> Pack | None:
@@ -237,7 +249,33 @@ def _onednn_pack(layer: nn.Linear, tolerance: float) -> Pack | None:
                 return None
     except RuntimeError:
         return None
-    return Pack(packed, layer.weight, onednn=True)
+    return Pack(packed, layer.weight, "onednn")
+
+
+def _panels_pack(layer: nn.Linear) -> Pack | None:
+    """A pack of ``layer``'s float32 weight into :mod:`aiayn.accel.panels`' panels, checked
+    against ``F.linear`` as :func:`_onednn_pack` checks its packs (float32 rounding)."""
+    if not panels.loaded():
+        return None
+    weight = layer.weight.detach()
+    generator = torch.Generator().manual_seed(0)
+    drawn = torch.randperm(weight.size(0), generator=generator)[:_CHECK_COLUMNS]
+    columns = torch.cat([drawn, torch.arange(weight.size(0))[-16:]]).unique()
+    bias = None if layer.bias is None else layer.bias.detach()
+    packed = panels.pack(weight)
+    for rows in _CHECK_ROWS_PANELS:
+        x = torch.randn(rows, weight.size(1), generator=generator)
+        got = _panels_linear(x, packed, layer.out_features, bias)[:, columns]
+        want = F.linear(x, weight[columns], None if bias is None else bias[columns])
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return None
+    return Pack(packed, layer.weight, "panels")
+
+
+def _panels_linear(
+    x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None, relu: bool = False
+) -> Tensor:
+    return panels.linear(x, packed, out_features, bias, relu)
 
 
 # -- rows -------------------------------------------------------------------------------------
@@ -311,22 +349,22 @@ class CpuLinear(nn.Linear):
         """Whether the layer has a pack of its current weight."""
         return self.pack is not None and self.pack.matches(self.weight)
 
-    def onednn_packed(self) -> bool:
-        """Whether every product of the layer goes through a oneDNN pack of its current
-        weight (an MKL pack serves some row counts only)."""
-        return self.pack is not None and self.pack.onednn and self.pack.matches(self.weight)
+    def fully_packed(self) -> bool:
+        """Whether every product of the layer goes through a pack of its current weight
+        (oneDNN's or the panels; an MKL pack serves some row counts only)."""
+        return self.pack is not None and self.pack.whole and self.pack.matches(self.weight)
 
     def serving_pack(self, x: Tensor, relu: bool = False) -> Pack | None:
         """:attr:`pack` where it serves the product of ``x`` (and its ReLU, with ``relu``: an
         MKL pack cannot), else None."""
         pack = self.pack
-        if pack is None or not x.dim() or (relu and not pack.onednn):
+        if pack is None or not x.dim() or (relu and not pack.whole):
             return None
         width = x.shape[-1]
         if width != self.in_features or torch.is_grad_enabled():
             return None
         rows = rows_of(x)
-        if pack.onednn:
+        if pack.whole:
             if x.dtype is not pack.dtype or x.dim() < 2 or not rows:
                 return None
         elif (
@@ -353,7 +391,9 @@ class CpuLinear(nn.Linear):
         parameters = self._parameters
         weight, bias = parameters["weight"], parameters["bias"]
         rows = rows_of(x)
-        if pack.onednn:
+        if pack.kind == "panels":
+            return _panels_linear(x, pack.packed, self.out_features, bias, relu)
+        if pack.kind == "onednn":
             activation = "relu" if relu else "none"
             product = partial(_onednn_linear, packed=pack.packed, bias=bias, activation=activation)
             return on_padded_rows(product, x, onednn_rows(rows))
@@ -426,7 +466,7 @@ def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Ten
     pack = out_proj.serving_pack(hidden) if isinstance(out_proj, CpuLinear) else None
     if pack is not None:
         rows = rows_of(hidden)
-        made = onednn_rows(rows) if pack.onednn else rows  # the rows the product writes
+        made = onednn_rows(rows) if pack.kind == "onednn" else rows  # the rows it writes
         owner.keep_in_heap(made * out_proj.out_features * hidden.element_size())
         return out_proj.product_through(pack, hidden)
     weight = out_proj.weight

@@ -1,0 +1,149 @@
+"""aiayn's own float32 product for decoding on x86 CPUs with AVX2 and without AVX-512.
+
+On such a CPU (an AMD EPYC of the Zen 3 generation, for one) PyTorch's float32 products
+reach oneDNN's ``brg_matmul`` kernels, which at a decoder step's shapes (64 rows × 256 by
+256 × 8,000, say) run well below the core's rate; MKL's are slower still there. The product
+in ``csrc/panel_gemm.cpp`` packs a weight once into panels of 16 output columns and multiplies
+blocks of 6 rows by a panel with 12 accumulators held in registers (the layout of the
+classic AVX2 kernels); bias and ReLU are applied as the result is written. Figures:
+docs/performance.md.
+
+It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
+step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
+--compiled-step``), into the same cache directory, named after a digest of its source,
+PyTorch's version and the compiler's flags (:func:`library_path`), and only loaded from a
+file and directory that are the user's alone. Once loaded into a process, float32 weights that
+decoding would pack for oneDNN are packed into panels instead (:func:`aiayn.accel.linear.pack`),
+where the CPU has AVX2 and FMA and no AVX-512 (:func:`cpu_suits`): on CPUs with AVX-512
+oneDNN's own kernels are AVX-512 ones, and this product was not measured against them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
+# The product's panels are this many columns wide (csrc/panel_gemm.cpp's NR).
+PANEL = 16
+
+_loaded: Path | None = None
+
+
+@cache
+def cpu_suits() -> bool:
+    """Whether this CPU is one the product is for: x86-64 with AVX2 and FMA, without AVX-512."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if not torch.cpu._is_avx2_supported() or torch.cpu._is_avx512_supported():
+        return False
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("flags"):
+                flags = set(line.partition(":")[2].split())
+                break
+    return "fma" in flags
+
+
+def _compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    for folder in cpp_extension.include_paths():
+        command += ["-I", folder]
+    command += [str(SOURCE), "-o", str(output)]
+    for folder in cpp_extension.library_paths():
+        command += ["-L", folder, f"-Wl,-rpath,{folder}"]
+    return [*command, "-lc10", "-ltorch_cpu"]
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where the built product is kept: the compiled steps' directory, named after a digest
+    of its source, PyTorch's version and the flags it is built with."""
+    from aiayn.accel.compiled import compiled_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update("\n".join([torch.__version__, *FLAGS]).encode())
+    return (directory or compiled_dir()) / f"panel-gemm-{digest.hexdigest()[:32]}.so"
+
+
+def loaded() -> bool:
+    """Whether the product is loaded into this process (:func:`load`)."""
+    return _loaded is not None
+
+
+def load(directory: Path | None = None, build: bool = False) -> bool:
+    """Load the product into this process where the CPU suits it (:func:`cpu_suits`): from
+    the cache directory where it was built before, or (``build``) built there now. Return
+    whether it is loaded. Raises ``PermissionError`` for a file that this user does not alone
+    own, and ``RuntimeError`` (the compiler's first lines) for a build that fails."""
+    global _loaded
+    if _loaded is not None:
+        return True
+    if not cpu_suits():
+        return False
+    path = library_path(directory)
+    if not path.is_file():
+        if not build:
+            return False
+        _build(path)
+    from aiayn.accel.compiled import trusted
+
+    if not trusted(path):
+        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
+    if not _registered():  # the operators of a copy loaded before serve (one set a process)
+        torch.ops.load_library(str(path))
+    _loaded = path
+    return True
+
+
+def _registered() -> bool:
+    return hasattr(torch.ops.aiayn_panels, "linear")
+
+
+def _build(path: Path) -> None:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler here (apt-get install g++)")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=path.stem + ".", dir=path.parent))
+    try:
+        built = work / path.name
+        done = subprocess.run(_command(compiler, built), capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError(f"building {SOURCE.name} failed: {' '.join(lines[:3])[:300]}")
+        os.chmod(built, 0o700)
+        os.replace(built, path)  # atomically: another process sees all of it or nothing
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` (out, in) float32 as the product's panels (out / 16 rounded up, in, 16)."""
+    return torch.ops.aiayn_panels.pack(weight)
+
+
+def linear(
+    x: Tensor, panels: Tensor, out_features: int, bias: Tensor | None, relu: bool = False
+) -> Tensor:
+    """``F.linear(x, weight, bias)`` (then ReLU, with ``relu``) through ``pack(weight)``,
+    for float32 ``x`` of any leading shape."""
+    return torch.ops.aiayn_panels.linear(x, panels, out_features, bias, relu)

@@ -1,0 +1,114 @@
+"""aiayn's own float32 product (aiayn.accel.panels), for decoding on x86 CPUs with AVX2 and
+without AVX-512: the same products as ``F.linear`` to float32 rounding at every shape, built
+beside the compiled decoder step and used by the step's products once loaded, the encoder's
+left to oneDNN; a build that fails or a file that is not the user's leaves oneDNN's packs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from aiayn.accel import accelerate, panels
+from aiayn.accel.compiled import step_products
+from aiayn.accel.linear import onednn_packing_available
+from tests.helpers import packing_model, search_tokens, step_log_probs
+
+pytestmark = [
+    pytest.mark.skipif(
+        not panels.cpu_suits(), reason="the panels' product is for x86 CPUs with AVX2, no AVX-512"
+    ),
+    pytest.mark.skipif(panels._compiler() is None, reason="no C++ compiler (apt-get install g++)"),
+    pytest.mark.skipif(
+        not onednn_packing_available(), reason="PyTorch without oneDNN's packed-linear operators"
+    ),
+    pytest.mark.usefixtures("amd_cpu"),
+]
+
+FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture
+def loaded(tmp_path: Path) -> Path:
+    folder = tmp_path / "compiled"
+    assert panels.load(folder, build=True) and panels.loaded()
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("rows", "width", "out"),
+    [(1, 8, 1), (5, 24, 17), (6, 256, 16), (7, 257, 40), (64, 600, 33), (131, 32, 80), (0, 16, 8)],
+)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("relu", [False, True])
+def test_products_equal_f_linear(
+    loaded: Path, rows: int, width: int, out: int, bias: bool, relu: bool
+) -> None:
+    # widths past 256 take K in blocks; 131 rows: blocks of six and a rest; 17, 33, 40
+    # columns: a last, partial panel
+    torch.manual_seed(1)
+    x, weight = torch.randn(rows, width), torch.randn(out, width)
+    b = torch.randn(out) if bias else None
+    got = panels.linear(x, panels.pack(weight), out, b, relu)
+    want = F.linear(x, weight, b)
+    assert_close(got, want.relu() if relu else want, rtol=1e-5, atol=1e-5 * width**0.5)
+
+
+def test_leading_dimensions_are_kept(loaded: Path) -> None:
+    x, weight = torch.randn(3, 1, 48), torch.randn(80, 48)
+    got = panels.linear(x, panels.pack(weight), 80, None)
+    assert got.shape == (3, 1, 80)
+    assert_close(got, F.linear(x, weight), **FLOAT32)
+
+
+def test_decoding_packs_the_steps_products_into_panels_and_the_encoders_for_onednn(
+    loaded: Path,
+) -> None:
+    plain, model = packing_model(), packing_model()
+    stepwise = {id(m) for m in step_products(model)}
+    acceleration = accelerate(model, "decode", memory_settings=False)
+    kinds = {name: m.pack.kind for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert kinds["out_proj"] == kinds["decoder.layers.0.ffn.w1"] == "panels"
+    assert (
+        kinds["encoder.layers.0.ffn.w1"] == kinds["decoder.layers.1.cross_attn.kv_proj"] == "onednn"
+    )
+    assert all(
+        (kind == "panels") == (id(m) in stepwise)
+        for m, kind in zip(
+            [m for m in model.modules() if isinstance(m, nn.Linear)], kinds.values(), strict=True
+        )
+    )
+    assert "packed weights (oneDNN and aiayn's AVX2 panels, 23)" in acceleration.levers
+    assert "ReLU in the product" in acceleration.levers  # through the panels too
+    for rows in (1, 5, 40):
+        assert_close(step_log_probs(model, rows), step_log_probs(plain, rows), **FLOAT32)
+    for beam in (True, False):
+        assert search_tokens(model, beam) == search_tokens(plain, beam)
+
+
+def test_a_library_that_is_not_the_users_alone_is_not_loaded(loaded: Path) -> None:
+    path = panels.library_path(loaded)
+    panels._loaded = None
+    path.chmod(0o720)  # group-writable
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        panels.load(loaded)
+    assert not panels.loaded()
+
+
+def test_a_failed_build_says_why_and_decoding_keeps_onednns_packs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = tmp_path / "panel_gemm.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(panels, "SOURCE", broken)
+    monkeypatch.setattr(panels, "_build", panels._build.real)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"building panel_gemm\.cpp failed: .*error"):
+        panels.load(tmp_path / "compiled", build=True)
+    assert not panels.loaded() and not list((tmp_path / "compiled").iterdir())
+    model = packing_model()
+    accelerate(model, "decode", memory_settings=False)
+    assert {m.pack.kind for m in model.modules() if isinstance(m, nn.Linear)} == {"onednn"}
