@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from aiayn.accel import panels
 from aiayn.data.sources.bible import write_bible_corpus
 from tests.helpers import BIBLE_MISSING, make_reverse_data
 
@@ -62,28 +63,31 @@ def amd_cpu(monkeypatch):
 _PANELS_BUILT: list = []  # the panels' product, built once for the session
 
 
-@pytest.fixture(autouse=True)
-def _panels_per_test(monkeypatch):
-    """Each test starts without the panels' product (aiayn.accel.panels) in use, and leaves
-    it so; a build a test asks for (``translate --compiled-step`` builds it beside the step)
-    copies the session's one build instead of compiling it again (20 s)."""
+def panel_library_copy(path):
+    """Put the panels' product (aiayn.accel.panels) at ``path``: a copy of the session's one
+    build (20 s), made at the first call."""
     import shutil
     import tempfile
     from pathlib import Path
 
-    from aiayn.accel import panels
+    if not _PANELS_BUILT:
+        folder = Path(tempfile.mkdtemp(prefix="aiayn-panels-"))
+        _REAL_BUILD(folder / path.name)
+        _PANELS_BUILT.append(folder / path.name)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shutil.copyfile(_PANELS_BUILT[0], path)
+    path.chmod(0o700)
+    assert path.name == panels.library_path(path.parent).name
 
-    real = panels._build
 
-    def build_once(path):
-        if not _PANELS_BUILT:
-            folder = Path(tempfile.mkdtemp(prefix="aiayn-panels-"))
-            real(folder / path.name)
-            _PANELS_BUILT.append(folder / path.name)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        shutil.copyfile(_PANELS_BUILT[0], path)
-        path.chmod(0o700)
+_REAL_BUILD = panels._build
 
-    build_once.real = real  # type: ignore[attr-defined]
+
+@pytest.fixture(autouse=True)
+def _panels_per_test(monkeypatch):
+    """Each test starts without the panels' product in use, and leaves it so; a build a test
+    asks for (``translate --compiled-step`` builds it beside the step) copies the session's
+    one build instead of compiling it again (:func:`panel_library_copy`)."""
+    panel_library_copy.real = _REAL_BUILD  # type: ignore[attr-defined]
     monkeypatch.setattr(panels, "_loaded", None)
-    monkeypatch.setattr(panels, "_build", build_once)
+    monkeypatch.setattr(panels, "_build", panel_library_copy)

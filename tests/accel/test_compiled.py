@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.accel import Acceleration, BufferedDecoding, CpuLinear, accelerate
+from aiayn.accel import Acceleration, BufferedDecoding, CpuLinear, accelerate, panels
 from aiayn.accel.compiled import (
     BEAM,
     BEAM_ROWS,
@@ -32,6 +32,7 @@ from aiayn.accel.compiled import (
     _cross_keys_values,
     cannot_build,
     compile_step,
+    extern_calls,
     library_products,
     load_compiled_step,
     step_key,
@@ -45,6 +46,7 @@ from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.attention import MultiHeadAttention
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
+from tests.conftest import panel_library_copy
 from tests.helpers import ROOT, LetterTokenizer, packing_model
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +58,8 @@ pytestmark = pytest.mark.skipif(
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """aiayn's cache directory for the module: where compiled steps are kept."""
     path = tmp_path_factory.mktemp("aiayn-cache")
+    if panels.cpu_suits():  # built beside the steps, as translate --compiled-step does
+        panel_library_copy(panels.library_path(path / "compiled"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AIAYN_CACHE", str(path))
         yield path
@@ -717,6 +721,8 @@ def without_index(step: CompiledStep, model: Transformer, folder: Path) -> Compi
     its runner reads the loader's copy of the weights."""
     copied = folder / step.path.name
     shutil.copy(step.path, copied)
+    if extern_calls(step.path).exists():  # the calls of aiayn's own product (accel.panels)
+        shutil.copy(extern_calls(step.path), extern_calls(copied))
     loaded = CompiledStep(copied, model)
     assert loaded.constants is None
     return loaded
@@ -813,6 +819,7 @@ def test_weights_packed_for_onednn_are_read_from_the_file_too(
 
     monkeypatch.setenv("AIAYN_CACHE", str(tmp_path))
     monkeypatch.setattr(compiled, "_INDUCTOR", {**compiled._INDUCTOR, "max_autotune": False})
+    monkeypatch.setattr(panels, "cpu_suits", lambda: False)  # products of Inductor's own
     fresh = packing_model()
     accelerate(fresh, "decode", precision="fp32")
     step = compile_step(fresh)

@@ -14,7 +14,15 @@ from torch import nn
 from torch.testing import assert_close
 
 from aiayn.accel import accelerate, panels
-from aiayn.accel.compiled import step_products
+from aiayn.accel.compiled import (
+    MANY_ROWS,
+    cannot_build,
+    compile_step,
+    extern_calls,
+    load_compiled_step,
+    step_path,
+    step_products,
+)
 from aiayn.accel.linear import onednn_packing_available
 from tests.helpers import packing_model, search_tokens, step_log_probs
 
@@ -112,3 +120,33 @@ def test_a_failed_build_says_why_and_decoding_keeps_onednns_packs(
     model = packing_model()
     accelerate(model, "decode", memory_settings=False)
     assert {m.pack.kind for m in model.modules() if isinstance(m, nn.Linear)} == {"onednn"}
+
+
+@pytest.mark.skipif(cannot_build() is not None, reason=f"compiling the step: {cannot_build()}")
+def test_the_compiled_steps_products_go_through_the_panels(
+    loaded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.accel.test_compiled import decode, same_steps
+
+    monkeypatch.setenv("AIAYN_CACHE", str(tmp_path / "cache"))
+    model = packing_model()
+    accelerate(model, "decode", memory_settings=False)
+    step = compile_step(model, rows=MANY_ROWS)
+    # The library calls the operator (its runner reads the description beside it) ...
+    calls = extern_calls(step.path)
+    assert step.path == step_path(model, rows=MANY_ROWS) and "aiayn_panels::linear" in (
+        calls.read_text()
+    )
+    # ... for each product of its decoder layers but the cross-attention keys' and values'
+    layers = len(model.decoder.layers)
+    assert calls.read_text().count('"aiayn_panels::linear"') == 6 * layers
+    assert step.constants is not None  # its panels too read from its file
+    same_steps(model, step, 17, 30, 5)
+    assert decode(model, step, 40, 1) == decode(model, None, 40, 1)
+    # A library built without the operator loaded is another file.
+    monkeypatch.setattr(panels, "_loaded", None)
+    assert step_path(model, rows=MANY_ROWS) != step.path
+    monkeypatch.setattr(panels, "_loaded", panels.library_path(loaded))
+    calls.chmod(0o620)  # the description is native code's too: the user's alone
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        load_compiled_step(model, rows=MANY_ROWS)

@@ -45,6 +45,11 @@ read from its file           step (Linux)                (:mod:`.library_constan
 idle memory handed back      decode, with a compiled     the heap's free blocks before small
 at each switch               step                        decodes that follow a large one, the
                                                          library's pages before large ones
+aiayn's AVX2 product         decode, fp32, x86 CPUs      the step's products packed into
+(panels)                     other than Intel's with     panels (:mod:`.panels`), also in the
+                             AVX2 and no AVX-512, once   compiled step's libraries; the
+                             built with the compiled     encoder's stay oneDNN's
+                             step
 ReLU in the product          decode, feed-forward        ``PositionwiseFeedForward`` →
                              layers whose first product  :class:`~.linear.ReluInProduct`
                              has a oneDNN pack

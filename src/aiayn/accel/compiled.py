@@ -8,7 +8,9 @@ that overhead is most of the step (figures: docs/performance.md). Here the step 
 the final norm) is exported (``torch.export``) and compiled by AOTInductor into a shared
 library, with the decoder layers' weights frozen in and each matrix product either generated
 for its weight (Inductor's C++ GEMM template) or ATen's on the weight packed for oneDNN,
-whichever measured faster at compile time, once tuned for a few rows (one sentence, its beams),
+whichever measured faster at compile time (or, where aiayn's own AVX2 product is loaded,
+:mod:`aiayn.accel.panels`, that product, called through AOTInductor's custom-operator call:
+:func:`extern_calls`), once tuned for a few rows (one sentence, its beams),
 once for many (a greedy batch) and once for beam searches over many (:class:`BeamDecoderStep`).
 The embedding table is an input and the pre-softmax projection and log-softmax run outside,
 through the model's own modules, so that the library holds no copy of the model's largest
@@ -52,6 +54,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -698,13 +701,18 @@ def _identity(model: nn.Module) -> list[tuple[int, int, int]]:
     return [(id(p), p.data_ptr(), p._version) for p in model.parameters()]
 
 
-def step_keys(model: Transformer, rows: Sequence[int] = LIBRARIES) -> dict[int, str]:
+def step_keys(
+    model: Transformer, rows: Sequence[int] = LIBRARIES, directory: Path | None = None
+) -> dict[int, str]:
     """The digests that name a model's compiled steps, one for each row count in ``rows`` a
     step is tuned for: its weights and configuration, the sources and options it is compiled
     from (the rows among them), aiayn's and PyTorch's versions, the thread count (the
     library's kernels are built for it) and the CPU (architecture, the instruction sets
     PyTorch uses, /proc/cpuinfo's flags, the compiler's target where one is set). The weights
-    are read once for all of them."""
+    are read once for all of them. Where aiayn's own product is in ``directory`` (the
+    cache's by default) and not loaded yet, it is loaded first: the libraries built while it
+    is loaded call it, and their keys say so."""
+    _load_panels(directory or compiled_dir(), False, _warn)
     digest = hashlib.sha256()
     config = {k: str(v) for k, v in vars(model.config).items()}
     cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
@@ -722,6 +730,7 @@ def step_keys(model: Transformer, rows: Sequence[int] = LIBRARIES) -> dict[int, 
     cpu.append(f"march {march}")
     package = Path(aiayn.__file__).parent
     head = [aiayn.__version__, torch.__version__, str(torch.get_num_threads()), *cpu]
+    head.append(f"panels {panels.loaded_name()}")  # the products' operator, where loaded
     head += [json.dumps(config), repr(_INDUCTOR), repr(_EXAMPLE_LENGTHS)]
     digest.update("\n".join(head).encode())
     for source in _SOURCES:
@@ -747,7 +756,8 @@ def step_paths(
 ) -> dict[int, Path]:
     """Where ``model``'s compiled steps tuned for ``rows`` rows are kept (:func:`step_keys`)."""
     folder = directory or compiled_dir()
-    return {n: folder / f"decoder-step-{key}.so" for n, key in step_keys(model, rows).items()}
+    keys = step_keys(model, rows, folder)
+    return {n: folder / f"decoder-step-{key}.so" for n, key in keys.items()}
 
 
 def step_path(model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS) -> Path:
@@ -776,6 +786,7 @@ def load_compiled_step(
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not _any_compiled(folder):
         return None
+    _load_panels(folder, False, _warn)
     return _load(step_path(model, folder, rows), model, rows)
 
 
@@ -788,9 +799,18 @@ def _any_compiled(folder: Path) -> bool:
 def _load(path: Path, model: Transformer, rows: int = FEW_ROWS) -> CompiledStep | None:
     if not path.is_file():
         return None
-    if not trusted(path):
-        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
+    for item in (path, extern_calls(path)):  # the runner reads the second where it is there
+        if item.exists() and not trusted(item):
+            raise PermissionError(
+                f"{item}: not loaded: it or its directory is not this user's alone"
+            )
     return CompiledStep(path, model, rows)
+
+
+def extern_calls(library: Path) -> Path:
+    """Where AOTInductor's runner looks for the description of the operators ``library``
+    calls outside PyTorch's own: ``<stem>.json`` beside it."""
+    return library.with_suffix(".json")
 
 
 def compile_step(
@@ -805,7 +825,24 @@ def compile_step(
     reason = unsupported(model)
     if reason is not None:
         raise ValueError(f"cannot compile the decoder step: {reason}")
+    _load_panels(directory or compiled_dir(), True, _warn)
     return _load_or_compile(model, step_path(model, directory, rows), rows, on_compile)
+
+
+def _load_panels(folder: Path, build: bool, warn: Callable[[str], None]) -> None:
+    """Load aiayn's own product (:mod:`aiayn.accel.panels`) from ``folder`` where the CPU
+    suits it (``build``: built there first where it is not), before a step's key is made:
+    a library built while it is loaded calls it, and its key says so. What goes wrong is
+    told to ``warn``, and the steps are built and found without it."""
+    try:
+        panels.load(folder, build)
+    except Exception as error:  # a compiler that fails, a file that is not the user's
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warn(f"panel product: {first[:300]}; packing for oneDNN")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _load_or_compile(
@@ -855,11 +892,7 @@ def use_compiled_step(
     folder = compiled_dir()
     if not build and not _any_compiled(folder):
         return None
-    try:  # built beside the steps; the packs made after this call take it (accel.panels)
-        panels.load(folder, build)
-    except Exception as error:  # a compiler that fails, a file that is not the user's
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        warn(f"panel product: {first[:300]}; packing for oneDNN")
+    _load_panels(folder, build, warn)  # the packs made after this call take it too
     steps: list[CompiledStep] = []
     try:
         paths = step_paths(model, folder)  # the weights' digest, once for both
@@ -931,6 +964,10 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     for module in plain.modules():  # not the accelerated attention: it is not traced
         if isinstance(module, MultiHeadAttention):
             module.__class__ = OneQueryAttention
+    if panels.loaded():  # the step's products through the panels' operator (accel.panels)
+        for module in _decoder_products(plain):
+            if isinstance(module, nn.Linear):
+                panels.to_panels(module)
     beam, major = beam_of(rows), position_major(rows)
     step = (BeamDecoderStep(plain, beam) if major else DecoderStep(plain)).eval()
     positions = plain.config.max_positions
@@ -988,6 +1025,13 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
         # place: the library's loader reads the weights from the path it was loaded from.
         index = index_path(path)
         index.unlink(missing_ok=True)
+        # The description of the operators the library calls outside PyTorch's own (the
+        # panels'), which its runner reads beside it: in place before the library.
+        calls = extern_calls(path)
+        calls.unlink(missing_ok=True)
+        for description in work.glob("*.wrapper.json"):
+            os.chmod(description, 0o600)
+            os.replace(description, calls)
         os.replace(str(built), path)
         write_index(path, index)
     finally:

@@ -31,7 +31,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -89,6 +89,12 @@ def loaded() -> bool:
     return _loaded is not None
 
 
+def loaded_name() -> str | None:
+    """The file name of the product loaded into this process (a digest of what it is built
+    from), or None."""
+    return None if _loaded is None else _loaded.name
+
+
 def load(directory: Path | None = None, build: bool = False) -> bool:
     """Load the product into this process where the CPU suits it (:func:`cpu_suits`): from
     the cache directory where it was built before, or (``build``) built there now. Return
@@ -110,8 +116,17 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
     if not _registered():  # the operators of a copy loaded before serve (one set a process)
         torch.ops.load_library(str(path))
+        # What the product's output is without running it: for torch.export, which traces
+        # the compiled decoder step through it.
+        torch.library.register_fake("aiayn_panels::linear")(_linear_shape)
     _loaded = path
     return True
+
+
+def _linear_shape(
+    x: Tensor, panels: Tensor, out_features: int, bias: Tensor | None, relu: bool
+) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _registered() -> bool:
@@ -147,3 +162,20 @@ def linear(
     """``F.linear(x, weight, bias)`` (then ReLU, with ``relu``) through ``pack(weight)``,
     for float32 ``x`` of any leading shape."""
     return torch.ops.aiayn_panels.linear(x, panels, out_features, bias, relu)
+
+
+class PanelLinear(nn.Linear):
+    """An ``nn.Linear`` whose product is the panels' operator over :attr:`panels`, a buffer
+    packed from its weight (:func:`to_panels`): the compiled decoder step's products, in the
+    copy of the model the step is compiled from, where the product is loaded."""
+
+    panels: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.panels, self.out_features, self.bias)
+
+
+def to_panels(layer: nn.Linear) -> None:
+    """Make ``layer`` (float32) a :class:`PanelLinear` of its own weight."""
+    layer.register_buffer("panels", pack(layer.weight.detach()))
+    layer.__class__ = PanelLinear
