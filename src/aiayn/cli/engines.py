@@ -55,9 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode up to 16 rows (sentences x beam) at a time, and greedy batches, through "
         "the decoder step compiled ahead of time for this model and CPU (float32 Transformers "
         "on the CPU; needs a C++ compiler): --compiled-step compiles it where it has not been "
-        "(a minute or two for a small model; kept in aiayn's cache directory); by default it "
-        "is used "
-        "where it has been compiled before; --no-compiled-step never uses it",
+        "(a minute or two for a small model; kept in aiayn's cache directory), and on an x86 "
+        "CPU other than Intel's with AVX2 and no AVX-512 also aiayn's own float32 product, "
+        "which the step's products then use; by default they are used "
+        "where they have been compiled before; --no-compiled-step never uses the step",
     )
     parser.add_argument(
         "--mmap",
