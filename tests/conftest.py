@@ -81,6 +81,7 @@ def panel_library_copy(path):
 
 
 _REAL_BUILD = panels._build
+panel_library_copy.real = _REAL_BUILD  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +89,5 @@ def _panels_per_test(monkeypatch):
     """Each test starts without the panels' product in use, and leaves it so; a build a test
     asks for (``translate --compiled-step`` builds it beside the step) copies the session's
     one build instead of compiling it again (:func:`panel_library_copy`)."""
-    panel_library_copy.real = _REAL_BUILD  # type: ignore[attr-defined]
     monkeypatch.setattr(panels, "_loaded", None)
     monkeypatch.setattr(panels, "_build", panel_library_copy)

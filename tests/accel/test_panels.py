@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(
         not panels.cpu_suits(), reason="the panels' product is for x86 CPUs with AVX2, no AVX-512"
     ),
-    pytest.mark.skipif(panels._compiler() is None, reason="no C++ compiler (apt-get install g++)"),
+    pytest.mark.skipif(panels.compiler() is None, reason="no C++ compiler (apt-get install g++)"),
     pytest.mark.skipif(
         not onednn_packing_available(), reason="PyTorch without oneDNN's packed-linear operators"
     ),

@@ -196,7 +196,7 @@ def _runtime_missing() -> str | None:
 
 def cannot_build() -> str | None:
     """Why a decoder step cannot be compiled on this machine (whatever the model), or None."""
-    if shutil.which("g++") is None and shutil.which("c++") is None:
+    if panels.compiler() is None:
         return "no C++ compiler here (apt-get install g++)"
     return _runtime_missing()
 
@@ -777,6 +777,12 @@ def trusted(path: Path) -> bool:
     return True
 
 
+def require_trusted(path: Path) -> None:
+    """Raise ``PermissionError`` where ``path`` is not :func:`trusted`."""
+    if not trusted(path):
+        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
+
+
 def load_compiled_step(
     model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS
 ) -> CompiledStep | None:
@@ -786,7 +792,6 @@ def load_compiled_step(
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not _any_compiled(folder):
         return None
-    _load_panels(folder, False, _warn)
     return _load(step_path(model, folder, rows), model, rows)
 
 
@@ -799,11 +804,9 @@ def _any_compiled(folder: Path) -> bool:
 def _load(path: Path, model: Transformer, rows: int = FEW_ROWS) -> CompiledStep | None:
     if not path.is_file():
         return None
-    for item in (path, extern_calls(path)):  # the runner reads the second where it is there
-        if item.exists() and not trusted(item):
-            raise PermissionError(
-                f"{item}: not loaded: it or its directory is not this user's alone"
-            )
+    require_trusted(path)
+    if extern_calls(path).exists():  # the runner reads it where it is there
+        require_trusted(extern_calls(path))
     return CompiledStep(path, model, rows)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import platform
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache, partial
 
 import torch
@@ -226,27 +226,15 @@ def pack(layer: nn.Linear, fp32_library: str | None = None) -> Pack | None:
 
 def _onednn_pack(layer: nn.Linear, tolerance: float) -> Pack | None:
     """A pack of ``layer``'s weight for oneDNN (its own dtype), checked against ``F.linear``
-    at :data:`_CHECK_ROWS_ONEDNN` rows to ``tolerance`` (relative, and of the largest
-    output), on :data:`_CHECK_COLUMNS` output columns drawn at random and the last 16: the
-    reference product of the whole weight would leave MKL's buffers for it in the process
-    (65 MB for an 8000 × 256 projection), and a pack in the wrong layout is wrong in nearly
-    every column."""
+    at :data:`_CHECK_ROWS_ONEDNN` rows to ``tolerance`` (:func:`_agrees_on_columns`)."""
     if not onednn_packing_available():
         return None
     weight = layer.weight.detach()
-    generator = torch.Generator().manual_seed(0)
-    drawn = torch.randperm(weight.size(0), generator=generator)[:_CHECK_COLUMNS]
-    columns = torch.cat([drawn, torch.arange(weight.size(0))[-16:]]).unique()
-    bias = None if layer.bias is None else layer.bias.detach()[columns]
     try:  # a CPU without the instructions oneDNN's bfloat16 kernels need refuses here
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-        for rows in _CHECK_ROWS_ONEDNN:
-            x = torch.randn(rows, weight.size(1), generator=generator).to(weight.dtype)
-            got = _onednn_linear(x, packed, layer.bias).float()[:, columns]
-            want = F.linear(x, weight[columns], bias).float()
-            limit = tolerance * float(want.abs().max())
-            if not torch.allclose(got, want, rtol=tolerance, atol=limit):
-                return None
+        product = partial(_onednn_linear, packed=packed, bias=layer.bias)
+        if not _agrees_on_columns(layer, product, _CHECK_ROWS_ONEDNN, tolerance):
+            return None
     except RuntimeError:
         return None
     return Pack(packed, layer.weight, "onednn")
@@ -254,28 +242,38 @@ def _onednn_pack(layer: nn.Linear, tolerance: float) -> Pack | None:
 
 def _panels_pack(layer: nn.Linear) -> Pack | None:
     """A pack of ``layer``'s float32 weight into :mod:`aiayn.accel.panels`' panels, checked
-    against ``F.linear`` as :func:`_onednn_pack` checks its packs (float32 rounding)."""
+    as :func:`_onednn_pack` checks its packs (float32 rounding)."""
     if not panels.loaded():
         return None
+    packed = panels.pack(layer.weight.detach())
+    bias = None if layer.bias is None else layer.bias.detach()
+    product = partial(panels.linear, panels=packed, out_features=layer.out_features, bias=bias)
+    if not _agrees_on_columns(layer, product, _CHECK_ROWS_PANELS, 1e-4):
+        return None
+    return Pack(packed, layer.weight, "panels")
+
+
+def _agrees_on_columns(
+    layer: nn.Linear, product: Callable[[Tensor], Tensor], rows: Sequence[int], tolerance: float
+) -> bool:
+    """Whether ``product`` (x → x W^T + b through a pack) agrees with ``F.linear`` at each
+    row count in ``rows`` to ``tolerance`` (relative, and of the largest output), on
+    :data:`_CHECK_COLUMNS` output columns drawn at random and the last 16: the reference
+    product of the whole weight would leave MKL's buffers for it in the process (65 MB for an
+    8000 × 256 projection), and a pack in the wrong layout is wrong in nearly every column."""
     weight = layer.weight.detach()
     generator = torch.Generator().manual_seed(0)
     drawn = torch.randperm(weight.size(0), generator=generator)[:_CHECK_COLUMNS]
     columns = torch.cat([drawn, torch.arange(weight.size(0))[-16:]]).unique()
-    bias = None if layer.bias is None else layer.bias.detach()
-    packed = panels.pack(weight)
-    for rows in _CHECK_ROWS_PANELS:
-        x = torch.randn(rows, weight.size(1), generator=generator)
-        got = _panels_linear(x, packed, layer.out_features, bias)[:, columns]
-        want = F.linear(x, weight[columns], None if bias is None else bias[columns])
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-            return None
-    return Pack(packed, layer.weight, "panels")
-
-
-def _panels_linear(
-    x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None, relu: bool = False
-) -> Tensor:
-    return panels.linear(x, packed, out_features, bias, relu)
+    bias = None if layer.bias is None else layer.bias.detach()[columns]
+    for n in rows:
+        x = torch.randn(n, weight.size(1), generator=generator).to(weight.dtype)
+        got = product(x).float()[:, columns]
+        want = F.linear(x, weight[columns], bias).float()
+        limit = tolerance * float(want.abs().max())
+        if not torch.allclose(got, want, rtol=tolerance, atol=limit):
+            return False
+    return True
 
 
 # -- rows -------------------------------------------------------------------------------------
@@ -392,7 +390,7 @@ class CpuLinear(nn.Linear):
         weight, bias = parameters["weight"], parameters["bias"]
         rows = rows_of(x)
         if pack.kind == "panels":
-            return _panels_linear(x, pack.packed, self.out_features, bias, relu)
+            return panels.linear(x, pack.packed, self.out_features, bias, relu)
         if pack.kind == "onednn":
             activation = "relu" if relu else "none"
             product = partial(_onednn_linear, packed=pack.packed, bias=bias, activation=activation)

@@ -57,7 +57,8 @@ def cpu_suits() -> bool:
     return "fma" in flags
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler found here (``g++``, else ``c++``), or None."""
     return shutil.which("g++") or shutil.which("c++")
 
 
@@ -110,10 +111,9 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         if not build:
             return False
         _build(path)
-    from aiayn.accel.compiled import trusted
+    from aiayn.accel.compiled import require_trusted
 
-    if not trusted(path):
-        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
+    require_trusted(path)
     if not _registered():  # the operators of a copy loaded before serve (one set a process)
         torch.ops.load_library(str(path))
         # What the product's output is without running it: for torch.export, which traces
@@ -134,14 +134,14 @@ def _registered() -> bool:
 
 
 def _build(path: Path) -> None:
-    compiler = _compiler()
-    if compiler is None:
+    found = compiler()
+    if found is None:
         raise RuntimeError("no C++ compiler here (apt-get install g++)")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=path.stem + ".", dir=path.parent))
     try:
         built = work / path.name
-        done = subprocess.run(_command(compiler, built), capture_output=True, text=True)
+        done = subprocess.run(_command(found, built), capture_output=True, text=True)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
             raise RuntimeError(f"building {SOURCE.name} failed: {' '.join(lines[:3])[:300]}")
