@@ -5,6 +5,7 @@ left to oneDNN; a build that fails or a file that is not the user's leaves oneDN
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,10 @@ def loaded(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("rows", "width", "out"),
-    [(1, 8, 1), (5, 24, 17), (6, 256, 16), (7, 257, 40), (64, 600, 33), (131, 32, 80), (0, 16, 8)],
+    [
+        *[(1, 8, 1), (5, 24, 17), (6, 256, 16), (7, 257, 40), (64, 600, 33), (131, 32, 80)],
+        *[(0, 16, 8), (3, 40, 2049), (131, 600, 2065)],
+    ],
 )
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("relu", [False, True])
@@ -57,7 +61,8 @@ def test_products_equal_f_linear(
     loaded: Path, rows: int, width: int, out: int, bias: bool, relu: bool
 ) -> None:
     # widths past 256 take K in blocks; 131 rows: blocks of six and a rest; 17, 33, 40
-    # columns: a last, partial panel
+    # columns: a last, partial panel; from 2,048 columns x is copied into blocks of rows (at
+    # 600 wide, 131 rows are three blocks of rows)
     torch.manual_seed(1)
     x, weight = torch.randn(rows, width), torch.randn(out, width)
     b = torch.randn(out) if bias else None
@@ -140,6 +145,14 @@ def test_the_compiled_steps_products_go_through_the_panels(
     # ... for each product of its decoder layers but the cross-attention keys' and values'
     layers = len(model.decoder.layers)
     assert calls.read_text().count('"aiayn_panels::linear"') == 6 * layers
+    # ... the feed-forward's first applying its ReLU as it writes (no pass of its own)
+    relu = {
+        args["panels"]["as_tensor"]["name"]
+        for node in json.loads(calls.read_text())["nodes"]
+        for args in [{i["name"]: i["arg"] for i in node["node"]["inputs"]}]
+        if args["relu"]["as_bool"]
+    }
+    assert relu == {f"decoder_layers_{i}_ffn_w1_panels" for i in range(layers)}
     assert step.constants is not None  # its panels too read from its file
     same_steps(model, step, 17, 30, 5)
     assert decode(model, step, 40, 1) == decode(model, None, 40, 1)

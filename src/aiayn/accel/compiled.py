@@ -66,11 +66,12 @@ from torch import Tensor, nn
 import aiayn
 from aiayn.accel import panels
 from aiayn.accel.library_constants import index_path, map_constants, write_index
-from aiayn.accel.linear import LogitsBuffer, logits_into
+from aiayn.accel.linear import LogitsBuffer, ReluInProduct, logits_into
 from aiayn.accel.memory import release_file_pages, trim
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, keep_rows, row_moves
+from aiayn.model.feedforward import PositionwiseFeedForward
 from aiayn.model.layers import DecoderLayer
 from aiayn.model.transformer import Transformer, check_cache_size
 
@@ -971,6 +972,9 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
         for module in _decoder_products(plain):
             if isinstance(module, nn.Linear):
                 panels.to_panels(module)
+        for layer in plain.decoder.layers:  # and the feed-forward's ReLU in its first
+            if type(layer.ffn) in (PositionwiseFeedForward, ReluInProduct):
+                layer.ffn.__class__ = panels.PanelFeedForward
     beam, major = beam_of(rows), position_major(rows)
     step = (BeamDecoderStep(plain, beam) if major else DecoderStep(plain)).eval()
     positions = plain.config.max_positions

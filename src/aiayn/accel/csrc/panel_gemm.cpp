@@ -5,7 +5,9 @@
 // and for each panel every block of 6 input rows: 12 accumulators of 8 floats held in
 // registers, per k two loads of the panel and six broadcasts of x. K is taken in blocks of
 // 256 (a panel's block, 16 KiB, stays in L1 while the row blocks pass over it), the rows in
-// blocks whose x fits 128 KiB and the panels in groups whose block fits 256 KiB (L2).
+// blocks whose x fits 128 KiB and the panels in groups whose block fits 256 KiB (L2). Over
+// many columns x is first copied into blocks of 6 rows with a k's six values side by side,
+// which the broadcasts then read in order.
 // Built on the machine, with the compiled decoder step (aiayn.accel.compiled).
 
 #include <ATen/ATen.h>
@@ -26,9 +28,14 @@ constexpr int64_t MR = 6;         // input rows of a block
 constexpr int64_t KC = 256;       // the block of K a panel is walked in
 constexpr int64_t X_BYTES = 131072;      // the rows of x a block of rows holds at most
 constexpr int64_t PANEL_BYTES = 262144;  // the panels a group holds at most
+// From this many output columns x is copied into blocks of MR rows first: 7-15% more
+// GFLOP/s at 64 rows × 2,048-37,000 columns; at 256-1,024 columns the copy costs what it
+// saves (an AMD EPYC with AVX2, docs/performance.md).
+constexpr int64_t PACK_X_COLUMNS = 2048;
 
 // C[0:R, 0:16] (+)= A[0:R, 0:kc] B[0:kc, 0:16]; on the last block of K, + bias and ReLU.
-template <int R>
+// A's row i at k: A[i * lda + k], or with PACKED (x copied into blocks) A[k * MR + i].
+template <int R, bool PACKED>
 inline void block(const float* A, int64_t lda, const float* B, int64_t kc, float* C,
                   int64_t ldc, const float* bias, bool relu, bool accumulate, bool last) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
@@ -42,21 +49,15 @@ inline void block(const float* A, int64_t lda, const float* B, int64_t kc, float
     AIAYN_LOAD(0) AIAYN_LOAD(1) AIAYN_LOAD(2) AIAYN_LOAD(3) AIAYN_LOAD(4) AIAYN_LOAD(5)
 #undef AIAYN_LOAD
   }
-  const float* a0 = A;
-  const float* a1 = A + lda;
-  const float* a2 = A + 2 * lda;
-  const float* a3 = A + 3 * lda;
-  const float* a4 = A + 4 * lda;
-  const float* a5 = A + 5 * lda;
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_loadu_ps(B + k * NR);
     const __m256 b1 = _mm256_loadu_ps(B + k * NR + 8);
     __m256 a;
-#define AIAYN_ROW(i)                                  \
-  if constexpr (R > i) {                              \
-    a = _mm256_broadcast_ss(a##i + k);                \
-    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);        \
-    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);        \
+#define AIAYN_ROW(i)                                                      \
+  if constexpr (R > i) {                                                  \
+    a = _mm256_broadcast_ss(PACKED ? A + k * MR + i : A + i * lda + k);   \
+    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                            \
+    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                            \
   }
     AIAYN_ROW(0) AIAYN_ROW(1) AIAYN_ROW(2) AIAYN_ROW(3) AIAYN_ROW(4) AIAYN_ROW(5)
 #undef AIAYN_ROW
@@ -81,8 +82,30 @@ inline void block(const float* A, int64_t lda, const float* B, int64_t kc, float
 
 using Block = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
                        const float*, bool, bool, bool);
-constexpr Block BLOCKS[MR + 1] = {nullptr,  block<1>, block<2>, block<3>,
-                                  block<4>, block<5>, block<6>};
+constexpr Block BLOCKS[2][MR + 1] = {
+    {nullptr, block<1, false>, block<2, false>, block<3, false>, block<4, false>,
+     block<5, false>, block<6, false>},
+    {nullptr, block<1, true>, block<2, true>, block<3, true>, block<4, true>, block<5, true>,
+     block<6, true>}};
+
+// x (M, K) as blocks of MR rows, each K × MR (a k's values side by side; zeros past M).
+at::Tensor pack_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = (M + MR - 1) / MR;
+  auto packed = at::empty({blocks, K, MR}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* block_dst = dst + b * K * MR;
+      const int64_t rows = std::min(MR, M - b * MR);
+      for (int64_t i = 0; i < MR; ++i) {
+        const float* row = src + (b * MR + i) * K;
+        for (int64_t k = 0; k < K; ++k) block_dst[k * MR + i] = i < rows ? row[k] : 0.f;
+      }
+    }
+  });
+  return packed;
+}
 
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -121,7 +144,10 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, int64_t out
                 "panel linear: bias");
     bias = bias_opt->contiguous();
   }
-  const float* A = x.data_ptr<float>();
+  const bool packed_x = N >= PACK_X_COLUMNS;
+  const auto xp = packed_x ? pack_rows(x) : x;
+  const float* A = xp.data_ptr<float>();
+  const auto& blocks = BLOCKS[packed_x ? 1 : 0];
   const float* B = panels.data_ptr<float>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   float* C = y.data_ptr<float>();
@@ -154,8 +180,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, int64_t out
             const bool accumulate = k0 > 0, last = k0 + kc >= K;
             for (int64_t m = m0; m < m_end; m += MR) {
               const int64_t rows = std::min(MR, m_end - m);
-              BLOCKS[rows](A + m * K + k0, K, Bp, kc, out + m * ldc, ldc, pb, relu, accumulate,
-                           last);
+              // (a block of packed rows starts where its first row would)
+              blocks[rows](A + m * K + (packed_x ? k0 * MR : k0), K, Bp, kc, out + m * ldc,
+                           ldc, pb, relu, accumulate, last);
             }
           }
           if (width < NR)
