@@ -47,9 +47,9 @@ at each switch               step                        decodes that follow a l
                                                          library's pages before large ones
 aiayn's AVX2 product         decode, fp32, x86 CPUs      the step's products packed into
 (panels)                     other than Intel's with     panels (:mod:`.panels`), also in the
-                             AVX2 and no AVX-512, once   compiled step's libraries; the
-                             built with the compiled     encoder's stay oneDNN's
-                             step
+                             AVX2 and no AVX-512, once   compiled step's libraries (there the
+                             built with the compiled     feed-forward's ReLU in its first
+                             step                        product); the encoder's stay oneDNN's
 ReLU in the product          decode, feed-forward        ``PositionwiseFeedForward`` →
                              layers whose first product  :class:`~.linear.ReluInProduct`
                              has a oneDNN pack
