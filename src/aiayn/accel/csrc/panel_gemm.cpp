@@ -98,10 +98,12 @@ at::Tensor pack_rows(const at::Tensor& x) {
     for (int64_t b = b0; b < b1; ++b) {
       float* block_dst = dst + b * K * MR;
       const int64_t rows = std::min(MR, M - b * MR);
-      for (int64_t i = 0; i < MR; ++i) {
+      for (int64_t i = 0; i < rows; ++i) {
         const float* row = src + (b * MR + i) * K;
-        for (int64_t k = 0; k < K; ++k) block_dst[k * MR + i] = i < rows ? row[k] : 0.f;
+        for (int64_t k = 0; k < K; ++k) block_dst[k * MR + i] = row[k];
       }
+      for (int64_t i = rows; i < MR; ++i)
+        for (int64_t k = 0; k < K; ++k) block_dst[k * MR + i] = 0.f;
     }
   });
   return packed;
