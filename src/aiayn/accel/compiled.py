@@ -973,8 +973,8 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
             if isinstance(module, nn.Linear):
                 panels.to_panels(module)
         for layer in plain.decoder.layers:  # and the feed-forward's ReLU in its first
-            if type(layer.ffn) in (PositionwiseFeedForward, ReluInProduct):
-                layer.ffn.__class__ = panels.PanelFeedForward
+            if type(layer.ffn) is PositionwiseFeedForward:
+                layer.ffn.__class__ = ReluInProduct
     beam, major = beam_of(rows), position_major(rows)
     step = (BeamDecoderStep(plain, beam) if major else DecoderStep(plain)).eval()
     positions = plain.config.max_positions

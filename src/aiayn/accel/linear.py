@@ -476,8 +476,9 @@ def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Ten
 
 class ReluInProduct(PositionwiseFeedForward):
     """:class:`~aiayn.model.feedforward.PositionwiseFeedForward` whose ReLU is applied by
-    oneDNN as it writes the first product, where that product goes through a oneDNN pack:
-    the same values (max(0, x) of the same sums) without a pass over the (rows, d_ff)
+    oneDNN as it writes the first product, where that product goes through a oneDNN pack, or
+    by aiayn's own product (a :class:`~aiayn.accel.panels.PanelLinear`, in the compiled
+    step): the same values (max(0, x) of the same sums) without a pass over the (rows, d_ff)
     activations (figures: docs/performance.md). Otherwise, the parent's path.
 
     One difference: oneDNN's ReLU makes a NaN of the product 0, where ``torch.relu`` keeps
@@ -487,7 +488,7 @@ class ReluInProduct(PositionwiseFeedForward):
 
     def forward(self, x: Tensor) -> Tensor:
         w1 = self.w1
-        if self.activation is F.relu and isinstance(w1, CpuLinear):
+        if self.activation is F.relu and isinstance(w1, CpuLinear | panels.PanelLinear):
             hidden = w1.packed_product(x, relu=True)
             if hidden is not None:
                 return self.w2(self.dropout(hidden))

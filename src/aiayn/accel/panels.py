@@ -31,10 +31,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-
-from aiayn.model.feedforward import PositionwiseFeedForward
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -175,23 +172,16 @@ class PanelLinear(nn.Linear):
     panels: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.panels, self.out_features, self.bias)
+        return self.packed_product(x)
+
+    def packed_product(self, x: Tensor, relu: bool = False) -> Tensor:
+        """The product (and its ReLU, with ``relu``, applied as it writes): what
+        :meth:`aiayn.accel.linear.CpuLinear.packed_product` gives, for
+        :class:`~aiayn.accel.linear.ReluInProduct`."""
+        return linear(x, self.panels, self.out_features, self.bias, relu)
 
 
 def to_panels(layer: nn.Linear) -> None:
     """Make ``layer`` (float32) a :class:`PanelLinear` of its own weight."""
     layer.register_buffer("panels", pack(layer.weight.detach()))
     layer.__class__ = PanelLinear
-
-
-class PanelFeedForward(PositionwiseFeedForward):
-    """A feed-forward layer whose ReLU the panels' operator applies as it writes the first
-    product, where that product is a :class:`PanelLinear` and the layer is in eval mode: in
-    the compiled step, one pass over the (rows, d_ff) activations fewer per layer. As with
-    :class:`~aiayn.accel.linear.ReluInProduct`, a NaN the product itself makes becomes 0."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        w1 = self.w1
-        if self.activation is F.relu and isinstance(w1, PanelLinear) and not self.training:
-            return self.w2(linear(x, w1.panels, w1.out_features, w1.bias, relu=True))
-        return super().forward(x)
