@@ -5,6 +5,7 @@ import torch
 
 from aiayn.accel import panels
 from aiayn.data.sources.bible import write_bible_corpus
+from aiayn.inference import search
 from tests.helpers import BIBLE_MISSING, make_reverse_data
 
 torch.set_num_threads(2)
@@ -90,4 +91,5 @@ def _panels_per_test(monkeypatch):
     asks for (``translate --compiled-step`` builds it beside the step) copies the session's
     one build instead of compiling it again (:func:`panel_library_copy`)."""
     monkeypatch.setattr(panels, "_loaded", None)
+    monkeypatch.setattr(search, "native_first_argmax", None)  # set by a load
     monkeypatch.setattr(panels, "_build", panel_library_copy)

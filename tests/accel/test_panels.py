@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.testing import assert_close
 
 from aiayn.accel import accelerate, panels
+from aiayn.accel.attention import PanelAttention
 from aiayn.accel.compiled import (
     MANY_ROWS,
     cannot_build,
@@ -25,6 +26,8 @@ from aiayn.accel.compiled import (
     step_products,
 )
 from aiayn.accel.linear import onednn_packing_available
+from aiayn.inference import search
+from aiayn.model.attention import MultiHeadAttention
 from tests.helpers import packing_model, search_tokens, step_log_probs
 
 pytestmark = [
@@ -76,6 +79,121 @@ def test_leading_dimensions_are_kept(loaded: Path) -> None:
     got = panels.linear(x, panels.pack(weight), 80, None)
     assert got.shape == (3, 1, 80)
     assert_close(got, F.linear(x, weight), **FLOAT32)
+
+
+# -- the decoding kernels beside the product ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(64, 8000), (3, 17), (9, 1037), (2, 5), (5, 1)])
+def test_first_argmax_is_the_first_maximum_as_max_gives_it(
+    loaded: Path, rows: int, vocab: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    scores = torch.randint(-3, 3, (rows, vocab), generator=gen).float()  # ties in every row
+    scores[0] = float("-inf")  # nothing but -inf: the first index
+    if rows > 2:
+        scores[1, -1] = 100.0  # the maximum at the last token, past the last whole vector
+        scores[2, vocab // 2] = scores[2, vocab - 1] = float("nan")  # NaN counts as the maximum
+    op = torch.ops.aiayn_panels.first_argmax
+    assert torch.equal(op(scores), scores.max(dim=-1).indices)
+    assert torch.equal(op(scores.t().contiguous().t()), scores.max(dim=-1).indices)  # strided
+    assert search.native_first_argmax is op  # greedy search's choice, once loaded
+    assert torch.equal(search.first_argmax(scores), scores.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(64, 8000), (3, 17), (8, 8005), (2, 40), (5, 1)])
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_log_softmax_in_place_equals_pytorchs(
+    loaded: Path, rows: int, vocab: int, spread: float
+) -> None:
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab) * spread
+    logits[0, : vocab // 2] = float("-inf")  # masked tokens stay -inf
+    want = torch.log_softmax(logits, dim=-1)
+    got = logits.clone()
+    assert panels.log_softmax_(got) is got  # in place
+    assert_close(got, want, rtol=2e-6, atol=2e-6 * spread)
+    assert torch.equal(got.isinf(), want.isinf())
+
+
+def test_log_softmax_of_rows_without_a_finite_maximum_is_nan_as_pytorchs(loaded: Path) -> None:
+    logits = torch.randn(4, 50)
+    logits[0, 3] = float("nan")
+    logits[1, 7] = float("inf")
+    logits[2] = float("-inf")
+    got = panels.log_softmax_(logits.clone())
+    want = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(got[:3].isnan(), want[:3].isnan()) and bool(got[:3].isnan().all())
+    assert_close(got[3], want[3], rtol=2e-6, atol=2e-6)
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    scores = (q.double() @ k.double().transpose(-1, -2)) / q.size(-1) ** 0.5
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else scores + mask.double()
+        )
+    return (scores.softmax(-1) @ v.double()).float()
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "t", "s", "dk", "dv"),
+    [(64, 4, 24, 24, 64, 64), (3, 2, 5, 7, 5, 13), (2, 8, 1, 1, 64, 64), (5, 3, 9, 33, 16, 40)],
+)
+@pytest.mark.parametrize("mask", ["none", "keys", "additive"])
+def test_attention_equals_softmax_of_scores_times_values(
+    loaded: Path, b: int, h: int, t: int, s: int, dk: int, dv: int, mask: str
+) -> None:
+    # keys and values views of one fused product (rows far apart), a query tile of four
+    # with a partial last one, keys past a whole vector, widths of no whole vector
+    torch.manual_seed(b * t + s)
+    q = torch.randn(b, t, h, dk).transpose(1, 2)
+    kv = torch.randn(b, s, h, dk + dv)
+    k, v = kv[..., :dk].transpose(1, 2), kv[..., dk:].transpose(1, 2)
+    m: Tensor | None = None
+    if mask == "keys":  # (B, 1, 1, S), True = attend, as attention_mask gives it
+        m = torch.rand(b, 1, 1, s) > 0.3
+        m[..., 0] = True
+    elif mask == "additive":
+        m = torch.where(torch.rand(b, 1, t, s) > 0.3, 0.0, float("-inf"))
+        m[..., 0] = 0.0
+    got = panels.attend(q, k, v, m, dk**-0.5)
+    assert got.shape == (b, h, t, dv)
+    assert got.transpose(1, 2).is_contiguous()  # the heads side by side: merged by a view
+    assert_close(got, reference_attention(q, k, v, m), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_without_a_position_is_nan_and_reads_no_masked_value(loaded: Path) -> None:
+    q, k, v = torch.randn(2, 1, 6, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
+    k[:, :, 4] = v[:, :, 4] = float("nan")  # a padding position's key and value: not used
+    want = reference_attention(q[:1], k[:1, :, :4], v[:1, :, :4], None)[0]  # the 4 attended
+    keys = torch.tensor([[True, True, True, True, False], [False] * 5]).view(2, 1, 1, 5)
+    additive = torch.zeros(2, 1, 6, 5).masked_fill(~keys, float("-inf"))
+    for mask in (keys, additive):
+        got = panels.attend(q, k, v, mask, 8**-0.5)
+        assert bool(got[1].isnan().all())
+        assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_attends_the_encoders_sentences_through_the_kernel(loaded: Path) -> None:
+    plain, model = packing_model(), packing_model()
+    acceleration = accelerate(model, "decode", memory_settings=False)
+    encoder = [type(m) for m in model.encoder.modules() if isinstance(m, MultiHeadAttention)]
+    assert encoder and set(encoder) == {PanelAttention}
+    assert "encoder attention by aiayn's kernel" in acceleration.levers
+    # the decoder's attend as the step (compiled or eager) has them
+    assert not any(type(m) is PanelAttention for m in model.decoder.modules())
+    src = torch.randint(4, 50, (3, 11))
+    src_pad = torch.zeros_like(src, dtype=torch.bool)
+    src_pad[1, 7:] = True
+    with torch.inference_mode():
+        assert_close(model.encode(src, src_pad), plain.encode(src, src_pad), **FLOAT32)
+    acceleration.undo()
+    assert {type(m) for m in model.encoder.modules() if isinstance(m, MultiHeadAttention)} == {
+        MultiHeadAttention
+    }
 
 
 def test_decoding_packs_the_steps_products_into_panels_and_the_encoders_for_onednn(

@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aiayn.accel import memory, panels
-from aiayn.accel.attention import Float32Attention, StepAttention
+from aiayn.accel.attention import Float32Attention, PanelAttention, StepAttention
 from aiayn.accel.compiled import library_products, step_products
 from aiayn.accel.cpu import cpu_has_bfloat16
 from aiayn.accel.decoding import BufferedDecoding
@@ -100,6 +100,7 @@ __all__ = [
     "Float32Attention",
     "GridDropout",
     "GridResidual",
+    "PanelAttention",
     "Precision",
     "StepAttention",
     "accelerate",
@@ -292,6 +293,10 @@ def accelerate(
             acceleration.levers.append("attention in float32")
     if before_packing is not None:
         before_packing(acceleration)
+    encoder = getattr(model, "encoder", None)
+    if mode == "decode" and not bf16 and panels.loaded() and isinstance(encoder, nn.Module):
+        lever = "encoder attention by aiayn's kernel"
+        acceleration._swap(encoder, [MultiHeadAttention], lever, PanelAttention)
     # The products the compiled steps hold: not packed, their weights' pages handed back.
     held = _hand_back_library_products(model, acceleration) if mode == "decode" else []
     if bf16 or pack_weights:

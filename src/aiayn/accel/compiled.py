@@ -651,7 +651,7 @@ class CompiledStep:
             logits = logits_into(self.out_proj, hidden, cache)
             if logits is None:
                 logits = self.out_proj(hidden)
-            return torch.log_softmax(logits, dim=-1, out=logits)
+            return panels.log_softmax_(logits)
 
 
 # The caches keep every layer's keys and values in one block where the layers' widths agree:
@@ -685,11 +685,13 @@ def _cross_keys_values(
         block = memory.new_empty(2, len(layers), sentences, beam, width[0], length, width[1])
     keys, values = [], []
     for i, attn in enumerate(attentions):
-        k, v = attn.project_kv(memory)  # (B, H, S, Dh)
         if block is None:
+            k, v = attn.project_kv(memory)  # (B, H, S, Dh)
             keys.append(k.repeat_interleave(beam, 0).contiguous())
             values.append(v.repeat_interleave(beam, 0).contiguous())
             continue
+        # Views of the product, copied once, into the block (a subclass's may copy them first).
+        k, v = MultiHeadAttention.project_kv(attn, memory)
         block[0, i].copy_(k.unsqueeze(1))
         block[1, i].copy_(v.unsqueeze(1))
         keys.append(block[0, i].flatten(0, 1))

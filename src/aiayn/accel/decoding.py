@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from aiayn.accel import panels
 from aiayn.accel.compiled import BEAM, MAX_ROWS, CompiledBeamCache, CompiledCache, CompiledStep
 from aiayn.accel.linear import LogitsBuffer, logits_into
 from aiayn.accel.memory import release_file_pages, trim
@@ -99,6 +100,6 @@ class BufferedDecoding(Transformer):
         if logits is None:  # (int8, a final-logits bias, autocast): the model's own projection
             return torch.log_softmax(self.project(hidden), dim=-1, dtype=torch.float32)
         if logits.dtype == torch.float32:  # the buffer, or a new matrix of a packed product
-            return torch.log_softmax(logits, dim=-1, out=logits)
+            return panels.log_softmax_(logits)
         buffer = cache.rows_buffer(logits.size(0), logits.size(1), logits.device)
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=buffer)

@@ -5,8 +5,9 @@ reach oneDNN's ``brg_matmul`` kernels, which at a decoder step's shapes (64 rows
 256 × 8,000, say) run well below the core's rate; MKL's are slower still there. The product
 in ``csrc/panel_gemm.cpp`` packs a weight once into panels of 16 output columns and multiplies
 blocks of 6 rows by a panel with 12 accumulators held in registers (the layout of the
-classic AVX2 kernels); bias and ReLU are applied as the result is written. Figures:
-docs/performance.md.
+classic AVX2 kernels); bias and ReLU are applied as the result is written. The same file
+gives greedy search its choice of token (:data:`aiayn.inference.search.native_first_argmax`,
+set once the file is loaded). Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
 step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from aiayn.inference import search
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -119,6 +122,7 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         # What the product's output is without running it: for torch.export, which traces
         # the compiled decoder step through it.
         torch.library.register_fake("aiayn_panels::linear")(_linear_shape)
+    search.native_first_argmax = torch.ops.aiayn_panels.first_argmax  # greedy's choice
     _loaded = path
     return True
 
@@ -149,6 +153,31 @@ def _build(path: Path) -> None:
         os.replace(built, path)  # atomically: another process sees all of it or nothing
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def log_softmax_(logits: Tensor) -> Tensor:
+    """``torch.log_softmax(logits, -1, out=logits)``: by the product's file where it is loaded
+    (vectorised, about twice PyTorch's speed over (64, 8,000): docs/performance.md), for a
+    float32 CPU matrix with contiguous rows; else PyTorch's. The values agree to float32
+    rounding (another exp, other sums)."""
+    if (
+        _loaded is not None
+        and logits.dim() == 2
+        and logits.dtype is torch.float32
+        and logits.device.type == "cpu"
+        and logits.stride(1) == 1
+        and not logits.requires_grad
+    ):
+        return torch.ops.aiayn_panels.log_softmax_(logits)
+    return torch.log_softmax(logits, dim=-1, out=logits)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """``softmax(q·kᵀ·scale + mask)·v`` for float32 q (B, H, T, Dk), k (B, H, S, Dk) and v
+    (B, H, S, Dv), each of any strides with a contiguous last dimension; ``mask`` broadcast to
+    (B, H, T, S), boolean (True: attend) or additive. One task per (b, h); a masked position
+    weighs exactly 0 and its value is not read; a query with nothing to attend gives NaN."""
+    return torch.ops.aiayn_panels.attend(q, k, v, mask, scale)
 
 
 def pack(weight: Tensor) -> Tensor:

@@ -649,6 +649,10 @@ def _one_token_search(
 # 19 against 21 µs and (1, 8000) 10 against 18 µs, hence ARGMAX_ROWS (docs/performance.md).
 ARGMAX_BLOCK = 64
 ARGMAX_ROWS = 8
+# A native kernel with first_argmax's result for a float32 CPU matrix, where one is loaded
+# (aiayn.accel.panels sets it): one pass over each row, 41 against 153 µs over (64, 8000),
+# 5 against 27 µs (max) over (1, 8000) (docs/performance.md).
+native_first_argmax: Callable[[Tensor], Tensor] | None = None
 
 
 def first_argmax(scores: Tensor) -> Tensor:
@@ -656,6 +660,9 @@ def first_argmax(scores: Tensor) -> Tensor:
     ``scores.max(dim=-1).indices`` gives (NaN counting as the maximum), faster on the CPU over
     many rows (:data:`ARGMAX_BLOCK`)."""
     rows, vocab = scores.shape
+    native = native_first_argmax
+    if native is not None and scores.device.type == "cpu" and scores.dtype is torch.float32:
+        return native(scores)
     n_blocks = vocab // ARGMAX_BLOCK
     if scores.device.type != "cpu" or rows < ARGMAX_ROWS or n_blocks < 2:
         return scores.max(dim=-1).indices
@@ -714,9 +721,10 @@ def _host_greedy_search(
     eos_id: int,
 ) -> list[Hypothesis]:
     """:func:`greedy_search` of a few sentences on the CPU, with the same results: each
-    step's maximum (``max``, the first maximum as :func:`first_argmax` gives it over so few
-    rows) and its log-probability come to the host, where the sums stay float32 (a float32
-    sum of float32 values taken as a double and rounded to float32 is the same number)."""
+    step's maximum (:data:`native_first_argmax`'s where one is loaded, else ``max``: both the
+    first maximum, as :func:`first_argmax` gives it) and its log-probability come to the
+    host, where the sums stay float32 (a float32 sum of float32 values taken as a double and
+    rounded to float32 is the same number)."""
     ids = list(range(limits.numel()))
     lim: list[int] = limits.tolist()
     history: list[list[int]] = [[] for _ in ids]
@@ -730,10 +738,14 @@ def _host_greedy_search(
         forced = [limit <= t for limit in lim]
         if t >= nearest_limit:
             log_probs = _force_eos(log_probs, torch.tensor(forced), eos_id)
-        best = log_probs.max(dim=-1)
+        if native_first_argmax is not None and log_probs.dtype is torch.float32:
+            indices = native_first_argmax(log_probs)
+            best_values = log_probs.gather(1, indices[:, None]).squeeze(1)
+        else:
+            best_values, indices = log_probs.max(dim=-1)
         del log_probs
-        values: list[float] = best.values.tolist()
-        chosen: list[int] = best.indices.tolist()
+        values: list[float] = best_values.tolist()
+        chosen: list[int] = indices.tolist()
         done = []
         for i, (value, token) in enumerate(zip(values, chosen, strict=True)):
             if forced[i]:  # EOS, even where the model gives it no probability (value -inf)

@@ -17,7 +17,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -197,14 +199,400 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, int64_t out
   return y;
 }
 
+// exp of 8 floats: 2^n exp(r) with n = round(x log2 e) and r = x - n ln 2 (ln 2 in two
+// parts), exp(r) by Cephes' degree-7 polynomial for expf (within 1-2 ulp of the true value).
+// x is first clamped to [-87, 88]: below, the true value is under float's smallest normal
+// number, and the callers only sum it with numbers of 1 or more; -inf gives 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 none = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                    _CMP_EQ_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(none, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float hmax(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float best = lanes[0];
+  for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
+  return best;
+}
+
+inline float hsum(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+
+// log_softmax over each row of float32 logits (rows, V), in place: x - max - log(sum of
+// exp(x - max)), the terms PyTorch's CPU kernel takes (its exp and sums round differently).
+// A row holding NaN or +inf becomes NaN, as there; a row of -inf NaN too.
+at::Tensor log_softmax_(at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "log_softmax_: float32 (rows, V) with contiguous rows");
+  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  float* base = logits.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = base + r * ld;
+      const float lowest = -std::numeric_limits<float>::infinity();
+      __m256 m = _mm256_set1_ps(lowest), nan = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= V; j += 8) {
+        const __m256 a = _mm256_loadu_ps(x + j);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, a);
+      }
+      float top = hmax(m);
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (int64_t k = j; k < V; ++k) {
+        has_nan = has_nan || std::isnan(x[k]);
+        top = std::max(top, x[k]);
+      }
+      if (has_nan || std::isinf(top)) {  // NaN throughout, as x - max gives it there
+        std::fill(x, x + V, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const __m256 vtop = _mm256_set1_ps(top);
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      j = 0;
+      for (; j + 32 <= V; j += 32) {
+        s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
+        s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vtop)));
+        s2 = _mm256_add_ps(s2, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 16), vtop)));
+        s3 = _mm256_add_ps(s3, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 24), vtop)));
+      }
+      for (; j + 8 <= V; j += 8)
+        s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
+      float sum = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+      for (; j < V; ++j) sum += std::exp(x[j] - top);
+      const float log_sum = std::log(sum);
+      const __m256 vlog = _mm256_set1_ps(log_sum);
+      j = 0;
+      for (; j + 8 <= V; j += 8)
+        _mm256_storeu_ps(x + j, _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop), vlog));
+      for (; j < V; ++j) x[j] = x[j] - top - log_sum;
+    }
+  });
+  return logits;
+}
+
+// softmax(q kᵀ · scale + mask) v for each (b, h) of q (B, H, T, Dk), k (B, H, S, Dk) and
+// v (B, H, S, Dv), each of any strides with its last dimension contiguous; mask broadcast to
+// (B, H, T, S), boolean (true: attend) or float32 (added). Out (B, H, T, Dv), a view of
+// (B, T, H, Dv): the heads then merge by a view. A position masked out (false, or -inf
+// added) weighs exactly 0, and neither its key nor its value enters the result; a query with
+// nothing to attend, or a NaN score, gives NaN. One task per (b, h): its keys copied
+// transposed, its values and queries copied side by side (rows of a fused product lie a few
+// KiB apart, on few sets of L1), then four queries at a time: their scores over sixteen keys
+// in registers, their softmax, their weighted sums of sixteen columns of values in
+// registers. For the encoder's short sentences (aiayn.accel.attention.PanelAttention).
+constexpr int QT = 4;  // queries a block
+
+// Rows r[0..7] (8 floats each) written as the 8 columns c[0..7]: c[j][i] = r[i][j].
+inline void transpose8(const __m256 r[8], __m256 c[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  c[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  c[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  c[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  c[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  c[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  c[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  c[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  c[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Four queries' weighted sums of sixteen columns of the values: acc[2 r + j] = sum over s of
+// w[r ld_w + s] v[s ld_v + 8 j : + 8]; with `skip`, a position all four weigh 0 is not read.
+inline void weighted4(const float* w, int64_t ld_w, const float* v, int64_t ld_v, int64_t S,
+                      bool skip, __m256 acc[8]) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t s = 0; s < S; ++s) {
+    const float w0 = w[s], w1 = w[ld_w + s], w2 = w[2 * ld_w + s], w3 = w[3 * ld_w + s];
+    if (skip && w0 == 0.f && w1 == 0.f && w2 == 0.f && w3 == 0.f) continue;
+    const __m256 v0 = _mm256_loadu_ps(v + s * ld_v), v1 = _mm256_loadu_ps(v + s * ld_v + 8);
+    __m256 x = _mm256_set1_ps(w0);
+    a0 = _mm256_fmadd_ps(x, v0, a0);
+    a1 = _mm256_fmadd_ps(x, v1, a1);
+    x = _mm256_set1_ps(w1);
+    a2 = _mm256_fmadd_ps(x, v0, a2);
+    a3 = _mm256_fmadd_ps(x, v1, a3);
+    x = _mm256_set1_ps(w2);
+    a4 = _mm256_fmadd_ps(x, v0, a4);
+    a5 = _mm256_fmadd_ps(x, v1, a5);
+    x = _mm256_set1_ps(w3);
+    a6 = _mm256_fmadd_ps(x, v0, a6);
+    a7 = _mm256_fmadd_ps(x, v1, a7);
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+  acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
+}
+
+// out[r][0:8 W] = sum over d of q_r[d] kt[d][0:8 W], for the four query rows q0..q3 and W
+// vectors of keys; out's rows ld apart.
+template <int W>
+inline void scores4(const float* q0, const float* q1, const float* q2, const float* q3,
+                    const float* kt, int64_t ld_kt, int64_t Dk, float* out, int64_t ld) {
+  __m256 a0[W], a1[W], a2[W], a3[W];
+  for (int w = 0; w < W; ++w) a0[w] = a1[w] = a2[w] = a3[w] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < Dk; ++d) {
+    const float* row = kt + d * ld_kt;
+    const __m256 x0 = _mm256_broadcast_ss(q0 + d), x1 = _mm256_broadcast_ss(q1 + d);
+    const __m256 x2 = _mm256_broadcast_ss(q2 + d), x3 = _mm256_broadcast_ss(q3 + d);
+    for (int w = 0; w < W; ++w) {
+      const __m256 k = _mm256_loadu_ps(row + 8 * w);
+      a0[w] = _mm256_fmadd_ps(x0, k, a0[w]);
+      a1[w] = _mm256_fmadd_ps(x1, k, a1[w]);
+      a2[w] = _mm256_fmadd_ps(x2, k, a2[w]);
+      a3[w] = _mm256_fmadd_ps(x3, k, a3[w]);
+    }
+  }
+  for (int w = 0; w < W; ++w) {
+    _mm256_storeu_ps(out + 8 * w, a0[w]);
+    _mm256_storeu_ps(out + ld + 8 * w, a1[w]);
+    _mm256_storeu_ps(out + 2 * ld + 8 * w, a2[w]);
+    _mm256_storeu_ps(out + 3 * ld + 8 * w, a3[w]);
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& mask_opt, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: 4-d q, k, v");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "attend: float32");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3);
+  const int64_t S = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == Dk && v.size(0) == B &&
+                  v.size(1) == H && v.size(2) == S,
+              "attend: shapes");
+  const auto qc = q.stride(3) == 1 ? q : q.contiguous();
+  const auto kc = k.stride(3) == 1 ? k : k.contiguous();
+  const auto vc = v.stride(3) == 1 ? v : v.contiguous();
+  auto out = at::empty({B, T, H, Dv}, q.options());
+  at::Tensor mask;
+  bool boolean = false;
+  if (mask_opt.has_value() && mask_opt->defined()) {
+    boolean = mask_opt->scalar_type() == at::kBool;
+    TORCH_CHECK(boolean || mask_opt->scalar_type() == at::kFloat,
+                "attend: a boolean or float32 mask");
+    mask = mask_opt->expand({B, H, T, S});
+  }
+  if (out.numel() == 0) return out.transpose(1, 2);
+  const float* Q = qc.data_ptr<float>();
+  const float* K = kc.data_ptr<float>();
+  const float* Vp = vc.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const bool* MB = mask.defined() && boolean ? mask.data_ptr<bool>() : nullptr;
+  const float* MF = mask.defined() && !boolean ? mask.data_ptr<float>() : nullptr;
+  int64_t ms[4] = {0, 0, 0, 0};
+  if (mask.defined())
+    for (int i = 0; i < 4; ++i) ms[i] = mask.stride(i);
+  const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  const int64_t SP = (S + 7) / 8 * 8;  // keys padded to whole vectors
+  const float fscale = static_cast<float>(scale);
+  const float none = -std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  at::parallel_for(0, B * H, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> kt(Dk * SP), sc(QT * SP), vv(S * Dv), qq(T * Dk);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / H, h = p % H;
+      const float* kb = K + b * ks0 + h * ks1;
+      const float* vb = Vp + b * vs0 + h * vs1;
+      float* ktp = kt.data();
+      for (int64_t s = 0; s < S; ++s) std::copy(vb + s * vs2, vb + s * vs2 + Dv, vv.data() + s * Dv);
+      const float* qb = Q + b * qs0 + h * qs1;
+      for (int64_t t = 0; t < T; ++t) std::copy(qb + t * qs2, qb + t * qs2 + Dk, qq.data() + t * Dk);
+      for (int64_t s0 = 0; s0 < SP; s0 += 8) {  // eight keys by eight dimensions at a time
+        int64_t d0 = 0;
+        for (; d0 + 8 <= Dk; d0 += 8) {
+          __m256 r[8], c[8];
+          for (int i = 0; i < 8; ++i)
+            r[i] = s0 + i < S ? _mm256_loadu_ps(kb + (s0 + i) * ks2 + d0) : _mm256_setzero_ps();
+          transpose8(r, c);
+          for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ktp + (d0 + j) * SP + s0, c[j]);
+        }
+        for (int64_t d = d0; d < Dk; ++d)
+          for (int64_t s = s0; s < s0 + 8; ++s) ktp[d * SP + s] = s < S ? kb[s * ks2 + d] : 0.f;
+      }
+      for (int64_t i0 = 0; i0 < T; i0 += QT) {
+        const int64_t rows = std::min<int64_t>(QT, T - i0);
+        const float* qr[QT];
+        for (int r = 0; r < QT; ++r)
+          qr[r] = qq.data() + (i0 + std::min<int64_t>(r, rows - 1)) * Dk;
+        // scores, sixteen (or eight) keys by four queries at a time
+        int64_t s0 = 0;
+        for (; s0 + 16 <= SP; s0 += 16)
+          scores4<2>(qr[0], qr[1], qr[2], qr[3], ktp + s0, SP, Dk, sc.data() + s0, SP);
+        if (s0 < SP) scores4<1>(qr[0], qr[1], qr[2], qr[3], ktp + s0, SP, Dk, sc.data() + s0, SP);
+        // scale, mask, softmax (unnormalised: each row's sum kept)
+        float inv[QT];
+        bool empty[QT];
+        const __m256 vscale = _mm256_set1_ps(fscale), vnone = _mm256_set1_ps(none);
+        // the padding keys of the last vector
+        const __m256 pad = _mm256_cmp_ps(
+            _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f),
+            _mm256_set1_ps(static_cast<float>(S - (SP - 8))), _CMP_GE_OQ);
+        for (int r = 0; r < QT; ++r) {
+          float* row = sc.data() + r * SP;
+          if (mask.defined()) {
+            const int64_t m0 =
+                b * ms[0] + h * ms[1] + (i0 + std::min<int64_t>(r, rows - 1)) * ms[2];
+            for (int64_t s = 0; s < S; ++s) {
+              if (MB && !MB[m0 + s * ms[3]]) {
+                row[s] = none;
+              } else if (MF) {
+                const float add = MF[m0 + s * ms[3]];
+                row[s] = add == none ? none : row[s] * fscale + add;
+              }
+            }
+          }
+          __m256 top = vnone, bad = _mm256_setzero_ps();
+          for (int64_t s = 0; s < SP; s += 8) {
+            __m256 x = _mm256_loadu_ps(row + s);
+            if (!MF) x = _mm256_mul_ps(x, vscale);  // (-inf stays -inf)
+            if (s + 8 == SP) x = _mm256_blendv_ps(x, vnone, pad);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, x);
+            _mm256_storeu_ps(row + s, x);
+          }
+          const float best = hmax(top);
+          empty[r] = _mm256_movemask_ps(bad) != 0 || best == none;
+          if (empty[r]) {
+            std::fill(row, row + SP, 0.f);
+            inv[r] = 0.f;
+            continue;
+          }
+          const __m256 vtop = _mm256_set1_ps(best);
+          __m256 sum = _mm256_setzero_ps();
+          for (int64_t s = 0; s < SP; s += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vtop));
+            _mm256_storeu_ps(row + s, e);
+            sum = _mm256_add_ps(sum, e);
+          }
+          inv[r] = 1.f / hsum(sum);
+        }
+        // weighted sums of the values, sixteen columns by four queries at a time
+        float* orow[QT];
+        for (int r = 0; r < QT; ++r) orow[r] = O + ((b * T + i0 + r) * H + h) * Dv;
+        int64_t d0 = 0;
+        for (; d0 + 16 <= Dv; d0 += 16) {
+          __m256 a[8];
+          weighted4(sc.data(), SP, vv.data() + d0, Dv, S, mask.defined(), a);
+          for (int r = 0; r < rows; ++r) {
+            const __m256 vi = _mm256_set1_ps(inv[r]);
+            _mm256_storeu_ps(orow[r] + d0, _mm256_mul_ps(a[2 * r], vi));
+            _mm256_storeu_ps(orow[r] + d0 + 8, _mm256_mul_ps(a[2 * r + 1], vi));
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          for (int64_t d = d0; d < Dv; ++d) {
+            float acc = 0.f;
+            for (int64_t s = 0; s < S; ++s) {
+              const float w = sc[r * SP + s];
+              if (w != 0.f) acc += w * vv[s * Dv + d];
+            }
+            orow[r][d] = acc * inv[r];
+          }
+          if (empty[r]) std::fill(orow[r], orow[r] + Dv, nan);
+        }
+      }
+    }
+  });
+  return out.transpose(1, 2);
+}
+
+// The index of the first maximum of each row of float32 scores (rows, V), a NaN counting as
+// the maximum (the first NaN): what scores.max(-1).indices gives. One pass finds the row's
+// maximum (and whether it holds a NaN), a second the first place it occurs; a row of 8,000
+// (32 KiB) is still in L1 for the second.
+at::Tensor first_argmax(const at::Tensor& scores) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.size(1) > 0,
+              "first_argmax: float32 (rows, V) with V > 0");
+  const auto s = scores.stride(1) == 1 ? scores : scores.contiguous();
+  const int64_t rows = s.size(0), V = s.size(1), ld = s.stride(0);
+  auto out = at::empty({rows}, s.options().dtype(at::kLong));
+  const float* base = s.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = base + r * ld;
+      const float lowest = -std::numeric_limits<float>::infinity();
+      __m256 m0 = _mm256_set1_ps(lowest), m1 = m0, nan = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= V; j += 16) {
+        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+        m0 = _mm256_max_ps(m0, a);
+        m1 = _mm256_max_ps(m1, b);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+      float best = lowest;
+      for (float lane : lanes) best = std::max(best, lane);
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (; j < V; ++j) {
+        has_nan = has_nan || std::isnan(x[j]);
+        best = std::max(best, x[j]);
+      }
+      int64_t found = 0;
+      if (has_nan) {
+        while (!std::isnan(x[found])) ++found;
+      } else {
+        const __m256 target = _mm256_set1_ps(best);
+        int64_t k = 0;
+        for (; k + 8 <= V; k += 8) {
+          const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + k), target,
+                                                            _CMP_EQ_OQ));
+          if (mask != 0) break;
+        }
+        while (x[k] != best) ++k;
+        found = k;
+      }
+      index[r] = found;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aiayn_panels, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor input, Tensor panels, int out_features, Tensor? bias, bool relu) -> Tensor");
+  m.def("first_argmax(Tensor scores) -> Tensor");
+  m.def("log_softmax_(Tensor(a!) logits) -> Tensor(a!)");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aiayn_panels, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("first_argmax", &first_argmax);
+  m.impl("log_softmax_", &log_softmax_);
+  m.impl("attend", &attend);
 }
