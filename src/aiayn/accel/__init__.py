@@ -50,6 +50,10 @@ aiayn's AVX2 product         decode, fp32, x86 CPUs      the step's products pac
                              AVX2 and no AVX-512, once   compiled step's libraries (there the
                              built with the compiled     feed-forward's ReLU in its first
                              step                        product); the encoder's stay oneDNN's
+aiayn's AVX2 kernels         decode, fp32, where the     the step's log-softmax in place, greedy's
+                             panels' file is loaded      choice (:mod:`.panels`); the encoder's
+                                                         ``MultiHeadAttention`` →
+                                                         :class:`PanelAttention`
 ReLU in the product          decode, feed-forward        ``PositionwiseFeedForward`` →
                              layers whose first product  :class:`~.linear.ReluInProduct`
                              has a oneDNN pack

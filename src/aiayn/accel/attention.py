@@ -102,10 +102,9 @@ class PanelAttention(MultiHeadAttention):
     attends through aiayn's kernel (:func:`aiayn.accel.panels.attend`) once that is loaded:
     one task per sentence and head, a query's scores and weighted sum of values in registers,
     and the heads written side by side so that merging them is a view. For the encoder's
-    short sentences, where PyTorch's kernel splits each (sentence, head) into tasks a few
-    queries long: 0.4 against 2.0 ms over 64 SMALL sentences of 24 tokens (docs/performance.md).
-    The same function to float32 rounding; training, autocast, bfloat16 and other devices take
-    the parent's path."""
+    short sentences: 0.86-0.94 against PyTorch's 1.75-2.26 ms over 64 SMALL sentences of 24
+    tokens on two cores (docs/performance.md). The same function to float32 rounding; training,
+    autocast, bfloat16 and other devices take the parent's path."""
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool

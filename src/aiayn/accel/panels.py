@@ -6,8 +6,10 @@ reach oneDNN's ``brg_matmul`` kernels, which at a decoder step's shapes (64 rows
 in ``csrc/panel_gemm.cpp`` packs a weight once into panels of 16 output columns and multiplies
 blocks of 6 rows by a panel with 12 accumulators held in registers (the layout of the
 classic AVX2 kernels); bias and ReLU are applied as the result is written. The same file
-gives greedy search its choice of token (:data:`aiayn.inference.search.native_first_argmax`,
-set once the file is loaded). Figures: docs/performance.md.
+holds three more kernels for decoding: the steps' log-softmax in place (:func:`log_softmax_`),
+greedy search's choice of token (:data:`aiayn.inference.search.native_first_argmax`, set
+once the file is loaded) and the encoder's attention (:func:`attend`, through
+:class:`aiayn.accel.attention.PanelAttention`). Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
 step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
