@@ -44,10 +44,14 @@ pytestmark = [
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
+NATIVE_FIRST_ARGMAX = search.native_first_argmax  # (conftest sets it aside in each test)
+
+
 @pytest.fixture
-def loaded(tmp_path: Path) -> Path:
+def loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "compiled"
     assert panels.load(folder, build=True) and panels.loaded()
+    monkeypatch.setattr(search, "native_first_argmax", NATIVE_FIRST_ARGMAX)
     return folder
 
 
@@ -97,8 +101,9 @@ def test_first_argmax_is_the_first_maximum_as_max_gives_it(
     op = torch.ops.aiayn_panels.first_argmax
     assert torch.equal(op(scores), scores.max(dim=-1).indices)
     assert torch.equal(op(scores.t().contiguous().t()), scores.max(dim=-1).indices)  # strided
-    assert search.native_first_argmax is op  # greedy search's choice, once loaded
-    assert torch.equal(search.first_argmax(scores), scores.max(dim=-1).indices)
+    native = search.native_first_argmax()  # greedy search's choice, once loaded
+    assert native is op
+    assert torch.equal(search.first_argmax(scores, native), scores.max(dim=-1).indices)
 
 
 @pytest.mark.parametrize(("rows", "vocab"), [(64, 8000), (3, 17), (8, 8005), (2, 40), (5, 1)])

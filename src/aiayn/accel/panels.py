@@ -7,8 +7,8 @@ in ``csrc/panel_gemm.cpp`` packs a weight once into panels of 16 output columns 
 blocks of 6 rows by a panel with 12 accumulators held in registers (the layout of the
 classic AVX2 kernels); bias and ReLU are applied as the result is written. The same file
 holds three more kernels for decoding: the steps' log-softmax in place (:func:`log_softmax_`),
-greedy search's choice of token (:data:`aiayn.inference.search.native_first_argmax`, set
-once the file is loaded) and the encoder's attention (:func:`attend`, through
+greedy search's choice of token (``aiayn_panels::first_argmax``, which search finds
+registered once the file is loaded) and the encoder's attention (:func:`attend`, through
 :class:`aiayn.accel.attention.PanelAttention`). Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
@@ -35,8 +35,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-
-from aiayn.inference import search
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -124,7 +122,6 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         # What the product's output is without running it: for torch.export, which traces
         # the compiled decoder step through it.
         torch.library.register_fake("aiayn_panels::linear")(_linear_shape)
-    search.native_first_argmax = torch.ops.aiayn_panels.first_argmax  # greedy's choice
     _loaded = path
     return True
 

@@ -649,18 +649,22 @@ def _one_token_search(
 # 19 against 21 µs and (1, 8000) 10 against 18 µs, hence ARGMAX_ROWS (docs/performance.md).
 ARGMAX_BLOCK = 64
 ARGMAX_ROWS = 8
-# A native kernel with first_argmax's result for a float32 CPU matrix, where one is loaded
-# (aiayn.accel.panels sets it): one pass over each row, 41 against 153 µs over (64, 8000),
-# 5 against 27 µs (max) over (1, 8000) (docs/performance.md).
-native_first_argmax: Callable[[Tensor], Tensor] | None = None
 
 
-def first_argmax(scores: Tensor) -> Tensor:
+def native_first_argmax() -> Callable[[Tensor], Tensor] | None:
+    """aiayn's AVX2 kernel with :func:`first_argmax`'s result for a float32 CPU matrix, where
+    its file (:mod:`aiayn.accel.panels`) is loaded into this process, else None: one pass over
+    each row, 41 against 153 µs over (64, 8000), 5 against 27 µs (``max``) over (1, 8000)
+    (docs/performance.md). Looked up once a search (a few µs)."""
+    return getattr(torch.ops.aiayn_panels, "first_argmax", None)
+
+
+def first_argmax(scores: Tensor, native: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """The index of the first maximum of each row of ``scores`` (rows, V): what
     ``scores.max(dim=-1).indices`` gives (NaN counting as the maximum), faster on the CPU over
-    many rows (:data:`ARGMAX_BLOCK`)."""
+    many rows (:data:`ARGMAX_BLOCK`), or by ``native`` (:func:`native_first_argmax`) for a
+    float32 CPU matrix."""
     rows, vocab = scores.shape
-    native = native_first_argmax
     if native is not None and scores.device.type == "cpu" and scores.dtype is torch.float32:
         return native(scores)
     n_blocks = vocab // ARGMAX_BLOCK
@@ -696,14 +700,15 @@ def greedy_search(
     normalised (the choice of tokens ignores it). One hypothesis per sentence, in input order.
     """
     dev = _device(device, max_len)
+    native = native_first_argmax() if dev.type == "cpu" else None
     if dev.type == "cpu" and 0 < batch_size <= HOST_SEARCH_SENTENCES:
         limits = _limits(max_len, batch_size, dev)
-        return _host_greedy_search(step_fn, cache, limits, alpha, bos_id, eos_id)
+        return _host_greedy_search(step_fn, cache, limits, alpha, bos_id, eos_id, native)
     return _one_token_search(
         step_fn,
         cache,
         batch_size,
-        first_argmax,
+        functools.partial(first_argmax, native=native),
         alpha=alpha,
         max_len=max_len,
         bos_id=bos_id,
@@ -719,9 +724,10 @@ def _host_greedy_search(
     alpha: float,
     bos_id: int,
     eos_id: int,
+    native: Callable[[Tensor], Tensor] | None = None,
 ) -> list[Hypothesis]:
     """:func:`greedy_search` of a few sentences on the CPU, with the same results: each
-    step's maximum (:data:`native_first_argmax`'s where one is loaded, else ``max``: both the
+    step's maximum (``native``'s where given, else ``max``: both the
     first maximum, as :func:`first_argmax` gives it) and its log-probability come to the
     host, where the sums stay float32 (a float32 sum of float32 values taken as a double and
     rounded to float32 is the same number)."""
@@ -738,8 +744,8 @@ def _host_greedy_search(
         forced = [limit <= t for limit in lim]
         if t >= nearest_limit:
             log_probs = _force_eos(log_probs, torch.tensor(forced), eos_id)
-        if native_first_argmax is not None and log_probs.dtype is torch.float32:
-            indices = native_first_argmax(log_probs)
+        if native is not None and log_probs.dtype is torch.float32:
+            indices = native(log_probs)
             best_values = log_probs.gather(1, indices[:, None]).squeeze(1)
         else:
             best_values, indices = log_probs.max(dim=-1)
