@@ -174,8 +174,9 @@ def log_softmax_(logits: Tensor) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """``softmax(q·kᵀ·scale + mask)·v`` for float32 q (B, H, T, Dk), k (B, H, S, Dk) and v
     (B, H, S, Dv), each of any strides with a contiguous last dimension; ``mask`` broadcast to
-    (B, H, T, S), boolean (True: attend) or additive. One task per (b, h); a masked position
-    weighs exactly 0 and its value is not read; a query with nothing to attend gives NaN."""
+    (B, H, T, S), boolean (True: attend) or additive. One task per (b, h); a position masked
+    out weighs exactly 0, and neither its key nor its value enters the result; a query with
+    nothing to attend gives NaN. Out (B, H, T, Dv), a view of (B, T, H, Dv)."""
     return torch.ops.aiayn_panels.attend(q, k, v, mask, scale)
 
 
