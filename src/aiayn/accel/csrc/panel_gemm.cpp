@@ -239,6 +239,27 @@ inline float hsum(__m256 v) {
   return sum;
 }
 
+// The maximum of a row of V floats (-inf for none), and whether it holds a NaN (the maximum
+// then means nothing): two vectors of 8 at a time, the rest one by one.
+inline float row_max(const float* x, int64_t V, bool& has_nan) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  __m256 m0 = _mm256_set1_ps(lowest), m1 = m0, nan = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= V; j += 16) {
+    const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+  }
+  float top = hmax(_mm256_max_ps(m0, m1));
+  has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; j < V; ++j) {
+    has_nan = has_nan || std::isnan(x[j]);
+    top = std::max(top, x[j]);
+  }
+  return top;
+}
+
 // log_softmax over each row of float32 logits (rows, V), in place: x - max - log(sum of
 // exp(x - max)), the terms PyTorch's CPU kernel takes (its exp and sums round differently).
 // A row holding NaN or +inf becomes NaN, as there; a row of -inf NaN too.
@@ -250,27 +271,15 @@ at::Tensor log_softmax_(at::Tensor& logits) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* x = base + r * ld;
-      const float lowest = -std::numeric_limits<float>::infinity();
-      __m256 m = _mm256_set1_ps(lowest), nan = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= V; j += 8) {
-        const __m256 a = _mm256_loadu_ps(x + j);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-        m = _mm256_max_ps(m, a);
-      }
-      float top = hmax(m);
-      bool has_nan = _mm256_movemask_ps(nan) != 0;
-      for (int64_t k = j; k < V; ++k) {
-        has_nan = has_nan || std::isnan(x[k]);
-        top = std::max(top, x[k]);
-      }
+      bool has_nan = false;
+      const float top = row_max(x, V, has_nan);
       if (has_nan || std::isinf(top)) {  // NaN throughout, as x - max gives it there
         std::fill(x, x + V, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
       const __m256 vtop = _mm256_set1_ps(top);
       __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      j = 0;
+      int64_t j = 0;
       for (; j + 32 <= V; j += 32) {
         s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
         s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vtop)));
@@ -541,24 +550,8 @@ at::Tensor first_argmax(const at::Tensor& scores) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = base + r * ld;
-      const float lowest = -std::numeric_limits<float>::infinity();
-      __m256 m0 = _mm256_set1_ps(lowest), m1 = m0, nan = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 16 <= V; j += 16) {
-        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
-        m0 = _mm256_max_ps(m0, a);
-        m1 = _mm256_max_ps(m1, b);
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
-      float best = lowest;
-      for (float lane : lanes) best = std::max(best, lane);
-      bool has_nan = _mm256_movemask_ps(nan) != 0;
-      for (; j < V; ++j) {
-        has_nan = has_nan || std::isnan(x[j]);
-        best = std::max(best, x[j]);
-      }
+      bool has_nan = false;
+      const float best = row_max(x, V, has_nan);
       int64_t found = 0;
       if (has_nan) {
         while (!std::isnan(x[found])) ++found;
