@@ -85,6 +85,43 @@ def test_leading_dimensions_are_kept(loaded: Path) -> None:
     assert_close(got, F.linear(x, weight), **FLOAT32)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_every_kernel_gives_the_same_bits_however_its_work_is_handed_out(
+    loaded: Path, threads: int
+) -> None:
+    # Over many rows the work goes out in chunks, each thread taking the next when done: every
+    # item exactly once, each computed alone, so the bits are those of one thread doing all.
+    # Few rows: one share a thread. Both, at thread counts whose chunks do not divide evenly.
+    torch.manual_seed(threads)
+    cases = []
+    for rows, width, out in [(64, 600, 8000), (64, 256, 1000), (100, 40, 33), (4, 256, 2065)]:
+        x, weight, b = torch.randn(rows, width), torch.randn(out, width), torch.randn(out)
+        cases.append((x, panels.pack(weight), out, b))
+    logits = [torch.randn(rows, 1037) * 5 for rows in (64, 37, 3)]
+    q, k, v = (torch.randn(13, 4, 7, 16) for _ in range(3))
+
+    def run() -> list[Tensor]:
+        got = [panels.linear(x, p, out, b, True) for x, p, out, b in cases]
+        got += [panels.log_softmax_(x.clone()) for x in logits]
+        got += [torch.ops.aiayn_panels.first_argmax(x) for x in logits]
+        return [
+            *got,
+            panels.attend(q, k, v, None, 0.25),
+            panels.attend(q[:1], k[:1], v[:1], None, 1.0),
+        ]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            for got, want in zip(run(), alone, strict=True):
+                assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- the decoding kernels beside the product ---------------------------------------------------
 
 

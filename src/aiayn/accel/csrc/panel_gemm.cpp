@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -34,6 +35,44 @@ constexpr int64_t PANEL_BYTES = 262144;  // the panels a group holds at most
 // GFLOP/s at 64 rows × 2,048-37,000 columns; at 256-1,024 columns the copy costs what it
 // saves (an AMD EPYC with AVX2, docs/performance.md).
 constexpr int64_t PACK_X_COLUMNS = 2048;
+// From this many rows the panels' products hand their work out in chunks (below), and
+// prefetch the panels' next block: at fewer (one sentence's rows) both cost more than they
+// save (a product of 1 or 4 rows 6-12% slower each; docs/performance.md).
+constexpr int64_t MANY_ROWS = 16;
+
+// Work of n items handed out in chunks, one at a time: each thread takes the next chunk when
+// done with one, not a share fixed beforehand, so that where one core runs slower for a
+// while (a busy host's), the other does more of the work.
+class Chunks {
+ public:
+  Chunks(int64_t n, int64_t size) : n_(n), size_(std::max<int64_t>(1, size)) {}
+  int64_t count() const { return (n_ + size_ - 1) / size_; }
+  // The calling thread's next chunk [begin, end); false when none is left.
+  bool next(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(size_, std::memory_order_relaxed);
+    if (begin >= n_) return false;
+    end = std::min(n_, begin + size_);
+    return true;
+  }
+
+ private:
+  const int64_t n_, size_;
+  std::atomic<int64_t> next_{0};
+};
+
+// per_thread(chunks) on each of the threads (one where called inside a parallel region).
+template <class F>
+void parallel_chunks(int64_t n, int64_t size, const F& per_thread) {
+  Chunks chunks(n, size);
+  at::parallel_for(0, chunks.count(), 1, [&](int64_t, int64_t) { per_thread(chunks); });
+}
+
+// Chunks of n items: eight a thread from `many` items on, else one a thread (the split of
+// at::parallel_for).
+int64_t chunk_size(int64_t n, bool many) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return many ? std::max<int64_t>(1, n / (threads * 8)) : (n + threads - 1) / threads;
+}
 
 // C[0:R, 0:16] (+)= A[0:R, 0:kc] B[0:kc, 0:16]; on the last block of K, + bias and ReLU.
 // A's row i at k: A[i * lda + k], or with PACKED (x copied into blocks) A[k * MR + i].
@@ -157,41 +196,53 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, int64_t out
   float* C = y.data_ptr<float>();
   const int64_t row_block = std::max<int64_t>(MR, X_BYTES / (K * 4) / MR * MR);
   const int64_t group = std::max<int64_t>(1, PANEL_BYTES / (K * NR * 4));
-  at::parallel_for(0, P, 1, [&](int64_t p_begin, int64_t p_end) {
+  const bool many = M >= MANY_ROWS;
+  parallel_chunks(P, std::min(group, chunk_size(P, many)), [&](Chunks& chunks) {
     std::vector<float> tile, tile_bias;  // the last panel, where N is no multiple of 16
-    for (int64_t g = p_begin; g < p_end; g += group) {
-      const int64_t g_end = std::min(p_end, g + group);
-      for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-        const int64_t m_end = std::min(M, m0 + row_block);
-        for (int64_t p = g; p < g_end; ++p) {
-          const int64_t n = p * NR, width = std::min(NR, N - n);
-          float* out = C + n;
-          int64_t ldc = N;
-          const float* pb = b ? b + n : nullptr;
-          if (width < NR) {
-            tile.assign((m_end - m0) * NR, 0.f);
-            out = tile.data() - m0 * NR;
-            ldc = NR;
-            if (b) {
-              tile_bias.assign(NR, 0.f);
-              std::copy(b + n, b + N, tile_bias.begin());
-              pb = tile_bias.data();
+    for (int64_t p_begin, p_end; chunks.next(p_begin, p_end);) {
+      for (int64_t g = p_begin; g < p_end; g += group) {
+        const int64_t g_end = std::min(p_end, g + group);
+        for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+          const int64_t m_end = std::min(M, m0 + row_block);
+          for (int64_t p = g; p < g_end; ++p) {
+            const int64_t n = p * NR, width = std::min(NR, N - n);
+            float* out = C + n;
+            int64_t ldc = N;
+            const float* pb = b ? b + n : nullptr;
+            if (width < NR) {
+              tile.assign((m_end - m0) * NR, 0.f);
+              out = tile.data() - m0 * NR;
+              ldc = NR;
+              if (b) {
+                tile_bias.assign(NR, 0.f);
+                std::copy(b + n, b + N, tile_bias.begin());
+                pb = tile_bias.data();
+              }
             }
-          }
-          for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = std::min(KC, K - k0);
-            const float* Bp = B + (p * K + k0) * NR;
-            const bool accumulate = k0 > 0, last = k0 + kc >= K;
-            for (int64_t m = m0; m < m_end; m += MR) {
-              const int64_t rows = std::min(MR, m_end - m);
-              // (a block of packed rows starts where its first row would)
-              blocks[rows](A + m * K + (packed_x ? k0 * MR : k0), K, Bp, kc, out + m * ldc,
-                           ldc, pb, relu, accumulate, last);
+            const int64_t row_blocks = (m_end - m0 + MR - 1) / MR;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+              const int64_t kc = std::min(KC, K - k0);
+              const float* Bp = B + (p * K + k0) * NR;
+              const bool accumulate = k0 > 0, last = k0 + kc >= K;
+              // The block of panels after this one (the next k block, else the next panel), a
+              // share of it per block of rows: ready in L1 when its turn comes.
+              const bool prefetch = many && (k0 + kc < K || p + 1 < P);
+              const char* ahead = reinterpret_cast<const char*>(Bp + kc * NR);
+              const int64_t lines = prefetch ? kc * NR * 4 / 64 : 0;
+              const int64_t share = (lines + row_blocks - 1) / row_blocks;
+              for (int64_t m = m0, r = 0; m < m_end; m += MR, ++r) {
+                const int64_t rows = std::min(MR, m_end - m);
+                for (int64_t l = r * share, l_end = std::min(lines, l + share); l < l_end; ++l)
+                  _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+                // (a block of packed rows starts where its first row would)
+                blocks[rows](A + m * K + (packed_x ? k0 * MR : k0), K, Bp, kc, out + m * ldc,
+                             ldc, pb, relu, accumulate, last);
+              }
             }
+            if (width < NR)
+              for (int64_t i = m0; i < m_end; ++i)
+                std::copy(out + i * NR, out + i * NR + width, C + i * N + n);
           }
-          if (width < NR)
-            for (int64_t i = m0; i < m_end; ++i)
-              std::copy(out + i * NR, out + i * NR + width, C + i * N + n);
         }
       }
     }
@@ -268,35 +319,36 @@ at::Tensor log_softmax_(at::Tensor& logits) {
               "log_softmax_: float32 (rows, V) with contiguous rows");
   const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
   float* base = logits.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* x = base + r * ld;
-      bool has_nan = false;
-      const float top = row_max(x, V, has_nan);
-      if (has_nan || std::isinf(top)) {  // NaN throughout, as x - max gives it there
-        std::fill(x, x + V, std::numeric_limits<float>::quiet_NaN());
-        continue;
+  parallel_chunks(rows, chunk_size(rows, rows >= MANY_ROWS), [&](Chunks& chunks) {
+    for (int64_t r0, r1; chunks.next(r0, r1);)
+      for (int64_t r = r0; r < r1; ++r) {
+        float* x = base + r * ld;
+        bool has_nan = false;
+        const float top = row_max(x, V, has_nan);
+        if (has_nan || std::isinf(top)) {  // NaN throughout, as x - max gives it there
+          std::fill(x, x + V, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        const __m256 vtop = _mm256_set1_ps(top);
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        int64_t j = 0;
+        for (; j + 32 <= V; j += 32) {
+          s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
+          s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vtop)));
+          s2 = _mm256_add_ps(s2, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 16), vtop)));
+          s3 = _mm256_add_ps(s3, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 24), vtop)));
+        }
+        for (; j + 8 <= V; j += 8)
+          s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
+        float sum = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+        for (; j < V; ++j) sum += std::exp(x[j] - top);
+        const float log_sum = std::log(sum);
+        const __m256 vlog = _mm256_set1_ps(log_sum);
+        j = 0;
+        for (; j + 8 <= V; j += 8)
+          _mm256_storeu_ps(x + j, _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop), vlog));
+        for (; j < V; ++j) x[j] = x[j] - top - log_sum;
       }
-      const __m256 vtop = _mm256_set1_ps(top);
-      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      int64_t j = 0;
-      for (; j + 32 <= V; j += 32) {
-        s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
-        s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vtop)));
-        s2 = _mm256_add_ps(s2, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 16), vtop)));
-        s3 = _mm256_add_ps(s3, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 24), vtop)));
-      }
-      for (; j + 8 <= V; j += 8)
-        s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop)));
-      float sum = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-      for (; j < V; ++j) sum += std::exp(x[j] - top);
-      const float log_sum = std::log(sum);
-      const __m256 vlog = _mm256_set1_ps(log_sum);
-      j = 0;
-      for (; j + 8 <= V; j += 8)
-        _mm256_storeu_ps(x + j, _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vtop), vlog));
-      for (; j < V; ++j) x[j] = x[j] - top - log_sum;
-    }
   });
   return logits;
 }
@@ -426,111 +478,114 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float fscale = static_cast<float>(scale);
   const float none = -std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  at::parallel_for(0, B * H, 1, [&](int64_t p0, int64_t p1) {
+  parallel_chunks(B * H, chunk_size(B * H, B * H >= MANY_ROWS), [&](Chunks& chunks) {
     std::vector<float> kt(Dk * SP), sc(QT * SP), vv(S * Dv), qq(T * Dk);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / H, h = p % H;
-      const float* kb = K + b * ks0 + h * ks1;
-      const float* vb = Vp + b * vs0 + h * vs1;
-      float* ktp = kt.data();
-      for (int64_t s = 0; s < S; ++s) std::copy(vb + s * vs2, vb + s * vs2 + Dv, vv.data() + s * Dv);
-      const float* qb = Q + b * qs0 + h * qs1;
-      for (int64_t t = 0; t < T; ++t) std::copy(qb + t * qs2, qb + t * qs2 + Dk, qq.data() + t * Dk);
-      for (int64_t s0 = 0; s0 < SP; s0 += 8) {  // eight keys by eight dimensions at a time
-        int64_t d0 = 0;
-        for (; d0 + 8 <= Dk; d0 += 8) {
-          __m256 r[8], c[8];
-          for (int i = 0; i < 8; ++i)
-            r[i] = s0 + i < S ? _mm256_loadu_ps(kb + (s0 + i) * ks2 + d0) : _mm256_setzero_ps();
-          transpose8(r, c);
-          for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ktp + (d0 + j) * SP + s0, c[j]);
+    for (int64_t p0, p1; chunks.next(p0, p1);)
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / H, h = p % H;
+        const float* kb = K + b * ks0 + h * ks1;
+        const float* vb = Vp + b * vs0 + h * vs1;
+        float* ktp = kt.data();
+        for (int64_t s = 0; s < S; ++s)
+          std::copy(vb + s * vs2, vb + s * vs2 + Dv, vv.data() + s * Dv);
+        const float* qb = Q + b * qs0 + h * qs1;
+        for (int64_t t = 0; t < T; ++t)
+          std::copy(qb + t * qs2, qb + t * qs2 + Dk, qq.data() + t * Dk);
+        for (int64_t s0 = 0; s0 < SP; s0 += 8) {  // eight keys by eight dimensions at a time
+          int64_t d0 = 0;
+          for (; d0 + 8 <= Dk; d0 += 8) {
+            __m256 r[8], c[8];
+            for (int i = 0; i < 8; ++i)
+              r[i] = s0 + i < S ? _mm256_loadu_ps(kb + (s0 + i) * ks2 + d0) : _mm256_setzero_ps();
+            transpose8(r, c);
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ktp + (d0 + j) * SP + s0, c[j]);
+          }
+          for (int64_t d = d0; d < Dk; ++d)
+            for (int64_t s = s0; s < s0 + 8; ++s) ktp[d * SP + s] = s < S ? kb[s * ks2 + d] : 0.f;
         }
-        for (int64_t d = d0; d < Dk; ++d)
-          for (int64_t s = s0; s < s0 + 8; ++s) ktp[d * SP + s] = s < S ? kb[s * ks2 + d] : 0.f;
-      }
-      for (int64_t i0 = 0; i0 < T; i0 += QT) {
-        const int64_t rows = std::min<int64_t>(QT, T - i0);
-        const float* qr[QT];
-        for (int r = 0; r < QT; ++r)
-          qr[r] = qq.data() + (i0 + std::min<int64_t>(r, rows - 1)) * Dk;
-        // scores, sixteen (or eight) keys by four queries at a time
-        int64_t s0 = 0;
-        for (; s0 + 16 <= SP; s0 += 16)
-          scores4<2>(qr[0], qr[1], qr[2], qr[3], ktp + s0, SP, Dk, sc.data() + s0, SP);
-        if (s0 < SP) scores4<1>(qr[0], qr[1], qr[2], qr[3], ktp + s0, SP, Dk, sc.data() + s0, SP);
-        // scale, mask, softmax (unnormalised: each row's sum kept)
-        float inv[QT];
-        bool empty[QT];
-        const __m256 vscale = _mm256_set1_ps(fscale), vnone = _mm256_set1_ps(none);
-        // the padding keys of the last vector
-        const __m256 pad = _mm256_cmp_ps(
-            _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f),
-            _mm256_set1_ps(static_cast<float>(S - (SP - 8))), _CMP_GE_OQ);
-        for (int r = 0; r < QT; ++r) {
-          float* row = sc.data() + r * SP;
-          if (mask.defined()) {
-            const int64_t m0 =
-                b * ms[0] + h * ms[1] + (i0 + std::min<int64_t>(r, rows - 1)) * ms[2];
-            for (int64_t s = 0; s < S; ++s) {
-              if (MB && !MB[m0 + s * ms[3]]) {
-                row[s] = none;
-              } else if (MF) {
-                const float add = MF[m0 + s * ms[3]];
-                row[s] = add == none ? none : row[s] * fscale + add;
+        for (int64_t i0 = 0; i0 < T; i0 += QT) {
+          const int64_t rows = std::min<int64_t>(QT, T - i0);
+          const float* qr[QT];
+          for (int r = 0; r < QT; ++r)
+            qr[r] = qq.data() + (i0 + std::min<int64_t>(r, rows - 1)) * Dk;
+          // scores, sixteen (or eight) keys by four queries at a time
+          int64_t s0 = 0;
+          for (; s0 + 16 <= SP; s0 += 16)
+            scores4<2>(qr[0], qr[1], qr[2], qr[3], ktp + s0, SP, Dk, sc.data() + s0, SP);
+          if (s0 < SP) scores4<1>(qr[0], qr[1], qr[2], qr[3], ktp + s0, SP, Dk, sc.data() + s0, SP);
+          // scale, mask, softmax (unnormalised: each row's sum kept)
+          float inv[QT];
+          bool empty[QT];
+          const __m256 vscale = _mm256_set1_ps(fscale), vnone = _mm256_set1_ps(none);
+          // the padding keys of the last vector
+          const __m256 pad = _mm256_cmp_ps(
+              _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f),
+              _mm256_set1_ps(static_cast<float>(S - (SP - 8))), _CMP_GE_OQ);
+          for (int r = 0; r < QT; ++r) {
+            float* row = sc.data() + r * SP;
+            if (mask.defined()) {
+              const int64_t m0 =
+                  b * ms[0] + h * ms[1] + (i0 + std::min<int64_t>(r, rows - 1)) * ms[2];
+              for (int64_t s = 0; s < S; ++s) {
+                if (MB && !MB[m0 + s * ms[3]]) {
+                  row[s] = none;
+                } else if (MF) {
+                  const float add = MF[m0 + s * ms[3]];
+                  row[s] = add == none ? none : row[s] * fscale + add;
+                }
               }
             }
-          }
-          __m256 top = vnone, bad = _mm256_setzero_ps();
-          for (int64_t s = 0; s < SP; s += 8) {
-            __m256 x = _mm256_loadu_ps(row + s);
-            if (!MF) x = _mm256_mul_ps(x, vscale);  // (-inf stays -inf)
-            if (s + 8 == SP) x = _mm256_blendv_ps(x, vnone, pad);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-            top = _mm256_max_ps(top, x);
-            _mm256_storeu_ps(row + s, x);
-          }
-          const float best = hmax(top);
-          empty[r] = _mm256_movemask_ps(bad) != 0 || best == none;
-          if (empty[r]) {
-            std::fill(row, row + SP, 0.f);
-            inv[r] = 0.f;
-            continue;
-          }
-          const __m256 vtop = _mm256_set1_ps(best);
-          __m256 sum = _mm256_setzero_ps();
-          for (int64_t s = 0; s < SP; s += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vtop));
-            _mm256_storeu_ps(row + s, e);
-            sum = _mm256_add_ps(sum, e);
-          }
-          inv[r] = 1.f / hsum(sum);
-        }
-        // weighted sums of the values, sixteen columns by four queries at a time
-        float* orow[QT];
-        for (int r = 0; r < QT; ++r) orow[r] = O + ((b * T + i0 + r) * H + h) * Dv;
-        int64_t d0 = 0;
-        for (; d0 + 16 <= Dv; d0 += 16) {
-          __m256 a[8];
-          weighted4(sc.data(), SP, vv.data() + d0, Dv, S, mask.defined(), a);
-          for (int r = 0; r < rows; ++r) {
-            const __m256 vi = _mm256_set1_ps(inv[r]);
-            _mm256_storeu_ps(orow[r] + d0, _mm256_mul_ps(a[2 * r], vi));
-            _mm256_storeu_ps(orow[r] + d0 + 8, _mm256_mul_ps(a[2 * r + 1], vi));
-          }
-        }
-        for (int r = 0; r < rows; ++r) {
-          for (int64_t d = d0; d < Dv; ++d) {
-            float acc = 0.f;
-            for (int64_t s = 0; s < S; ++s) {
-              const float w = sc[r * SP + s];
-              if (w != 0.f) acc += w * vv[s * Dv + d];
+            __m256 top = vnone, bad = _mm256_setzero_ps();
+            for (int64_t s = 0; s < SP; s += 8) {
+              __m256 x = _mm256_loadu_ps(row + s);
+              if (!MF) x = _mm256_mul_ps(x, vscale);  // (-inf stays -inf)
+              if (s + 8 == SP) x = _mm256_blendv_ps(x, vnone, pad);
+              bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+              top = _mm256_max_ps(top, x);
+              _mm256_storeu_ps(row + s, x);
             }
-            orow[r][d] = acc * inv[r];
+            const float best = hmax(top);
+            empty[r] = _mm256_movemask_ps(bad) != 0 || best == none;
+            if (empty[r]) {
+              std::fill(row, row + SP, 0.f);
+              inv[r] = 0.f;
+              continue;
+            }
+            const __m256 vtop = _mm256_set1_ps(best);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t s = 0; s < SP; s += 8) {
+              const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vtop));
+              _mm256_storeu_ps(row + s, e);
+              sum = _mm256_add_ps(sum, e);
+            }
+            inv[r] = 1.f / hsum(sum);
           }
-          if (empty[r]) std::fill(orow[r], orow[r] + Dv, nan);
+          // weighted sums of the values, sixteen columns by four queries at a time
+          float* orow[QT];
+          for (int r = 0; r < QT; ++r) orow[r] = O + ((b * T + i0 + r) * H + h) * Dv;
+          int64_t d0 = 0;
+          for (; d0 + 16 <= Dv; d0 += 16) {
+            __m256 a[8];
+            weighted4(sc.data(), SP, vv.data() + d0, Dv, S, mask.defined(), a);
+            for (int r = 0; r < rows; ++r) {
+              const __m256 vi = _mm256_set1_ps(inv[r]);
+              _mm256_storeu_ps(orow[r] + d0, _mm256_mul_ps(a[2 * r], vi));
+              _mm256_storeu_ps(orow[r] + d0 + 8, _mm256_mul_ps(a[2 * r + 1], vi));
+            }
+          }
+          for (int r = 0; r < rows; ++r) {
+            for (int64_t d = d0; d < Dv; ++d) {
+              float acc = 0.f;
+              for (int64_t s = 0; s < S; ++s) {
+                const float w = sc[r * SP + s];
+                if (w != 0.f) acc += w * vv[s * Dv + d];
+              }
+              orow[r][d] = acc * inv[r];
+            }
+            if (empty[r]) std::fill(orow[r], orow[r] + Dv, nan);
+          }
         }
       }
-    }
   });
   return out.transpose(1, 2);
 }
@@ -547,27 +602,28 @@ at::Tensor first_argmax(const at::Tensor& scores) {
   auto out = at::empty({rows}, s.options().dtype(at::kLong));
   const float* base = s.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* x = base + r * ld;
-      bool has_nan = false;
-      const float best = row_max(x, V, has_nan);
-      int64_t found = 0;
-      if (has_nan) {
-        while (!std::isnan(x[found])) ++found;
-      } else {
-        const __m256 target = _mm256_set1_ps(best);
-        int64_t k = 0;
-        for (; k + 8 <= V; k += 8) {
-          const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + k), target,
-                                                            _CMP_EQ_OQ));
-          if (mask != 0) break;
+  parallel_chunks(rows, chunk_size(rows, rows >= MANY_ROWS), [&](Chunks& chunks) {
+    for (int64_t r0, r1; chunks.next(r0, r1);)
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* x = base + r * ld;
+        bool has_nan = false;
+        const float best = row_max(x, V, has_nan);
+        int64_t found = 0;
+        if (has_nan) {
+          while (!std::isnan(x[found])) ++found;
+        } else {
+          const __m256 target = _mm256_set1_ps(best);
+          int64_t k = 0;
+          for (; k + 8 <= V; k += 8) {
+            const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + k), target,
+                                                              _CMP_EQ_OQ));
+            if (mask != 0) break;
+          }
+          while (x[k] != best) ++k;
+          found = k;
         }
-        while (x[k] != best) ++k;
-        found = k;
+        index[r] = found;
       }
-      index[r] = found;
-    }
   });
   return out;
 }
