@@ -49,7 +49,8 @@ aiayn's AVX2 product         decode, fp32, x86 CPUs      the step's products pac
 (panels)                     other than Intel's with     panels (:mod:`.panels`), also in the
                              AVX2 and no AVX-512, once   compiled step's libraries (there the
                              built with the compiled     feed-forward's ReLU in its first
-                             step                        product); the encoder's stay oneDNN's
+                             step                        product); the encoder's stay oneDNN's;
+                                                         over 16 rows, work in chunks
 aiayn's AVX2 kernels         decode, fp32, where the     the step's log-softmax in place, greedy's
                              panels' file is loaded      choice (:mod:`.panels`); the encoder's
                                                          ``MultiHeadAttention`` →

@@ -9,7 +9,10 @@ classic AVX2 kernels); bias and ReLU are applied as the result is written. The s
 holds three more kernels for decoding: the steps' log-softmax in place (:func:`log_softmax_`),
 greedy search's choice of token (``aiayn_panels::first_argmax``, which search finds
 registered once the file is loaded) and the encoder's attention (:func:`attend`, through
-:class:`aiayn.accel.attention.PanelAttention`). Figures: docs/performance.md.
+:class:`aiayn.accel.attention.PanelAttention`). Over 16 rows or more, each kernel hands its
+work out in chunks, each thread taking the next when done with one, so that a core slowed
+for a while by a busy host does less of it; the results do not depend on who took what.
+Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
 step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate

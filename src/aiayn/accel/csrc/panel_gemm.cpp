@@ -8,6 +8,8 @@
 // blocks whose x fits 128 KiB and the panels in groups whose block fits 256 KiB (L2). Over
 // many columns x is first copied into blocks of 6 rows with a k's six values side by side,
 // which the broadcasts then read in order.
+// From 16 rows on, the threads take the panels a chunk at a time (the kernels below their rows
+// or tasks), and each block of rows prefetches a share of the panels' next block.
 // Built on the machine, with the compiled decoder step (aiayn.accel.compiled).
 
 #include <ATen/ATen.h>
