@@ -199,7 +199,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, int64_t out
   const int64_t row_block = std::max<int64_t>(MR, X_BYTES / (K * 4) / MR * MR);
   const int64_t group = std::max<int64_t>(1, PANEL_BYTES / (K * NR * 4));
   const bool many = M >= MANY_ROWS;
-  parallel_chunks(P, std::min(group, chunk_size(P, many)), [&](Chunks& chunks) {
+  // Over many rows chunks of at most a group; over few one share a thread (at::parallel_for's).
+  const int64_t chunk = many ? std::min(group, chunk_size(P, true)) : chunk_size(P, false);
+  parallel_chunks(P, chunk, [&](Chunks& chunks) {
     std::vector<float> tile, tile_bias;  // the last panel, where N is no multiple of 16
     for (int64_t p_begin, p_end; chunks.next(p_begin, p_end);) {
       for (int64_t g = p_begin; g < p_end; g += group) {
