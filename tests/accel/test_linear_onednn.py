@@ -252,10 +252,11 @@ def test_an_ffn_without_a_relu_or_a_onednn_pack_keeps_its_class() -> None:
     assert "ReLU in the product" in acceleration.levers
 
 
-# A decode's steps through a oneDNN-packed projection whose (256, 20,000) float32 product,
-# 20.5 MB, is above the decoding setting's 16 MiB mmap threshold; argv[1]: rows. Prints the
-# thresholds in force at the first step and once the cache is gone, the minor page faults of
-# ten steps after two, and whether the product is the plain layer's.
+# A decode's steps through a oneDNN-packed projection onto argv[2] columns (default 20,000)
+# for argv[1] rows: at 256 rows a float32 product of 20.5 MB, above the decoding setting's
+# 16 MiB mmap threshold (of 41 MB at 40,000 columns, above its 32 MiB trim threshold too).
+# Prints the thresholds in force at the first step and once the cache is gone, the minor page
+# faults of ten steps after two, and whether the product is the plain layer's.
 _HEAP_PROBE = """
 import gc, json, resource, sys
 import torch
@@ -266,7 +267,7 @@ from aiayn.accel.linear import CpuLinear, LogitsBuffer, logits_into, pack
 torch.set_num_threads(1)
 torch.manual_seed(0)
 decode = memory.hold(memory.DECODE)
-layer = nn.Linear(64, 20_000, bias=False)
+layer = nn.Linear(64, int(sys.argv[2]) if len(sys.argv) > 2 else 20_000, bias=False)
 layer.__class__ = CpuLinear
 layer.pack = pack(layer, "onednn")
 hidden = torch.randn(int(sys.argv[1]), 64)
@@ -287,7 +288,7 @@ print(json.dumps({"during": during, "after": memory.in_force(), "faults": faults
 """
 
 
-def _heap_probe(rows: int) -> dict[str, object]:
+def _heap_probe(rows: int, columns: int = 20_000) -> dict[str, object]:
     import json
     import os
     import subprocess
@@ -295,7 +296,7 @@ def _heap_probe(rows: int) -> dict[str, object]:
 
     env = {k: v for k, v in os.environ.items() if k != "AIAYN_MALLOC"}
     out = subprocess.run(
-        [sys.executable, "-c", _HEAP_PROBE, str(rows)],
+        [sys.executable, "-c", _HEAP_PROBE, str(rows), str(columns)],
         env=env,
         capture_output=True,
         text=True,
@@ -311,14 +312,19 @@ def test_a_packed_projection_above_the_mmap_threshold_is_served_from_the_heap() 
     decode = [16 << 20, 32 << 20]
     big = _heap_probe(256)
     assert big["same"]
-    # While the cache lives, the threshold is above the product's 20.5 MB; then the
-    # decoding setting again.
-    assert big["during"][0] > 256 * 20_000 * 4 and big["during"][1] == decode[1]  # type: ignore[index]
+    # While the cache lives, the mmap threshold is above the product's 20.5 MB and the trim
+    # threshold above two of them; then the decoding setting again.
+    assert big["during"][0] > 256 * 20_000 * 4  # type: ignore[index]
+    assert big["during"][1] > 2 * 256 * 20_000 * 4  # type: ignore[index]
     assert big["after"] == decode
     # Mapped afresh, each product would fault its 5,000 pages: 50,000 for ten steps. From the
     # heap, it reuses freed blocks; the heap may still grow by a block or two (a product's
     # block split by a small allocation) before the reuse is steady.
     assert big["faults"] < 15_000  # type: ignore[operator]
+    # Above the trim threshold too (41 MB): freed at the top of the heap, a product would be
+    # handed back to the kernel and faulted in again: about 50,000 pages in ten steps.
+    huge = _heap_probe(256, 40_000)
+    assert huge["same"] and huge["faults"] < 25_000  # type: ignore[operator]
     # Under the threshold (4 rows, 320 KB), the decoding setting is left as it is.
     small = _heap_probe(4)
     assert small["same"] and small["during"] == decode and small["after"] == decode
