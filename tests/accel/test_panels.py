@@ -18,6 +18,7 @@ from aiayn.accel import accelerate, panels
 from aiayn.accel.attention import PanelAttention
 from aiayn.accel.compiled import (
     MANY_ROWS,
+    OneQueryAttention,
     cannot_build,
     compile_step,
     extern_calls,
@@ -207,6 +208,54 @@ def test_attention_equals_softmax_of_scores_times_values(
     assert_close(got, reference_attention(q, k, v, m), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("queries", "beam"), [(1, 1), (4, 4), (3, 2), (12, 4)])
+def test_keys_of_beams_kept_positions_first_are_read_as_their_flattening(
+    loaded: Path, queries: int, beam: int
+) -> None:
+    # A beam cache's keys (positions, sentences, H, beam, Dh) seen as (sentences, H,
+    # positions, beam, Dh): key j * beam + b is beam b's at position j, each query kept to
+    # its lineage by an additive mask. Few queries read them in place, more a flattened copy.
+    torch.manual_seed(queries * beam)
+    sentences, heads, positions, dk, dv = 5, 3, 7, 16, 24
+    k = torch.randn(positions, sentences, heads, beam, dk).permute(1, 2, 0, 3, 4)
+    v = torch.randn(positions, sentences, heads, beam, dv).permute(1, 2, 0, 3, 4)
+    q = torch.randn(sentences, heads, queries, dk)
+    lineage = torch.randint(0, beam, (sentences, 1, queries, positions, 1))
+    mask = torch.where(lineage == torch.arange(beam), 0.0, float("-inf")).flatten(
+        3
+    )  # (sentences, 1, queries, positions × beam)
+    got = panels.attend(q, k, v, mask, dk**-0.5)
+    flat_k, flat_v = k.flatten(2, 3), v.flatten(2, 3)
+    assert torch.equal(got, panels.attend(q, flat_k, flat_v, mask, dk**-0.5))
+    assert_close(got, reference_attention(q, flat_k, flat_v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_the_steps_attention_through_the_kernel_is_sdpa(loaded: Path) -> None:
+    # As the libraries for many rows attend: one query a row, or a sentence's beams each over
+    # its lineage, their keys as the cache keeps them (positions first) or flattened.
+    torch.manual_seed(3)
+    attn = MultiHeadAttention(32, 4, 8, 8, self_attention=True).eval()
+    sentences, heads, positions, beam, dk = 6, 4, 9, 4, 8
+    k, v = (torch.randn(positions, sentences, heads, beam, dk).permute(1, 2, 0, 3, 4) for _ in "kv")
+    lineage = torch.randint(0, beam, (sentences, 1, beam, positions, 1))
+    lineage[..., 0, :] = 0
+    beams = torch.where(lineage == torch.arange(beam), 0.0, float("-inf")).flatten(3)
+    allowed = torch.rand(sentences, 1, 1, positions * beam) > 0.3
+    allowed[..., 0] = True
+    cases = [
+        (torch.randn(sentences, heads, beam, dk), beams),
+        (torch.randn(sentences, heads, 1, dk), allowed),
+    ]
+    for q, mask in cases:
+        want = attn.scaled_dot_product(q, k.flatten(2, 3), v.flatten(2, 3), mask, False)
+        attn.__class__ = OneQueryAttention
+        attn.through_kernel = True
+        for keys, values in ((k, v), (k.flatten(2, 3), v.flatten(2, 3))):
+            got = attn.scaled_dot_product(q, keys, values, mask, False)
+            assert_close(got, want, rtol=1e-5, atol=1e-6)
+        attn.__class__ = MultiHeadAttention
+
+
 def test_attention_without_a_position_is_nan_and_reads_no_masked_value(loaded: Path) -> None:
     q, k, v = torch.randn(2, 1, 6, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
     k[:, :, 4] = v[:, :, 4] = float("nan")  # a padding position's key and value: not used
@@ -309,10 +358,13 @@ def test_the_compiled_steps_products_go_through_the_panels(
     relu = {
         args["panels"]["as_tensor"]["name"]
         for node in json.loads(calls.read_text())["nodes"]
+        if node["node"]["target"] == "aiayn_panels::linear"
         for args in [{i["name"]: i["arg"] for i in node["node"]["inputs"]}]
         if args["relu"]["as_bool"]
     }
     assert relu == {f"decoder_layers_{i}_ffn_w1_panels" for i in range(layers)}
+    # ... and each attention through the kernel, its own and the memory's
+    assert calls.read_text().count('"aiayn_panels::attend"') == 2 * layers
     assert step.constants is not None  # its panels too read from its file
     same_steps(model, step, 17, 30, 5)
     assert decode(model, step, 40, 1) == decode(model, None, 40, 1)

@@ -236,7 +236,9 @@ class BeamLayerCache:
     ``write`` puts the step's keys at ``position`` (a tensor, the last one given);
     ``keys_values`` gives (sentences, H, positions × beam, Dh), key ``j * beam + b`` beam slot
     b's at position j, as :class:`~aiayn.model.cache.LayerCache` does (the step's mask keeps
-    each beam to its lineage)."""
+    each beam to its lineage); where the panels' attention kernel is loaded, the same keys
+    unflattened, (sentences, H, positions, beam, Dh), which it reads in place (flattening them
+    copies every key at every step)."""
 
     def __init__(
         self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor, position: Tensor
@@ -250,21 +252,29 @@ class BeamLayerCache:
         self.self_v.index_copy_(0, self.position, v.unsqueeze(0))
 
     def keys_values(self, length: int) -> tuple[Tensor, Tensor]:
-        return (
-            self.self_k.permute(1, 2, 0, 3, 4).flatten(2, 3),
-            self.self_v.permute(1, 2, 0, 3, 4).flatten(2, 3),
-        )
+        k, v = self.self_k.permute(1, 2, 0, 3, 4), self.self_v.permute(1, 2, 0, 3, 4)
+        if panels.loaded():  # the attention kernel reads them in place; flattened, a copy
+            return k, v
+        return k.flatten(2, 3), v.flatten(2, 3)
 
 
 class OneQueryAttention(MultiHeadAttention):
     """The attention the step is compiled with: each row attends from one query position (a
-    sentence's beams from one each), ``softmax(q·kᵀ/√d_k)·v`` written as products and sums
-    over the key positions, which Inductor fuses into loops of the library.
-    ``F.scaled_dot_product_attention`` there is a call out of the library to ATen's kernel per
-    attention: 29 µs each against 8 µs for the fused loops at four SMALL rows, six of them a
-    step (docs/performance.md). The products add in another order than SDPA's, within float32
+    sentence's beams from one each). In the libraries for many rows, where the panels' file is
+    loaded (:attr:`through_kernel`), through its kernel (:func:`aiayn.accel.panels.attend`,
+    called out of the library): each query over only the keys its mask lets it attend, a beam's
+    its own lineage's, read in place (figures: docs/performance.md). Otherwise
+    ``softmax(q·kᵀ/√d_k)·v`` written as products and sums over the key positions, which Inductor
+    fuses into loops of the library. ``F.scaled_dot_product_attention`` there is a call out of
+    the library to ATen's kernel per attention: 29 µs each against 8 µs for the fused loops at
+    four SMALL rows, six of them a step. Both add in another order than SDPA's, within float32
     rounding of it. A row that may attend to no position gets NaN here (SDPA gives zeros); the
-    step has none: each row attends to its own first position and to its source's EOS."""
+    step has none: each row attends to its own first position and to its source's EOS. Keys and
+    values may come as (B, H, positions, beam, Dh), key ``j * beam + b`` at (j, b)
+    (:class:`BeamLayerCache`)."""
+
+    # Whether it attends through the panels' kernel (set where the step is compiled).
+    through_kernel = False
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
@@ -272,6 +282,10 @@ class OneQueryAttention(MultiHeadAttention):
         if causal or self.training:
             return super().scaled_dot_product(q, k, v, mask, causal)
         scale = 1.0 / math.sqrt(q.size(-1))
+        if self.through_kernel and q.dtype is torch.float32:
+            return panels.attend(q, k, v, mask, scale)
+        if k.dim() == 5:
+            k, v = k.flatten(2, 3), v.flatten(2, 3)
         if q.size(-2) == 1:
             # q (B, H, 1, Dk), k (B, H, S, Dk), v (B, H, S, Dv)
             scores = (q * k).sum(-1) * scale  # (B, H, S)
@@ -967,9 +981,14 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     # steps it has already (a loaded library is not copied).
     loaded = {id(v): None for v in vars(model).values() if isinstance(v, CompiledStep)}
     plain = copy.deepcopy(model, memo=loaded).eval()
+    beam, major = beam_of(rows), position_major(rows)
+    # The panels' attention kernel for the libraries of many rows. At a few rows (one
+    # sentence) each call out of the library costs more than Inductor's loops take.
+    kernel = panels.loaded() and major
     for module in plain.modules():  # not the accelerated attention: it is not traced
         if isinstance(module, MultiHeadAttention):
             module.__class__ = OneQueryAttention
+            module.through_kernel = kernel
     if panels.loaded():  # the step's products through the panels' operator (accel.panels)
         for module in _decoder_products(plain):
             if isinstance(module, nn.Linear):
@@ -977,7 +996,6 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
         for layer in plain.decoder.layers:  # and the feed-forward's ReLU in its first
             if type(layer.ffn) is PositionwiseFeedForward:
                 layer.ffn.__class__ = ReluInProduct
-    beam, major = beam_of(rows), position_major(rows)
     step = (BeamDecoderStep(plain, beam) if major else DecoderStep(plain)).eval()
     positions = plain.config.max_positions
     rows, src, slots = (min(n, positions) for n in (rows, *_EXAMPLE_LENGTHS))

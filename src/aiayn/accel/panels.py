@@ -5,14 +5,15 @@ reach oneDNN's ``brg_matmul`` kernels, which at a decoder step's shapes (64 rows
 256 × 8,000, say) run well below the core's rate; MKL's are slower still there. The product
 in ``csrc/panel_gemm.cpp`` packs a weight once into panels of 16 output columns and multiplies
 blocks of 6 rows by a panel with 12 accumulators held in registers (the layout of the
-classic AVX2 kernels); bias and ReLU are applied as the result is written. The same file
-holds three more kernels for decoding: the steps' log-softmax in place (:func:`log_softmax_`),
-greedy search's choice of token (``aiayn_panels::first_argmax``, which search finds
-registered once the file is loaded) and the encoder's attention (:func:`attend`, through
-:class:`aiayn.accel.attention.PanelAttention`). Over 16 rows or more, each kernel hands its
-work out in chunks, each thread taking the next when done with one, so that a core slowed
-for a while by a busy host does less of it; the results do not depend on who took what.
-Figures: docs/performance.md.
+classic AVX2 kernels); bias and ReLU are applied as the result is written. The same file holds
+three more kernels for decoding: the steps' log-softmax in place (:func:`log_softmax_`), greedy
+search's choice of token (``aiayn_panels::first_argmax``, which search finds registered once
+the file is loaded) and attention (:func:`attend`): the encoder's, through
+:class:`aiayn.accel.attention.PanelAttention`, and the compiled decoder step's, called out of
+its library (:class:`aiayn.accel.compiled.OneQueryAttention`). Over 16 rows or more, each
+kernel hands its work out in chunks, each thread taking the next when done with one, so that a
+core slowed for a while by a busy host does less of it; the results do not depend on who took
+what. Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
 step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
@@ -125,6 +126,7 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         # What the product's output is without running it: for torch.export, which traces
         # the compiled decoder step through it.
         torch.library.register_fake("aiayn_panels::linear")(_linear_shape)
+        torch.library.register_fake("aiayn_panels::attend")(_attend_shape)
     _loaded = path
     return True
 
@@ -133,6 +135,11 @@ def _linear_shape(
     x: Tensor, panels: Tensor, out_features: int, bias: Tensor | None, relu: bool
 ) -> Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _attend_shape(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    batch, heads, queries, _ = q.shape
+    return q.new_empty((batch, queries, heads, v.shape[-1])).transpose(1, 2)
 
 
 def _registered() -> bool:
@@ -177,9 +184,13 @@ def log_softmax_(logits: Tensor) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """``softmax(q·kᵀ·scale + mask)·v`` for float32 q (B, H, T, Dk), k (B, H, S, Dk) and v
     (B, H, S, Dv), each of any strides with a contiguous last dimension; ``mask`` broadcast to
-    (B, H, T, S), boolean (True: attend) or additive. One task per (b, h); a position masked
-    out weighs exactly 0, and neither its key nor its value enters the result; a query with
-    nothing to attend gives NaN. Out (B, H, T, Dv), a view of (B, T, H, Dv)."""
+    (B, H, T, S), boolean (True: attend) or additive. k and v may also be (B, H, P, G, D):
+    S = P × G keys, key ``p * G + g`` at (p, g), as a beam cache kept positions first has
+    them, read in place. One task per (b, h); a position masked out weighs exactly 0, and
+    neither its key nor its value enters the result; a query with nothing to attend gives NaN.
+    Up to eight queries a (b, h) (decoding's steps) each read only the keys they attend; more
+    (the encoder's) share the keys, copied transposed, four queries at a time. Out
+    (B, H, T, Dv), a view of (B, T, H, Dv)."""
     return torch.ops.aiayn_panels.attend(q, k, v, mask, scale)
 
 

@@ -362,11 +362,14 @@ at::Tensor log_softmax_(at::Tensor& logits) {
 // (B, H, T, S), boolean (true: attend) or float32 (added). Out (B, H, T, Dv), a view of
 // (B, T, H, Dv): the heads then merge by a view. A position masked out (false, or -inf
 // added) weighs exactly 0, and neither its key nor its value enters the result; a query with
-// nothing to attend, or a NaN score, gives NaN. One task per (b, h): its keys copied
-// transposed, its values and queries copied side by side (rows of a fused product lie a few
-// KiB apart, on few sets of L1), then four queries at a time: their scores over sixteen keys
-// in registers, their softmax, their weighted sums of sixteen columns of values in
-// registers. For the encoder's short sentences (aiayn.accel.attention.PanelAttention).
+// nothing to attend, or a NaN score, gives NaN. k and v may also be (B, H, P, G, D): P × G
+// keys, key p G + g at (p, g) (a beam cache kept positions first). One task per (b, h).
+// Up to FEW_QUERIES queries (decoding's steps, aiayn.accel.compiled.OneQueryAttention): each
+// over the keys it attends, read in place (attend_each). More (the encoder's short sentences,
+// aiayn.accel.attention.PanelAttention): the keys copied transposed, the values and queries
+// side by side (rows of a fused product lie a few KiB apart, on few sets of L1), then four
+// queries at a time: their scores over sixteen keys in registers, their softmax, their
+// weighted sums of sixteen columns of values in registers.
 constexpr int QT = 4;  // queries a block
 
 // Rows r[0..7] (8 floats each) written as the 8 columns c[0..7]: c[j][i] = r[i][j].
@@ -442,20 +445,161 @@ inline void scores4(const float* q0, const float* q1, const float* q2, const flo
   }
 }
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// Up to this many queries a (b, h) attend one at a time, each over only the keys it may
+// attend, with nothing copied: decoding's steps, one query a row, or a sentence's beams each
+// over its own lineage (a fourth of the keys at beam 4). More, the keys are copied
+// transposed once and shared by four queries at a time.
+constexpr int64_t FEW_QUERIES = 8;
+
+// Lane i the sum of the eight lanes of a[i].
+inline __m256 sums8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// What attend reads and writes, for attend_each.
+struct Heads {
+  const float *Q, *K, *V;
+  float* O;
+  const bool* MB;   // the boolean mask (true: attend), or null
+  const float* MF;  // the additive mask, or null
+  int64_t ms[4], qs[3], ks[4], vs[4];  // ks, vs: (b, h, p, g) of key p G + g
+  int64_t B, H, T, S, G, Dk, Dv;
+  float scale;
+};
+
+// attend for few queries (FEW_QUERIES): for each query, the keys it attends listed, their
+// scores eight keys at a time (each key's products in a vector of its own, the eight then
+// summed across at once), the softmax, and the weighted sum of their values, sixty-four
+// columns at a time in registers.
+void attend_each(const Heads& a) {
+  const float none = -std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t n = a.B * a.H;
+  parallel_chunks(n, chunk_size(n, n >= MANY_ROWS), [&](Chunks& chunks) {
+    std::vector<int64_t> keys(a.S + 8), kat(a.S + 8), vat(a.S + 8);  // key, its k and v
+    std::vector<float> sc(a.S + 8);
+    for (int64_t p0, p1; chunks.next(p0, p1);)
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / a.H, h = p % a.H;
+        const float* kb = a.K + b * a.ks[0] + h * a.ks[1];
+        const float* vb = a.V + b * a.vs[0] + h * a.vs[1];
+        for (int64_t t = 0; t < a.T; ++t) {
+          const float* q = a.Q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+          const int64_t m0 = b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+          float* o = a.O + ((b * a.T + t) * a.H + h) * a.Dv;
+          int64_t count = 0;
+          for (int64_t s = 0, pos = 0; pos < a.S / a.G; ++pos)
+            for (int64_t g = 0; g < a.G; ++g, ++s)
+              if (a.MB ? a.MB[m0 + s * a.ms[3]] : !a.MF || a.MF[m0 + s * a.ms[3]] != none) {
+                keys[count] = s;
+                kat[count] = pos * a.ks[2] + g * a.ks[3];
+                vat[count++] = pos * a.vs[2] + g * a.vs[3];
+              }
+          // scores, eight keys at a time (the last group's missing keys repeat its last)
+          const __m256 vscale = _mm256_set1_ps(a.scale);
+          __m256 top = _mm256_set1_ps(none), bad = _mm256_setzero_ps();
+          for (int64_t j0 = 0; j0 < count; j0 += 8) {
+            const float* kr[8];
+            for (int i = 0; i < 8; ++i)
+              kr[i] = kb + kat[std::min<int64_t>(j0 + i, count - 1)];
+            __m256 acc[8];
+            for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 8 <= a.Dk; d += 8) {
+              const __m256 qd = _mm256_loadu_ps(q + d);
+              for (int i = 0; i < 8; ++i)
+                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[i] + d), qd, acc[i]);
+            }
+            __m256 x = sums8(acc);
+            if (d < a.Dk) {
+              alignas(32) float rest[8];
+              for (int i = 0; i < 8; ++i) {
+                float r = 0.f;
+                for (int64_t e = d; e < a.Dk; ++e) r += q[e] * kr[i][e];
+                rest[i] = r;
+              }
+              x = _mm256_add_ps(x, _mm256_load_ps(rest));
+            }
+            x = _mm256_mul_ps(x, vscale);
+            _mm256_storeu_ps(sc.data() + j0, x);
+            const int64_t valid = std::min<int64_t>(8, count - j0);
+            if (a.MF)
+              for (int64_t i = 0; i < valid; ++i) sc[j0 + i] += a.MF[m0 + keys[j0 + i] * a.ms[3]];
+            for (int64_t i = valid; i < 8; ++i) sc[j0 + i] = none;
+            x = _mm256_loadu_ps(sc.data() + j0);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, x);
+          }
+          const float best = hmax(top);
+          if (count == 0 || _mm256_movemask_ps(bad) != 0 || best == none) {
+            std::fill(o, o + a.Dv, nan);
+            continue;
+          }
+          // softmax, unnormalised (the sum kept)
+          const __m256 vtop = _mm256_set1_ps(best);
+          __m256 sum = _mm256_setzero_ps();
+          for (int64_t j0 = 0; j0 < count; j0 += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + j0), vtop));
+            _mm256_storeu_ps(sc.data() + j0, e);
+            sum = _mm256_add_ps(sum, e);
+          }
+          const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+          // the weighted sum of the values
+          int64_t d0 = 0;
+          for (; d0 + 64 <= a.Dv; d0 += 64) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < count; ++j) {
+              const __m256 w = _mm256_set1_ps(sc[j]);
+              const float* vr = vb + vat[j] + d0;
+              for (int i = 0; i < 8; ++i)
+                acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+            }
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
+          }
+          for (; d0 + 8 <= a.Dv; d0 += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < count; ++j)
+              acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]),
+                                    _mm256_loadu_ps(vb + vat[j] + d0), acc);
+            _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, inv));
+          }
+          const float scalar_inv = _mm256_cvtss_f32(inv);
+          for (; d0 < a.Dv; ++d0) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < count; ++j) acc += sc[j] * vb[vat[j] + d0];
+            o[d0] = acc * scalar_inv;
+          }
+        }
+      }
+  });
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k5, const at::Tensor& v5,
                   const std::optional<at::Tensor>& mask_opt, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: 4-d q, k, v");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat,
+  TORCH_CHECK(q.dim() == 4 && k5.dim() == v5.dim() && (k5.dim() == 4 || k5.dim() == 5),
+              "attend: 4-d q, and 4-d or 5-d k and v");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k5.scalar_type() == at::kFloat &&
+                  v5.scalar_type() == at::kFloat,
               "attend: float32");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3);
-  const int64_t S = k.size(2), Dv = v.size(3);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == Dk && v.size(0) == B &&
-                  v.size(1) == H && v.size(2) == S,
+  // 5-d keys and values (B, H, P, G, D): P × G keys, key p G + g at (p, g), read in place
+  // by few queries (their flattening would be a copy: a beam cache kept positions first)
+  const bool grouped = k5.dim() == 5 && T <= FEW_QUERIES;
+  const auto k = k5.dim() == 5 && !grouped ? k5.flatten(2, 3) : k5;
+  const auto v = v5.dim() == 5 && !grouped ? v5.flatten(2, 3) : v5;
+  const int64_t G = grouped ? k.size(3) : 1, S = k.size(2) * G, Dk_at = k.dim() - 1;
+  const int64_t Dv = v.size(v.dim() - 1);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(Dk_at) == Dk && v.size(0) == B &&
+                  v.size(1) == H && v.size(2) == k.size(2) && (!grouped || v.size(3) == G),
               "attend: shapes");
   const auto qc = q.stride(3) == 1 ? q : q.contiguous();
-  const auto kc = k.stride(3) == 1 ? k : k.contiguous();
-  const auto vc = v.stride(3) == 1 ? v : v.contiguous();
+  const auto kc = k.stride(Dk_at) == 1 ? k : k.contiguous();
+  const auto vc = v.stride(Dk_at) == 1 ? v : v.contiguous();
   auto out = at::empty({B, T, H, Dv}, q.options());
   at::Tensor mask;
   bool boolean = false;
@@ -475,6 +619,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   int64_t ms[4] = {0, 0, 0, 0};
   if (mask.defined())
     for (int i = 0; i < 4; ++i) ms[i] = mask.stride(i);
+  if (T <= FEW_QUERIES) {
+    const int64_t kg = grouped ? kc.stride(3) : 0, vg = grouped ? vc.stride(3) : 0;
+    attend_each(Heads{Q, K, Vp, O, MB, MF, {ms[0], ms[1], ms[2], ms[3]},
+                      {qc.stride(0), qc.stride(1), qc.stride(2)},
+                      {kc.stride(0), kc.stride(1), kc.stride(2), kg},
+                      {vc.stride(0), vc.stride(1), vc.stride(2), vg}, B, H, T, S, G, Dk, Dv,
+                      static_cast<float>(scale)});
+    return out.transpose(1, 2);
+  }
   const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
