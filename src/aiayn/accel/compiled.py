@@ -988,6 +988,7 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     for module in plain.modules():  # not the accelerated attention: it is not traced
         if isinstance(module, MultiHeadAttention):
             module.__class__ = OneQueryAttention
+            assert isinstance(module, OneQueryAttention)
             module.through_kernel = kernel
     if panels.loaded():  # the step's products through the panels' operator (accel.panels)
         for module in _decoder_products(plain):
