@@ -234,11 +234,11 @@ class BeamLayerCache:
     (positions, sentences, H, beam, Dh), a sentence's beams side by side at each position, so
     that the positions decoded so far are a contiguous prefix, which is what the step is given.
     ``write`` puts the step's keys at ``position`` (a tensor, the last one given);
-    ``keys_values`` gives (sentences, H, positions × beam, Dh), key ``j * beam + b`` beam slot
-    b's at position j, as :class:`~aiayn.model.cache.LayerCache` does (the step's mask keeps
-    each beam to its lineage); where the panels' attention kernel is loaded, the same keys
-    unflattened, (sentences, H, positions, beam, Dh), which it reads in place (flattening them
-    copies every key at every step)."""
+    ``keys_values`` gives (sentences, H, positions, beam, Dh): flattened, key ``j * beam + b``
+    beam slot b's at position j, as :class:`~aiayn.model.cache.LayerCache` gives them (the
+    step's mask keeps each beam to its lineage). :class:`OneQueryAttention` flattens them for
+    Inductor's loops (a copy of every key at every step); the panels' kernel reads them in
+    place."""
 
     def __init__(
         self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor, position: Tensor
@@ -252,10 +252,7 @@ class BeamLayerCache:
         self.self_v.index_copy_(0, self.position, v.unsqueeze(0))
 
     def keys_values(self, length: int) -> tuple[Tensor, Tensor]:
-        k, v = self.self_k.permute(1, 2, 0, 3, 4), self.self_v.permute(1, 2, 0, 3, 4)
-        if panels.loaded():  # the attention kernel reads them in place; flattened, a copy
-            return k, v
-        return k.flatten(2, 3), v.flatten(2, 3)
+        return self.self_k.permute(1, 2, 0, 3, 4), self.self_v.permute(1, 2, 0, 3, 4)
 
 
 class OneQueryAttention(MultiHeadAttention):

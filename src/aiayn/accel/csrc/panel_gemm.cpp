@@ -619,18 +619,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k5, const at::Tensor& v
   int64_t ms[4] = {0, 0, 0, 0};
   if (mask.defined())
     for (int i = 0; i < 4; ++i) ms[i] = mask.stride(i);
-  if (T <= FEW_QUERIES) {
-    const int64_t kg = grouped ? kc.stride(3) : 0, vg = grouped ? vc.stride(3) : 0;
-    attend_each(Heads{Q, K, Vp, O, MB, MF, {ms[0], ms[1], ms[2], ms[3]},
-                      {qc.stride(0), qc.stride(1), qc.stride(2)},
-                      {kc.stride(0), kc.stride(1), kc.stride(2), kg},
-                      {vc.stride(0), vc.stride(1), vc.stride(2), vg}, B, H, T, S, G, Dk, Dv,
-                      static_cast<float>(scale)});
-    return out.transpose(1, 2);
-  }
   const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  if (T <= FEW_QUERIES) {
+    const int64_t kg = grouped ? kc.stride(3) : 0, vg = grouped ? vc.stride(3) : 0;
+    attend_each(Heads{Q, K, Vp, O, MB, MF, {ms[0], ms[1], ms[2], ms[3]}, {qs0, qs1, qs2},
+                      {ks0, ks1, ks2, kg}, {vs0, vs1, vs2, vg}, B, H, T, S, G, Dk, Dv,
+                      static_cast<float>(scale)});
+    return out.transpose(1, 2);
+  }
   const int64_t SP = (S + 7) / 8 * 8;  // keys padded to whole vectors
   const float fscale = static_cast<float>(scale);
   const float none = -std::numeric_limits<float>::infinity();
