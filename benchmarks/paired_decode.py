@@ -15,9 +15,10 @@ Processes, not one: both systems bring an OpenMP runtime (CTranslate2 its own), 
 spin for a while after their work; in one process one system's spinning threads took the
 cores from the other's (aiayn's one-sentence latency 2.5× its own process's). A process
 waiting for its turn sleeps, and each turn starts :data:`GAP_S` after the one before, once the
-last one's threads have gone to sleep. What it does not measure: CTranslate2 with its oneDNN
-limited to AVX2 (in ``make bench``), and the compiling of aiayn's libraries (compiled first,
-where they are not in the cache yet).
+last one's threads have gone to sleep. On a CPU with AVX-512 a third CTranslate2 process
+takes turns too, its oneDNN limited to AVX2 (faster there at batches: ``decode_bench``'s
+``ct2-float32-avx2``); elsewhere that setting is the first one's. What it does not measure:
+the compiling of aiayn's libraries (compiled first, where they are not in the cache yet).
 
     .venv/bin/python -m benchmarks.paired_decode [--workload small base] [--pairs 9] [--write]
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.decode_bench import (  # noqa: E402
     AIAYN_WEIGHTS,
+    CT2_AVX2,
     MODES,
     aiayn_decoder,
     check_length,
@@ -69,6 +72,17 @@ DOC_BEGIN, DOC_END = "<!-- paired:begin -->", "<!-- paired:end -->"
 AIAYN = "aiayn"
 # CTranslate2 float32 by its intra-op threads.
 PEERS = {"ct2-float32": 2, "ct2-float32-1thread": 1}
+# Its setting with oneDNN limited to AVX2 (2 threads), a peer where the CPU has AVX-512.
+PEER_AVX2 = "ct2-float32-avx2"
+ALL_PEERS = {**PEERS, PEER_AVX2: 2}
+
+
+def peers(instructions: Sequence[str]) -> list[str]:
+    """The CTranslate2 settings that take turns on a CPU with ``instructions``: the
+    AVX2-limited one only where the CPU has AVX-512 (elsewhere it is the 2-thread one)."""
+    return [*PEERS, PEER_AVX2] if "avx512f" in instructions else list(PEERS)
+
+
 # Seconds between one turn and the next: the last system's OpenMP threads stop spinning.
 GAP_S = 0.05
 # The goals of docs/performance.md: batch throughput at least CTranslate2's, one-sentence
@@ -103,8 +117,8 @@ def paired_figure(times: dict[str, list[float]], batch: bool, rows: int) -> dict
     median (sentences/s for a batch of ``rows``, ms for one sentence) and the per-pair ratios
     (aiayn's throughput over CTranslate2's, or aiayn's latency over CTranslate2's), with
     whether the goal holds at their median."""
-    peers = [name for name in PEERS if name in times]
-    best = min(peers, key=lambda name: statistics.median(times[name]))
+    settings = [name for name in ALL_PEERS if name in times]
+    best = min(settings, key=lambda name: statistics.median(times[name]))
     ours, theirs = times[AIAYN], times[best]
     # Throughput ratio = their time / our time; latency ratio = our time / their time.
     ratios = [t / o if batch else o / t for o, t in zip(ours, theirs, strict=True)]
@@ -137,7 +151,7 @@ def serve(system: str, workload: str, models: Path) -> None:
     if system == AIAYN:
         decode = aiayn_decoder(dw, int8=False, compiled=True, weights=models / AIAYN_WEIGHTS)
     else:
-        decode = ct2_decoder(dw, "float32", models, PEERS[system])
+        decode = ct2_decoder(dw, "float32", models, ALL_PEERS[system])
     warm: set[str] = set()
     print("ready", flush=True)
     for line in sys.stdin:
@@ -159,10 +173,13 @@ class Worker:
     """A :func:`serve` process."""
 
     def __init__(self, system: str, workload: str, models: Path) -> None:
+        env = dict(os.environ)
+        if system == PEER_AVX2:  # read by oneDNN when it first runs, so set for the process
+            env[CT2_AVX2[0]] = CT2_AVX2[1]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.paired_decode", "--serve", system,
              "--workload", workload, "--models", str(models)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         self.system = system
         if self._answer() != "ready":
@@ -192,7 +209,7 @@ def run_workload(
     name: str, modes: Sequence[str], pairs: int, single: int, models: Path
 ) -> dict[str, Any]:
     rows = DECODE_WORKLOADS[name].n_sentences
-    workers = [Worker(system, name, models) for system in (AIAYN, *PEERS)]
+    workers = [Worker(system, name, models) for system in (AIAYN, *peers(cpu_instructions()))]
     figures: dict[str, Any] = {}
     try:
         for mode in modes:
@@ -251,8 +268,10 @@ def render(result: dict[str, Any]) -> str:
     for workload, figures in result["workloads"].items():
         for mode, f in figures.items():
             r = f["ratio"]
-            threads = PEERS[f["best_peer"]]
+            threads = ALL_PEERS[f["best_peer"]]
             peer = f"{f['figures'][f['best_peer']]:.1f}, {threads} thread{'s' * (threads > 1)}"
+            if f["best_peer"] == PEER_AVX2:
+                peer += ", oneDNN limited to AVX2"
             spread = f"{r['q1']:.2f}–{r['q3']:.2f}; {r['min']:.2f}–{r['max']:.2f}"
             ratio = f"{r['median']:.2f}× ({spread})"
             lines.append(
@@ -297,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=9, help="turns of each batch mode")
     parser.add_argument("--single", type=int, default=16, help="sentences one at a time")
     parser.add_argument("--models", type=Path, help="converted models (default: a new folder)")
-    parser.add_argument("--serve", choices=(AIAYN, *PEERS), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=(AIAYN, *ALL_PEERS), help=argparse.SUPPRESS)
     parser.add_argument(
         "--write", action="store_true", help="write results/paired.{md,json}, performance.md"
     )

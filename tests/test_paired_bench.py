@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from benchmarks.paired_decode import paired_figure, render, take_turns
+from benchmarks.paired_decode import paired_figure, peers, render, take_turns
 
 
 def test_each_system_runs_once_a_turn_first_and_last_alike():
@@ -63,3 +63,24 @@ def test_the_table_names_the_run_and_each_figures_spread():
     assert "Some CPU (avx2; 2 threads), the code of abc1234" in table
     row = next(line for line in table.splitlines() if line.startswith("| SMALL"))
     assert "| 116.4 | 106.7, 2 threads | 1.09× (1.05–1.15; 1.00–1.20) | 3 | met |" in row
+
+
+def test_ctranslate2_limited_to_avx2_takes_turns_only_where_the_cpu_has_avx512():
+    assert peers(["avx2", "fma"]) == ["ct2-float32", "ct2-float32-1thread"]
+    assert peers(["avx2", "fma", "avx512f"])[-1] == "ct2-float32-avx2"
+    times = {
+        "aiayn": [0.5, 0.6, 0.55],
+        "ct2-float32": [0.7] * 3,
+        "ct2-float32-1thread": [1.0] * 3,
+        "ct2-float32-avx2": [0.6] * 3,  # the faster setting: the ratio is taken against it
+    }
+    figure = paired_figure(times, batch=True, rows=64)
+    assert figure["best_peer"] == "ct2-float32-avx2"
+    result = {
+        "date": "2026-12-06", "time": "05:00", "cpu": "Some CPU", "instructions": ["avx512f"],
+        "threads": 2, "commit": "abc1234", "minutes": 3.0,
+        "versions": {"ctranslate2": "4.8.5", "torch": "2.13.0"},
+        "workloads": {"small": {"greedy-batch": figure}},
+    }  # fmt: skip
+    row = next(line for line in render(result).splitlines() if line.startswith("| SMALL"))
+    assert "| 106.7, 2 threads, oneDNN limited to AVX2 | 1.09×" in row
