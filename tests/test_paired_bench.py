@@ -8,6 +8,16 @@ import pytest
 from benchmarks.paired_decode import paired_figure, peers, render, take_turns
 
 
+def run_of(figure: dict, instructions: list[str]) -> dict:
+    """A paired run of one figure, SMALL's greedy batch, as ``main`` records it."""
+    return {
+        "date": "2026-11-29", "time": "04:00", "cpu": "Some CPU", "instructions": instructions,
+        "threads": 2, "commit": "abc1234", "minutes": 3.0,
+        "versions": {"ctranslate2": "4.8.5", "torch": "2.13.0"},
+        "workloads": {"small": {"greedy-batch": figure}},
+    }  # fmt: skip
+
+
 def test_each_system_runs_once_a_turn_first_and_last_alike():
     order: list[str] = []
 
@@ -53,13 +63,7 @@ def test_the_ratio_is_taken_pair_by_pair_so_a_drifting_host_cancels():
 def test_the_table_names_the_run_and_each_figures_spread():
     times = {"aiayn": [0.5, 0.6, 0.55], "ct2-float32": [0.6] * 3, "ct2-float32-1thread": [1.0] * 3}
     figure = paired_figure(times, batch=True, rows=64)
-    result = {
-        "date": "2026-11-29", "time": "04:00", "cpu": "Some CPU", "instructions": ["avx2"],
-        "threads": 2, "commit": "abc1234", "minutes": 3.0,
-        "versions": {"ctranslate2": "4.8.5", "torch": "2.13.0"},
-        "workloads": {"small": {"greedy-batch": figure}},
-    }  # fmt: skip
-    table = render(result)
+    table = render(run_of(figure, ["avx2"]))
     assert "Some CPU (avx2; 2 threads), the code of abc1234" in table
     row = next(line for line in table.splitlines() if line.startswith("| SMALL"))
     assert "| 116.4 | 106.7, 2 threads | 1.09× (1.05–1.15; 1.00–1.20) | 3 | met |" in row
@@ -76,11 +80,6 @@ def test_ctranslate2_limited_to_avx2_takes_turns_only_where_the_cpu_has_avx512()
     }
     figure = paired_figure(times, batch=True, rows=64)
     assert figure["best_peer"] == "ct2-float32-avx2"
-    result = {
-        "date": "2026-12-06", "time": "05:00", "cpu": "Some CPU", "instructions": ["avx512f"],
-        "threads": 2, "commit": "abc1234", "minutes": 3.0,
-        "versions": {"ctranslate2": "4.8.5", "torch": "2.13.0"},
-        "workloads": {"small": {"greedy-batch": figure}},
-    }  # fmt: skip
-    row = next(line for line in render(result).splitlines() if line.startswith("| SMALL"))
+    table = render(run_of(figure, ["avx512f"]))
+    row = next(line for line in table.splitlines() if line.startswith("| SMALL"))
     assert "| 106.7, 2 threads, oneDNN limited to AVX2 | 1.09×" in row
