@@ -21,8 +21,10 @@ step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``t
 PyTorch's version and the compiler's flags (:func:`library_path`), and only loaded from a
 file and directory that are the user's alone. Once loaded into a process, float32 weights that
 decoding would pack for oneDNN are packed into panels instead (:func:`aiayn.accel.linear.pack`),
-where the CPU has AVX2 and FMA and no AVX-512 (:func:`cpu_suits`): on CPUs with AVX-512
-oneDNN's own kernels are AVX-512 ones, and this product was not measured against them.
+where the CPU has AVX2 and FMA and no AVX-512 (:func:`cpu_suits`). On CPUs with AVX-512
+oneDNN's own kernels are AVX-512 ones: measured against them on an AMD EPYC (Zen 4), this
+file's kernels took a SMALL decode's time down and a BASE batch's up (docs/performance.md,
+Limits), so they are not used there.
 """
 
 from __future__ import annotations
