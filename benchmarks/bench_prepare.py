@@ -1,6 +1,6 @@
 """``aiayn prepare`` time and peak memory on Multi30k and on a synthetic corpus of 1M pairs.
 
-Each run happens in a fresh subprocess, so its peak resident set size (``ru_maxrss``) is its
+Each run happens in a fresh subprocess, so its peak resident set size (``VmHWM``) is its
 own: that includes importing aiayn (and torch, which ``import aiayn`` pulls in), reported
 separately as the baseline. Phase times come from the progress messages of ``prepare_data``.
 A second run with the same inputs measures the reuse path. Results go to
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -85,8 +84,9 @@ def write_synthetic(prefix: Path, pairs: int, seed: int = 0) -> None:
 def child(spec: dict[str, Any]) -> None:
     started = time.perf_counter()
     from aiayn.data.prepare import prepare_data
+    from benchmarks.common import peak_rss_mb
 
-    baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline_mb = peak_rss_mb()
     events: list[tuple[float, str]] = []
     t0 = time.perf_counter()
     manifest = prepare_data(
@@ -121,8 +121,8 @@ def child(spec: dict[str, Any]) -> None:
         "total_s": total,
         "startup_s": t0 - started,
         "events": events,
-        "baseline_rss_mb": baseline_kb / 1024,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "baseline_rss_mb": baseline_mb,
+        "peak_rss_mb": peak_rss_mb(),
         "pairs": {s: v["pairs"] for s, v in manifest["splits"].items()},
         "tokens": manifest["splits"]["train"]["tokens"],
         "dropped": manifest["dropped"],
@@ -137,7 +137,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         [sys.executable, __file__, "--child", json.dumps(spec)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])},
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
@@ -306,10 +306,10 @@ Timings on a shared machine are noisy; each figure is one run.
   sentencepiece BPE training on at most *spm sample* sentences (sampled from both sides;
   `--input-sentence-size`, default 2,000,000).
   *encode*: sentencepiece encoding, length filters, writing ids, offsets and kept text.
-- *peak RSS*: `ru_maxrss` of that process; *of which import*: the RSS after `import aiayn`
-  (torch is imported with it) before any data is touched. Reading and encoding stream the
-  text in chunks of 20,000 lines, so the peak comes from sentencepiece's training sample
-  (compare the two synthetic rows), not from the size of the corpus.
+- *peak RSS*: the peak resident set (`VmHWM`) of that process; *of which import*: the peak
+  after `import aiayn` (torch is imported with it) before any data is touched. Reading and
+  encoding stream the text in chunks of 20,000 lines, so the peak comes from sentencepiece's
+  training sample (compare the two synthetic rows), not from the size of the corpus.
 - *rerun*: the same command again: inputs and options unchanged, so DATA_DIR is reused.
 {chr(10).join(notes)}
 """

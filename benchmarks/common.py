@@ -146,7 +146,19 @@ def training_flops_per_target_token(w: Workload) -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (Linux reports kilobytes)."""
+    """Peak resident set size of this process so far, in MB: ``VmHWM`` where Linux gives it.
+
+    Not ``ru_maxrss``: Linux carries it from a parent into a child it starts (fork copies the
+    parent's high-water mark, exec keeps it), so a benchmark process started by one that had
+    built models reported at least that parent's peak. ``ru_maxrss`` (kilobytes on Linux) is
+    the fallback where ``/proc`` has no ``VmHWM``."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        status = ""
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

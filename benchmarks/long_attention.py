@@ -9,7 +9,7 @@ BASE shape (d_model 512, 8 heads, FFN 2,048, no dropout) whose self-attention ha
 (``model.encoder_attention``; ``--causal``: a decoder-only layer with
 ``model.decoder_attention``), a batch of one sequence of ``n`` random vectors, and times
 forward + backward (median of ``--repeats`` after one untimed call). Peak memory is the
-growth of the process's peak resident set (``ru_maxrss``) from before the first call, which
+growth of the process's peak resident set (``VmHWM``) from before the first call, which
 includes every activation kept for the backward pass and the attention's temporaries. A
 pattern whose run fails (out of memory) or passes ``--timeout`` is not run at greater
 lengths.

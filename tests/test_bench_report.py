@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 from benchmarks.common import INSTRUCTION_SETS, cpu_instructions
 from benchmarks.report import decoding_table, render
 from benchmarks.run_all import merge_decode
@@ -127,3 +132,19 @@ def test_an_isa_limit_reaches_every_child_and_the_avx2_row_its_setting(monkeypat
         env = run_all.child_env(system)
         assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
         assert env["TORCHINDUCTOR_CPP_MARCH"] == "x86-64-v3"
+
+
+def test_peak_rss_is_the_process_own_not_its_parent_s() -> None:
+    """A benchmark process started by a larger one reports its own peak: Linux's ``ru_maxrss``
+    would carry the parent's (800 MB more here) into it."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc (Linux): elsewhere the peak is ru_maxrss")
+    ballast = bytearray(800 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # every page resident
+    child = "from benchmarks.common import peak_rss_mb; print(peak_rss_mb())"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, check=True, cwd=root
+    )
+    del ballast
+    assert float(done.stdout) < 600.0  # importing torch: about 220 MB
