@@ -18,7 +18,8 @@ _CHUNK_LINES = 20_000
 
 
 def line_chunks(path: Path) -> Iterator[list[str]]:
-    """The lines of a UTF-8 text file (``\n``-separated, without it), a chunk at a time."""
+    """The lines of a UTF-8 text file, split at newlines only and without them, a chunk at a
+    time."""
     with path.open(encoding="utf-8", newline="\n") as handle:
         while chunk := list(islice(handle, _CHUNK_LINES)):
             yield [line[:-1] if line.endswith("\n") else line for line in chunk]
