@@ -84,6 +84,19 @@ def test_config_roundtrips_through_a_plain_dict():
     assert config_from_dict(config.to_dict()) == config
 
 
+def test_config_roundtrips_through_toml(tmp_path):
+    # What a run writes to its config.toml: None as "none", booleans, floats, strings.
+    from aiayn.config import config_to_toml
+
+    config = load_config(
+        overrides=["preset=b_dk16", "model.dropout=0.2", "train.init_from=runs/x", "data.max_len=7"]
+    )
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(config), encoding="utf-8")
+    assert load_config(path) == config
+    assert 'preset = "b_dk16"' in path.read_text() and 'tgt_vocab_size = "none"' in path.read_text()
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_builds(name):
     config = load_config(overrides=[f"preset={name}"])

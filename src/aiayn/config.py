@@ -6,12 +6,13 @@ A run is described by a :class:`RunConfig` made of four sections (``model``, ``d
 
 Unknown keys are an error that lists the valid ones. No registries, no strings that resolve
 to code: every field is plain data, so a config round-trips through a dict (and through a
-checkpoint) without pickling.
+checkpoint) without pickling; :func:`config_to_toml` writes it back as TOML.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import sys
@@ -656,3 +657,29 @@ def _fails_alike(raw: Mapping[str, Any], err: ConfigError) -> bool:
 def replace(config: T, **changes: Any) -> T:
     """``dataclasses.replace`` re-exported for frozen configs."""
     return dataclasses.replace(config, **changes)  # type: ignore[type-var]
+
+
+def config_to_toml(config: RunConfig) -> str:
+    """The resolved config as TOML that :func:`load_config` reads back equal (a run's
+    ``config.toml``)."""
+    data = config.to_dict()
+    data.pop("format_version", None)
+    lines = [
+        "# The resolved config of this run (written by aiayn train).",
+        f"preset = {_toml_value(data.pop('preset'))}",
+    ]
+    for section, values in data.items():
+        lines.append(f"\n[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))

@@ -37,8 +37,9 @@ from aiayn.inference import loading
 from aiayn.inference.attention_maps import token_labeler, write_cross_attention_picture
 from aiayn.inference.translator import Translator
 from aiayn.progress import Log
-from aiayn.training.launch import resolve_config, train_run
+from aiayn.training.launch import train_run
 from aiayn.training.plot import plot_run
+from aiayn.training.run_config import resolve_config
 
 SRC, TGT = "en", "es"
 STEPS = 5

@@ -8,7 +8,8 @@ import pytest
 
 from aiayn.data import prepare as prepare_module
 from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
-from aiayn.data.prepare import count_lines, prepare_data
+from aiayn.data.prepare import prepare_data
+from aiayn.data.raw_text import count_lines
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.lock import PREPARE_LOCK_NAME
@@ -343,10 +344,10 @@ def test_interrupted_run_leaves_nothing_a_later_run_trusts(text, tmp_path, monke
         moved.append(dst)
         original_replace(src, dst)
 
-    monkeypatch.setattr(prepare_module.os, "replace", interrupted_replace)
+    monkeypatch.setattr(os, "replace", interrupted_replace)
     with pytest.raises(KeyboardInterrupt):
         _prepare(train, valid, out, max_len=6)
-    monkeypatch.setattr(prepare_module.os, "replace", original_replace)
+    monkeypatch.setattr(os, "replace", original_replace)
     with pytest.raises(UserError, match="not a prepared data directory"):
         Corpus.open(out, "train")
 

@@ -28,7 +28,7 @@ from aiayn.model.patterns import (
 from aiayn.model.transformer import Transformer
 from aiayn.training import averaging
 from aiayn.training import checkpoint as ckpt
-from aiayn.training.launch import _pretrained_weights
+from aiayn.training.pretrained import pretrained_weights
 from tests.helpers import small_reverse_trainer, tiny_config
 
 SETTINGS = {"window": 3, "n_global": 2, "block": 4, "n_random": 2}
@@ -527,9 +527,9 @@ def test_a_classifier_takes_a_linformer_encoder_only_with_its_projections(tmp_pa
     for other in ("model.encoder_attention=full", "model.linformer_k=16"):
         clf = tiny_config("model.task=classify", "model.encoder_attention=linformer", init, other)
         with pytest.raises(ConfigError, match="its encoder differs"):
-            _pretrained_weights(clf, b"tok")
+            pretrained_weights(clf, b"tok")
     same = ["model.encoder_attention=linformer", "model.linformer_k=8"]
-    weights = _pretrained_weights(tiny_config("model.task=classify", *same, init), b"tok")
+    weights = pretrained_weights(tiny_config("model.task=classify", *same, init), b"tok")
     assert "encoder.layers.0.self_attn.pattern.key_proj" in weights
 
 

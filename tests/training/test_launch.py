@@ -5,7 +5,8 @@ import pytest
 from aiayn.config import load_config
 from aiayn.data.corpus import load_manifest
 from aiayn.errors import ConfigError
-from aiayn.training.launch import resolve_config, train_run
+from aiayn.training.launch import train_run
+from aiayn.training.run_config import resolve_config
 from tests.helpers import TINY
 
 
@@ -23,11 +24,13 @@ def test_train_run_refuses_a_config_that_does_not_fit_the_data(reverse_data_dir,
 def test_resolve_config_reads_a_recipe_named_as_its_file(reverse_data_dir, monkeypatch):
     # The keys the recipe sets itself are what train.init_from keeps of it.
     from aiayn.recipes import FOLDER
-    from aiayn.training import launch
+    from aiayn.training import run_config
 
     read = []
-    real = launch._explicit_model_keys
-    monkeypatch.setattr(launch, "_explicit_model_keys", lambda p, o: read.append(p) or real(p, o))
+    real = run_config._explicit_model_keys
+    monkeypatch.setattr(
+        run_config, "_explicit_model_keys", lambda p, o: read.append(p) or real(p, o)
+    )
     by_name = resolve_config("multi30k", reverse_data_dir)
     assert read == [FOLDER / "multi30k.toml"]
     assert real(read[0], []) == {"dropout", "attention_dropout"}

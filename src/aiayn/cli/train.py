@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     from aiayn.inference import loading
     from aiayn.training.checkpoint import set_aside_checkpoints
-    from aiayn.training.launch import CONFIG_NAME, resolve_config, train_run
+    from aiayn.training.launch import CONFIG_NAME, train_run
+    from aiayn.training.run_config import resolve_config
 
     run_dir: Path = args.out
     check_output_dir(run_dir, "--out")

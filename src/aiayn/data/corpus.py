@@ -109,10 +109,10 @@ class Corpus:
         # Separate vocabularies (an imported Marian model's): the target side's own size.
         self.tgt_vocab_size: int = int(manifest.get("tgt_vocab_size", self.vocab_size))
         dtype = np.dtype(manifest["dtype"])
-        self._src_ids, self._src_off, self.src_lengths = _open_side(
+        self._src_ids, self._src_off, self.src_lengths = open_ids(
             data_dir, split, self.src_lang, dtype
         )
-        self._tgt_ids, self._tgt_off, self.tgt_lengths = _open_side(
+        self._tgt_ids, self._tgt_off, self.tgt_lengths = open_ids(
             data_dir, split, self.tgt_lang, dtype
         )
         n = int(manifest["splits"][split]["pairs"])
@@ -180,11 +180,11 @@ class Corpus:
 
     def src_texts(self) -> list[str]:
         """The raw source sentences, aligned with the pair indices."""
-        return _read_lines(self.src_text_path())
+        return read_lines(self.src_text_path())
 
     def tgt_texts(self) -> list[str]:
         """The raw target sentences (the original references), aligned with the pair indices."""
-        return _read_lines(self.tgt_text_path())
+        return read_lines(self.tgt_text_path())
 
 
 def check_ids(
@@ -216,9 +216,11 @@ def check_split(data_dir: Path, manifest: dict[str, Any], split: str) -> None:
         )
 
 
-def _open_side(
+def open_ids(
     data_dir: Path, split: str, lang: str, dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The token ids, offsets and lengths of one side of a split, memory-mapped; a
+    :class:`UserError` where the files are missing or do not fit together."""
     bin_path, idx_path, len_path = ids_paths(data_dir, split, lang)
     try:
         offsets = np.load(idx_path, mmap_mode="r")
@@ -259,7 +261,8 @@ def _pad_rows(
     return out
 
 
-def _read_lines(path: Path) -> list[str]:
+def read_lines(path: Path) -> list[str]:
+    """A prepared text file's lines, split at newlines only, without their line ends."""
     try:
         with path.open(encoding="utf-8", newline="\n") as handle:
             return [line.rstrip("\n") for line in handle]

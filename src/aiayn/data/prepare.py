@@ -11,40 +11,46 @@ Three passes, none of which holds the corpus as Python objects:
 
 Everything is written under ``DATA_DIR/.prepare-*`` first and moved into place at the end; the
 manifest is removed before and written after the move, so an interrupted run never leaves a
-directory that :func:`aiayn.data.corpus.load_manifest` accepts with half-written data.
+directory that :func:`aiayn.data.corpus.load_manifest` accepts with half-written data
+(:mod:`aiayn.data.staging`, which the text tasks' :mod:`aiayn.data.text.prepare` shares, as it
+shares the reading of :mod:`aiayn.data.raw_text` and the id files of :mod:`aiayn.data.binarise`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import json
-import os
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain, islice
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any
 
 import numpy as np
 
 from aiayn import __version__
 from aiayn.config import DataConfig
+from aiayn.data.binarise import line_chunks, write_ids, write_offsets
 from aiayn.data.corpus import (
     MANIFEST_FORMAT_VERSION,
-    MANIFEST_NAME,
     TOKENIZER_NAME,
     ids_dtype,
     ids_paths,
-    load_manifest,
-    manifest_path,
     text_path,
 )
+from aiayn.data.raw_text import LINE_BREAKS, EncodingErrors, count_lines, decode_line, open_input
 from aiayn.data.sources import bible, multi30k, wmt14
 from aiayn.data.sources.download import default_cache_dir
+from aiayn.data.staging import (
+    commit,
+    content_digest,
+    digest,
+    file_stamp,
+    refuse_overwriting,
+    reusable_tokenizer,
+    reuse_or_write,
+    staged_tokenizer,
+    staging_dir,
+)
 from aiayn.data.tokenizer import (
     DEFAULT_CHARACTER_COVERAGE,
     DEFAULT_INPUT_SENTENCE_SIZE,
@@ -52,16 +58,7 @@ from aiayn.data.tokenizer import (
     train_tokenizer,
 )
 from aiayn.errors import UserError
-from aiayn.lock import PREPARE_LOCK_NAME, prepare_lock
 from aiayn.progress import Log, Meter, Report, as_report
-
-EncodingErrors = Literal["strict", "replace"]
-
-_CHUNK_LINES = 20_000
-_STAGING_PREFIX = ".prepare-"
-# Characters Python's str.splitlines() treats as line ends: inside a sentence they would break
-# the one-sentence-per-line text files for any reader that splits that way.
-_LINE_BREAKS = str.maketrans(dict.fromkeys("\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029", " "))
 
 
 @dataclass
@@ -81,17 +78,6 @@ def input_paths(prefix: str | Path, src: str, tgt: str) -> tuple[Path, Path]:
     """``PREFIX.src`` and ``PREFIX.tgt``."""
     prefix = str(prefix)
     return Path(f"{prefix}.{src}"), Path(f"{prefix}.{tgt}")
-
-
-def count_lines(path: Path) -> int:
-    """Lines as ``for line in file`` sees them: a last line without a newline counts too."""
-    count = 0
-    last = b"\n"
-    with _open_input(path) as handle:
-        while block := handle.read(1 << 22):
-            count += block.count(b"\n")
-            last = block[-1:]
-    return count + (last != b"\n")
 
 
 def prepare_data(
@@ -179,16 +165,16 @@ def prepare_data(
         Tokenizer.load(given)  # a missing or unusable file: a UserError naming it, before work
         for key in ("vocab_size", "model_type", "character_coverage", "input_sentence_size"):
             del options[key]
-        options["tokenizer"] = _content_digest([given])
-    stamps = {split: [_file_stamp(p) for p in paths] for split, paths in inputs.items()}
-    fingerprint = _digest({"format_version": MANIFEST_FORMAT_VERSION, **options, "in": stamps})
+        options["tokenizer"] = content_digest([given])
+    stamps = {split: [file_stamp(p) for p in paths] for split, paths in inputs.items()}
+    fingerprint = digest({"format_version": MANIFEST_FORMAT_VERSION, **options, "in": stamps})
     vocab_keys = (
         *("src", "tgt", "vocab_size", "model_type", "character_coverage"),
         *("input_sentence_size", "encoding_errors"),
     )
 
     out = Path(out_dir)
-    _refuse_overwriting(
+    refuse_overwriting(
         [p for paths in inputs.values() for p in paths],
         [text_path(out, split, lang) for split in inputs for lang in (src, tgt)],
         out,
@@ -201,7 +187,7 @@ def prepare_data(
                     f"warning: the {split} split reads the training files: its scores will "
                     "not tell how the model does on text it has not seen"
                 )
-        with _staging_dir(out) as staging:
+        with staging_dir(out) as staging:
             stats: dict[str, _SplitStats] = {}
             for split, (src_path, tgt_path) in inputs.items():
                 say(f"reading {split}: {src_path}, {tgt_path}")
@@ -237,15 +223,15 @@ def prepare_data(
                 # the files are or when they were written: a copy or a rewrite of the same text
                 # reuses it.
                 train_text = [_staged_text(staging, "train", lang) for lang in (src, tgt)]
-                tokenizer_key = _digest(
+                tokenizer_key = digest(
                     {
-                        "train_text": _content_digest(train_text),
+                        "train_text": content_digest(train_text),
                         **{k: options[k] for k in vocab_keys},
                     }
                 )
-                vocab = _staged_tokenizer(
+                vocab = staged_tokenizer(
                     staging,
-                    _reusable_tokenizer(out, old, tokenizer_key) if not force else None,
+                    reusable_tokenizer(out, old, tokenizer_key) if not force else None,
                     f"training a joint {model_type} vocabulary of {vocab_size:,} "
                     f"on train.{src}+{tgt}",
                     lambda prefix: train_tokenizer(
@@ -275,10 +261,10 @@ def prepare_data(
             manifest = _manifest(
                 options, inputs, stats, vocab, origin, dtype, fingerprint, tokenizer_key, staging
             )
-            _commit(staging, out, manifest, old)
+            commit(staging, out, manifest, old)
         return manifest
 
-    return _prepared(out, fingerprint, force, say, write)
+    return reuse_or_write(out, fingerprint, force, say, write)
 
 
 def _same_files(paths: tuple[Path, Path], others: tuple[Path, Path]) -> bool:
@@ -289,176 +275,7 @@ def _same_files(paths: tuple[Path, Path], others: tuple[Path, Path]) -> bool:
         return False
 
 
-def _refuse_overwriting(inputs: list[Path], outputs: list[Path], out: Path) -> None:
-    """A :class:`UserError` when an input file is one that preparing ``out`` writes."""
-    written = {path.resolve() for path in outputs}
-    for path in inputs:
-        if path.resolve() in written:
-            raise UserError(f"{path}: an input file inside --out {out} would be overwritten")
-
-
-def _prepared(
-    out: Path,
-    fingerprint: str,
-    force: bool,
-    say: Report,
-    write: Callable[[dict[str, Any] | None], dict[str, Any]],
-) -> dict[str, Any]:
-    """``out``'s manifest where it holds complete data of the same inputs and options (unless
-    ``force``), else the manifest ``write(old manifest or None)`` commits there, with ``out``
-    held against other prepares. Checked before the lock (a directory that needs no work may
-    be read-only) and again under it (another prepare may have just written it)."""
-    if not force and (done := _reusable(out, fingerprint, say)) is not None:
-        return done
-    with _held(out):
-        if not force and (done := _reusable(out, fingerprint, say)) is not None:
-            return done
-        return write(_existing_manifest(out))
-
-
-def _reusable(out: Path, fingerprint: str, say: Report) -> dict[str, Any] | None:
-    """``out``'s manifest where it holds complete data of the same inputs and options (said
-    so), else None."""
-    old = _existing_manifest(out)
-    if old is None or not _up_to_date(out, old, fingerprint):
-        return None
-    say(f"{out}: up to date (same inputs and options), reusing it")
-    return old
-
-
-def _up_to_date(out: Path, old: dict[str, Any], fingerprint: str) -> bool:
-    """Whether ``out`` holds complete data (manifest ``old``) of the same inputs and options."""
-    return old.get("fingerprint") == fingerprint and _files_intact(out, old)
-
-
-@contextlib.contextmanager
-def _held(out: Path) -> Iterator[None]:
-    """``out`` (created when missing) held against other prepares for the block: one at a
-    time, so that no staging directory found there belongs to a live run. Where the block
-    fails in a directory it created, the directory goes (its lock file first, still held)."""
-    created = not out.exists()
-    _make_dir(out)
-    with prepare_lock(out):
-        try:
-            yield
-        except BaseException:
-            if created and [p.name for p in out.iterdir()] == [PREPARE_LOCK_NAME]:
-                with contextlib.suppress(OSError):
-                    (out / PREPARE_LOCK_NAME).unlink()
-                    out.rmdir()
-            raise
-
-
-@contextlib.contextmanager
-def _staging_dir(out: Path) -> Iterator[Path]:
-    """A fresh staging directory inside ``out``, removed afterwards.
-
-    Stale ones of killed runs go first; an ``OSError`` inside (disk full, permissions changed
-    under us, ...) becomes a :class:`UserError` naming the file.
-    """
-    _remove_stale_staging(out)
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
-    except OSError as err:
-        raise UserError(f"{out}: output directory is not writable ({err.strerror})") from None
-    try:
-        yield staging
-    except OSError as err:
-        where = err.filename or out
-        raise UserError(f"{where}: {err.strerror or err} while preparing {out}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _reusable_tokenizer(out: Path, old: dict[str, Any] | None, key: str) -> Path | None:
-    """The existing tokenizer of ``out`` when it was trained with the same text and options."""
-    path = out / TOKENIZER_NAME
-    if old is not None and old.get("tokenizer_key") == key and path.is_file():
-        return path
-    return None
-
-
-def _staged_tokenizer(
-    staging: Path,
-    reusable: Path | None,
-    training: str,
-    train: Callable[[Path], Tokenizer],
-    say: Report,
-) -> Tokenizer:
-    """``staging/spm.model``: a copy of ``reusable`` when there is one, else trained by
-    ``train(model_prefix)`` (after saying ``training``); sentencepiece's ``.vocab`` is left out.
-    """
-    model_file = staging / TOKENIZER_NAME
-    if reusable is not None:
-        say(f"reusing {reusable} (same training text and vocabulary options)")
-        shutil.copyfile(reusable, model_file)
-        return Tokenizer.load(model_file)
-    with say.stage(training):
-        tokenizer = train(staging / model_file.stem)
-    with contextlib.suppress(FileNotFoundError):
-        (staging / (model_file.stem + ".vocab")).unlink()
-    return tokenizer
-
-
 # -- pass 1: read, check, clean ---------------------------------------------------------------
-
-
-def _open_input(path: Path) -> BinaryIO:
-    try:
-        handle = path.open("rb")
-    except FileNotFoundError:
-        raise UserError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: is a directory, expected a text file") from None
-    except OSError as err:
-        raise UserError(f"{path}: cannot read ({err.strerror})") from None
-    start = handle.peek(4)[:4]
-    if start[:2] == _GZIP_MAGIC:
-        handle.close()
-        raise UserError(f"{path}: the file is gzip-compressed: decompress it first (gunzip)")
-    # UTF-32's marks first: UTF-32LE's starts with UTF-16LE's.
-    wide = next((name for name, mark in _WIDE_MARKS if start.startswith(mark)), None)
-    if wide is not None:
-        handle.close()
-        raise UserError(
-            f"{path}: the file is {wide} text (it starts with that byte order mark); convert "
-            f"it to UTF-8 first (iconv -f {wide} -t UTF-8)"
-        )
-    return handle
-
-
-def _decode(raw: bytes, path: Path, line_no: int, errors: EncodingErrors) -> tuple[str, bool]:
-    """One line as text; ``(text, replaced)``. A byte order mark that starts the file is
-    dropped. Strict mode names file, line and column of bytes that are not UTF-8 and of a
-    NUL (a binary file?); ``replace`` mode makes each a U+FFFD."""
-    try:
-        text, replaced = raw.decode("utf-8"), False
-    except UnicodeDecodeError as err:
-        if errors == "strict":
-            raise UserError(
-                f"{path}, line {line_no}: invalid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
-                f"{err.start + 1} of the line); fix the file or pass --encoding-errors replace"
-            ) from None
-        text, replaced = raw.decode("utf-8", errors="replace"), True
-    if line_no == 1:
-        text = text.removeprefix("\ufeff")
-    if "\x00" in text:
-        if errors == "strict":
-            raise UserError(
-                f"{path}, line {line_no}: a NUL byte (at byte {raw.index(0) + 1} of the line): "
-                "is it a text file? Fix it or pass --encoding-errors replace"
-            )
-        text, replaced = text.replace("\x00", "\ufffd"), True
-    return text, replaced
-
-
-_GZIP_MAGIC = b"\x1f\x8b"
-_WIDE_MARKS = (
-    ("UTF-32", b"\xff\xfe\x00\x00"),
-    ("UTF-32", b"\x00\x00\xfe\xff"),
-    ("UTF-16", b"\xff\xfe"),
-    ("UTF-16", b"\xfe\xff"),
-)
 
 
 def _clean_split(
@@ -473,18 +290,18 @@ def _clean_split(
 ) -> _SplitStats:
     stats = _SplitStats()
     with (
-        _open_input(src_path) as src_in,
-        _open_input(tgt_path) as tgt_in,
+        open_input(src_path) as src_in,
+        open_input(tgt_path) as tgt_in,
         _staged_text(staging, split, src).open("w", encoding="utf-8", newline="\n") as src_out,
         _staged_text(staging, split, tgt).open("w", encoding="utf-8", newline="\n") as tgt_out,
     ):
         for line_no, (raw_src, raw_tgt) in enumerate(zip(src_in, tgt_in, strict=False), start=1):
-            src_text, bad_src = _decode(raw_src, src_path, line_no, errors)
-            tgt_text, bad_tgt = _decode(raw_tgt, tgt_path, line_no, errors)
+            src_text, bad_src = decode_line(raw_src, src_path, line_no, errors)
+            tgt_text, bad_tgt = decode_line(raw_tgt, tgt_path, line_no, errors)
             stats.replaced["src"] += bad_src
             stats.replaced["tgt"] += bad_tgt
-            src_text = src_text.translate(_LINE_BREAKS).strip()
-            tgt_text = tgt_text.translate(_LINE_BREAKS).strip()
+            src_text = src_text.translate(LINE_BREAKS).strip()
+            tgt_text = tgt_text.translate(LINE_BREAKS).strip()
             stats.lines += 1
             if line_no % 10_000 == 0:
                 meter.advance(10_000)
@@ -507,12 +324,6 @@ def _staged_text(staging: Path, split: str, lang: str) -> Path:
 
 
 # -- pass 3: encode ---------------------------------------------------------------------------
-
-
-def _chunks(path: Path) -> Iterator[list[str]]:
-    with path.open(encoding="utf-8", newline="\n") as handle:
-        while chunk := list(islice(handle, _CHUNK_LINES)):
-            yield [line[:-1] if line.endswith("\n") else line for line in chunk]
 
 
 def _encode_split(
@@ -541,8 +352,8 @@ def _encode_split(
             for k, v in sides.items()
         }
         for src_lines, tgt_lines in zip(
-            _chunks(_staged_text(staging, split, src)),
-            _chunks(_staged_text(staging, split, tgt)),
+            line_chunks(_staged_text(staging, split, src)),
+            line_chunks(_staged_text(staging, split, tgt)),
             strict=True,
         ):
             ids = {
@@ -567,7 +378,7 @@ def _encode_split(
             rows = np.flatnonzero(keep).tolist()
             lines = {"src": src_lines, "tgt": tgt_lines}
             for side in sides:
-                kept_lens = _write_ids([ids[side][r] for r in rows], dtype, bins[side])
+                kept_lens = write_ids([ids[side][r] for r in rows], dtype, bins[side])
                 lengths[side].append(kept_lens)
                 texts[side].writelines(lines[side][r] + "\n" for r in rows)
                 stats.tokens[side] += int(kept_lens.sum())
@@ -576,29 +387,11 @@ def _encode_split(
             meter.advance(len(src_lines))
     stats.pairs = kept
     for side, lang in sides.items():
-        _write_offsets(staging, split, lang, lengths[side])
+        write_offsets(staging, split, lang, lengths[side])
         _staged_text(staging, split, lang).unlink()
 
 
-def _write_ids(ids: list[list[int]], dtype: np.dtype, out: BinaryIO) -> np.ndarray:
-    """Append the sentences' ids back to back to a ``.bin`` file; returns their lengths."""
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
-    flat.tofile(out)
-    return lengths
-
-
-def _write_offsets(directory: Path, split: str, lang: str, lengths: list[np.ndarray]) -> None:
-    """``.idx.npy`` (int64 offsets) and ``.len.npy`` (int32) of sentences of these lengths."""
-    all_lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    offsets = np.zeros(len(all_lens) + 1, dtype=np.int64)
-    np.cumsum(all_lens, out=offsets[1:])
-    _, idx_path, len_path = ids_paths(directory, split, lang)
-    np.save(idx_path, offsets)
-    np.save(len_path, all_lens.astype(np.int32))
-
-
-# -- manifest and commit ----------------------------------------------------------------------
+# -- manifest ----------------------------------------------------------------------------------
 
 
 def _manifest(
@@ -672,77 +465,6 @@ def _manifest(
         "fingerprint": fingerprint,
         "tokenizer_key": tokenizer_key,
     }
-
-
-def _commit(staging: Path, out: Path, manifest: dict[str, Any], old: dict[str, Any] | None) -> None:
-    """Move the staged files into ``out``; the manifest goes last, and goes first when removed."""
-    manifest_file = manifest_path(out)
-    with contextlib.suppress(FileNotFoundError):
-        manifest_file.unlink()
-    for name in manifest["files"]:
-        os.replace(staging / name, out / name)
-    for name in (old or {}).get("files", {}):
-        if name not in manifest["files"] and name != MANIFEST_NAME:
-            with contextlib.suppress(OSError):
-                (out / name).unlink()
-    tmp = staging / MANIFEST_NAME
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, manifest_file)
-
-
-def _existing_manifest(out: Path) -> dict[str, Any] | None:
-    if not manifest_path(out).is_file():
-        return None
-    try:
-        return load_manifest(out)
-    except UserError:
-        return None
-
-
-def _files_intact(out: Path, manifest: dict[str, Any]) -> bool:
-    files = manifest.get("files", {})
-    try:
-        return bool(files) and all((out / n).stat().st_size == size for n, size in files.items())
-    except OSError:
-        return False
-
-
-def _make_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UserError(f"{out}: exists and is not a directory") from None
-    except OSError as err:
-        raise UserError(f"{out}: cannot create the output directory ({err.strerror})") from None
-    if not out.is_dir():
-        raise UserError(f"{out}: exists and is not a directory")
-
-
-def _remove_stale_staging(out: Path) -> None:
-    """Staging directories of runs that were killed before they could clean up."""
-    for path in out.glob(_STAGING_PREFIX + "*"):
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _file_stamp(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _content_digest(paths: list[Path]) -> str:
-    """SHA-256 of the files' bytes, in order (each file's length included)."""
-    sha = hashlib.sha256()
-    for path in paths:
-        sha.update(path.stat().st_size.to_bytes(8, "little"))
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
 
 
 # -- named corpora ----------------------------------------------------------------------------

@@ -10,7 +10,5 @@
   4xx JSON error that names the field;
 - :mod:`~aiayn.serving.app`: the FastAPI application (``/``, ``/v1/health``, ``/v1/model``,
   ``/v1/translate``, ``/v1/attention``) and ``page.html``, the page at ``/``;
-- :mod:`~aiayn.serving.server`: uvicorn on a socket, SIGTERM as a graceful stop;
-- :mod:`~aiayn.serving.load`: the load and bad-input test client (``python -m
-  aiayn.serving.load``).
+- :mod:`~aiayn.serving.server`: uvicorn on a socket, SIGTERM as a graceful stop.
 """

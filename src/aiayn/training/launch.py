@@ -1,20 +1,20 @@
-"""From a prepared DATA_DIR and a run config to a trained RUN_DIR: what ``aiayn train`` calls.
+"""From a prepared DATA_DIR and a resolved run config to a trained RUN_DIR: what ``aiayn train``
+calls.
 
-Resolves the config against the data (the vocabulary size comes from the data unless set
-explicitly; a config that cannot fit is refused before any training), writes it to
-``RUN_DIR/config.toml``, joins the torchrun process group if there is one, builds the model,
-the batches and the validation set, resumes from the newest readable checkpoint when there is
-one, and runs the :class:`~aiayn.training.trainer.Trainer`.
+Checks that the config fits the data (:mod:`aiayn.training.run_config` resolves it), joins the
+torchrun process group if there is one, builds the model, the batches and the validation set,
+resumes from the newest readable checkpoint when there is one (or starts from
+``train.init_from``: :mod:`aiayn.training.pretrained`), writes the config to
+``RUN_DIR/config.toml``, runs the :class:`~aiayn.training.trainer.Trainer` and averages the
+last checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import random
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +22,17 @@ import numpy as np
 import torch
 
 from aiayn.accel import accelerate
-from aiayn.config import (
-    ModelConfig,
-    RunConfig,
-    config_from_dict,
-    load_config,
-    parse_overrides,
-    read_toml,
-    replace,
-)
+from aiayn.config import RunConfig, config_to_toml
 from aiayn.data.batching import TokenBatchSampler
-from aiayn.data.corpus import Corpus, data_kind, load_manifest, tokenizer_path
+from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.devices import busy_cpu_slowdown
-from aiayn.errors import ConfigError, UserError
+from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.lock import LOCK_NAME, RunDirectoryBusy, run_lock
-from aiayn.model.families import build_model, pretrained_encoder_state
+from aiayn.model.families import build_model
 from aiayn.progress import counted
-from aiayn.recipes import resolve_recipe
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.averaging import average_run
 from aiayn.training.distributed import (
@@ -51,258 +42,14 @@ from aiayn.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from aiayn.training.pretrained import load_pretrained_encoder, pretrained_weights
+from aiayn.training.run_config import check_fits_data
 from aiayn.training.tasks import TextValidSet, text_examples
 from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
 from aiayn.training.validation import ValidSet
 
 CONFIG_NAME = "config.toml"
 RUN_INFO_NAME = "run.json"
-
-
-# -- the config ----------------------------------------------------------------------------
-
-
-def _explicit_model_keys(config_path: Path | None, overrides: list[str]) -> set[str]:
-    """The ``[model]`` keys that the config file or the overrides set themselves."""
-    keys = set(parse_overrides(overrides).get("model", {}))
-    if config_path is None:
-        return keys
-    try:
-        raw = read_toml(Path(config_path))
-    except ConfigError:
-        return keys  # load_config reports it
-    if isinstance(raw.get("model"), dict):
-        keys |= set(raw["model"])
-    return keys
-
-
-def resolve_config(
-    config_path: str | Path | None,
-    data_dir: str | Path,
-    overrides: list[str] | None = None,
-    resuming: Path | None = None,
-) -> RunConfig:
-    """The run config; ``model.vocab_size`` (and a classifier's ``model.n_classes``) from the
-    data's manifest unless set explicitly. With ``train.init_from`` naming a model of the
-    run's own task, the ``[model]`` section is that model's, but for what the config sets
-    itself (the dropout rates, say). ``resuming``: the run directory this config goes on
-    training, whose data the refusals then point to."""
-    overrides = list(overrides or [])
-    manifest = load_manifest(data_dir)
-    path = resolve_recipe(config_path) if config_path is not None else None
-    explicit = _explicit_model_keys(path, overrides)
-    if "vocab_size" not in explicit:
-        overrides.append(f"model.vocab_size={int(manifest['vocab_size'])}")
-    config = load_config(path, overrides)
-    # A classifier's classes are the data's; other tasks (an mlm pre-trained on labelled
-    # text, say) have none, and keep the default whatever data they read.
-    if config.model.task == "classify" and manifest.get("labels") and "n_classes" not in explicit:
-        overrides.append(f"model.n_classes={len(manifest['labels'])}")
-        config = load_config(path, overrides)
-    if config.train.init_from is not None and config.model.task != "classify":
-        config = _model_of_init(config, explicit)
-    check_fits_data(config, data_dir, manifest, resuming)
-    return config
-
-
-# What a model that goes on training from train.init_from may change: nothing else.
-_FREE_MODEL_KEYS = frozenset(("dropout", "attention_dropout", "relu_dropout"))
-
-
-def _init_from_checkpoint(path: str) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint ``train.init_from`` names and its state; a ConfigError naming the
-    setting where it cannot be read."""
-    try:
-        return loading.resolve_and_load(path)
-    except loading.CheckpointError as err:
-        raise ConfigError(
-            f"train.init_from={path}: {err} (train.init_from=none trains from scratch)"
-        ) from None
-
-
-def _model_of_init(config: RunConfig, explicit: set[str]) -> RunConfig:
-    """``config`` with the ``[model]`` of ``train.init_from`` under the keys set explicitly."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    if names <= explicit:  # a run's own config.toml: complete already
-        return config
-    path = config.train.init_from
-    assert path is not None
-    found, state = _init_from_checkpoint(path)
-    stored_config = config_from_dict(state["config"], stored=True)
-    stored = stored_config.model
-    if stored.task != config.model.task:
-        raise ConfigError(
-            f"train.init_from={found}: a {stored.task} model; a {config.model.task} run goes on "
-            f"from a {config.model.task} model (a classifier: from an mlm one)"
-        )
-    mine = {name: getattr(config.model, name) for name in explicit & names}
-    model = replace(stored, **mine)
-    model.validate()
-    # The preset names the model (what `aiayn train` and `aiayn params` show).
-    return replace(config, model=model, preset=stored_config.preset)
-
-
-# For a config made in Python: load_config alone keeps the preset's sizes.
-_FROM_PYTHON = (
-    " (from Python, make the config with aiayn.training.launch.resolve_config, which takes "
-    "them from the data)"
-)
-
-
-def check_fits_data(
-    config: RunConfig,
-    data_dir: str | Path,
-    manifest: dict[str, Any],
-    resumed: Path | None = None,
-) -> None:
-    """Refuse, before training, a config that the data cannot feed (ConfigError); ``resumed``:
-    the run directory whose own config this is."""
-    task = config.model.task
-    kind = data_kind(manifest)
-    if (task == "translation") != (kind == "parallel"):
-        wanted = "parallel text" if task == "translation" else "text (aiayn prepare --task ...)"
-        raise ConfigError(
-            f"model.task={task} needs {wanted}, but {data_dir} holds {kind} data"
-            + (f" for the {manifest.get('task')} task" if kind == "text" else "")
-            + (
-                f"; resume the run in {resumed} with the data it was trained on (--data)"
-                if resumed is not None
-                else "; choose the preset or data that go together (docs/families.md)"
-            )
-        )
-    vocab = int(manifest["vocab_size"])
-    if resumed is not None and config.model.vocab_size != vocab:
-        raise ConfigError(
-            f"the run in {resumed} was trained with a vocabulary of "
-            f"{config.model.vocab_size} pieces, but {data_dir} has {vocab}: resume it with "
-            "the data it was trained on (--data), or train a new run into another directory"
-        )
-    if task == "classify":
-        labels = manifest.get("labels") or []
-        if not labels:
-            raise ConfigError(
-                f"{data_dir} has no class labels; a classifier trains on data prepared with "
-                "aiayn prepare --task classify"
-            )
-        if len(labels) < 2:
-            raise ConfigError(
-                f"{data_dir} has one class label ({labels[0]!r}); a classifier needs two or "
-                "more: prepare training lines of other classes too"
-            )
-        if config.model.n_classes != len(labels):
-            raise ConfigError(
-                f"model.n_classes={config.model.n_classes} but {data_dir} has {len(labels)} "
-                "classes; drop model.n_classes from the config (it is then taken from the data)"
-                + _FROM_PYTHON
-            )
-    target_vocab = int(manifest.get("tgt_vocab_size", vocab))
-    sizes = (config.model.vocab_size, config.model.target_vocab_size)
-    going_on = config.train.init_from is not None and task != "classify"
-    if going_on and sizes != (vocab, target_vocab):
-        raise ConfigError(
-            f"train.init_from={config.train.init_from} has a vocabulary of {sizes[0]} pieces "
-            + (f"({sizes[1]} on the target side) " if sizes[1] != sizes[0] else "")
-            + f"but the tokenizer of {data_dir} has {vocab}"
-            + (f" ({target_vocab} on the target side)" if target_vocab != vocab else "")
-            + f": prepare the data with --tokenizer {config.train.init_from}"
-        )
-    if config.model.vocab_size != vocab:
-        raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size} but the tokenizer of {data_dir} has "
-            f"{vocab} pieces; drop model.vocab_size from the config (it is then taken from the "
-            f"data) or prepare the data with --vocab-size {config.model.vocab_size}" + _FROM_PYTHON
-        )
-    if config.model.target_vocab_size != target_vocab:
-        raise ConfigError(
-            f"{data_dir} has a target vocabulary of {target_vocab} pieces, the model "
-            f"{config.model.target_vocab_size}: set model.tgt_vocab_size = {target_vocab}"
-        )
-    splits = manifest.get("splits", {})
-    if "train" not in splits:
-        raise ConfigError(f"{data_dir} has no train split")
-    if config.train.valid_interval > 0 and "valid" not in splits:
-        raise ConfigError(
-            f"{data_dir} has no valid split; prepare it with --valid, or set "
-            "train.valid_interval=0 to train without validation"
-        )
-    for split in ("train", "valid"):
-        if split not in splits or (split == "valid" and config.train.valid_interval <= 0):
-            continue
-        size = splits[split].get("lines" if kind == "text" else "pairs")
-        if size == 0:  # prepared before prepare refused an empty split
-            raise ConfigError(
-                f"the {split} split of {data_dir} is empty: prepare the data again with "
-                f"sentences in it{' (or set train.valid_interval=0)' if split == 'valid' else ''}"
-            )
-        if kind == "text":
-            continue  # long lines are cut to model.max_positions (aiayn.data.text)
-        longest = max(int(n) for n in splits[split]["longest"].values()) + 1  # + BOS/EOS
-        if longest > config.model.max_positions:
-            # --max-len filters training pairs only: validation sentences are kept whole.
-            remedy = (
-                "prepare the data with a smaller --max-len"
-                if split == "train"
-                else "train without validation (train.valid_interval=0)"
-            )
-            raise ConfigError(
-                f"the {split} split of {data_dir} has a sentence of {longest} positions "
-                f"(with BOS/EOS{_where_longest(data_dir, split)}) but model.max_positions="
-                f"{config.model.max_positions}; raise model.max_positions or {remedy}"
-            )
-        if split == "train" and longest > config.data.max_tokens:
-            raise ConfigError(
-                f"data.max_tokens={config.data.max_tokens} cannot hold the longest training "
-                f"sentence ({longest} tokens with BOS/EOS); raise data.max_tokens"
-            )
-    if config.train.max_steps <= 0 and config.train.max_epochs <= 0:
-        if config.train.max_minutes <= 0:
-            raise ConfigError(
-                "no stopping rule: set train.max_steps, train.max_epochs or train.max_minutes"
-            )
-
-
-def _where_longest(data_dir: str | Path, split: str) -> str:
-    """Where a prepared translation split's longest sentence is, as ``", line N of FILE"``
-    (its prepared text, one kept pair a line); "" where the split cannot be read."""
-    try:
-        corpus = Corpus.open(data_dir, split)
-    except (UserError, OSError, KeyError, ValueError):
-        return ""
-    if not len(corpus):
-        return ""
-    src, tgt = corpus.src_lengths, corpus.tgt_lengths
-    i_src, i_tgt = int(np.argmax(src)), int(np.argmax(tgt))
-    if src[i_src] >= tgt[i_tgt]:
-        return f", line {i_src + 1} of {corpus.src_text_path()}"
-    return f", line {i_tgt + 1} of {corpus.tgt_text_path()}"
-
-
-def config_to_toml(config: RunConfig) -> str:
-    """The resolved config as TOML that :func:`aiayn.config.load_config` reads back equal."""
-    data = config.to_dict()
-    data.pop("format_version", None)
-    lines = [
-        "# The resolved config of this run (written by aiayn train).",
-        f"preset = {_toml_value(data.pop('preset'))}",
-    ]
-    for section, values in data.items():
-        lines.append(f"\n[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if value is None:
-        return '"none"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-# -- the run -------------------------------------------------------------------------------
 
 
 def _seed_everything(seed: int) -> None:
@@ -359,84 +106,6 @@ def _bpe_dropout_pairs(
     )
 
 
-def _differences(stored: ModelConfig, run: ModelConfig, names: Iterable[str]) -> list[str]:
-    """``model.NAME is X in it, Y in this run`` for each of ``names`` where the checkpoint's
-    model (``stored``) and the run's differ."""
-    return [
-        f"model.{name} is {getattr(stored, name)!r} in it, {getattr(run, name)!r} in this run"
-        for name in names
-        if getattr(stored, name) != getattr(run, name)
-    ]
-
-
-def _pretrained_weights(config: RunConfig, tokenizer_bytes: bytes) -> dict[str, torch.Tensor]:
-    """The weights of ``train.init_from`` that the run starts from, checked against it: the
-    whole model when it is of the run's task, the embedding and encoder of an mlm model for a
-    classifier."""
-    path = config.train.init_from
-    assert path is not None
-    found, state = _init_from_checkpoint(path)
-    stored = config_from_dict(state["config"], stored=True)
-    if config.model.task != "classify":
-        _check_tokenizer(found, state, tokenizer_bytes)
-        names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in _FREE_MODEL_KEYS]
-        differ = _differences(stored.model, config.model, names)
-        if differ:
-            raise ConfigError(
-                f"train.init_from={found}: a model goes on training in its own shape; "
-                + "; ".join(differ)
-            )
-        return dict(state["model"])
-    if stored.model.task not in ("mlm", "classify"):
-        raise ConfigError(
-            f"train.init_from={path}: a {stored.model.task} model; a classifier starts from "
-            "an encoder-only (mlm) checkpoint"
-        )
-    shape: tuple[str, ...] = (
-        *("d_model", "d_ff", "n_heads", "d_k", "d_v", "n_layers", "vocab_size", "positional"),
-        *("max_positions", "share_embeddings", "pre_norm", "attention_bias"),
-    )
-    if "linformer" in (stored.model.encoder_attention, config.model.encoder_attention):
-        shape = (*shape, "encoder_attention", "linformer_k")  # its projections are weights
-    differ = _differences(stored.model, config.model, shape)
-    if differ:
-        # Another vocabulary: the data's tokenizer is not the pre-trained model's.
-        advice = (
-            f"; prepare the data with --tokenizer {found}"
-            if stored.model.vocab_size != config.model.vocab_size
-            else ""
-        )
-        raise ConfigError(
-            f"train.init_from={found}: its encoder differs from model config: "
-            + "; ".join(differ)
-            + advice
-        )
-    _check_tokenizer(found, state, tokenizer_bytes)
-    return pretrained_encoder_state(state["model"])
-
-
-def _check_tokenizer(found: Path, state: dict[str, Any], tokenizer_bytes: bytes) -> None:
-    saved = state.get("tokenizer")
-    # torch.equal is False for tensors of different lengths too.
-    if saved is None or not torch.equal(saved, ckpt.bytes_to_tensor(tokenizer_bytes)):
-        raise ConfigError(
-            f"train.init_from={found} was trained with another tokenizer than the data's: "
-            f"prepare the data with --tokenizer {found}"
-        )
-
-
-def load_pretrained_encoder(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy pre-trained embedding and encoder weights into ``model``; every one of its
-    embedding and encoder parameters must be among them."""
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    left = [k for k in missing if k.startswith(("embed.", "encoder."))]
-    if left or unexpected:
-        raise ConfigError(
-            "the pre-trained checkpoint does not fit the model: "
-            f"missing {left[:3]}, unexpected {unexpected[:3]}"
-        )
-
-
 def train_run(
     config: RunConfig,
     data_dir: str | Path,
@@ -447,9 +116,10 @@ def train_run(
     start_over: bool = False,
 ) -> TrainResult:
     """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank.
-    ``config`` as :func:`resolve_config` makes it from a config file and the data (the
-    vocabulary size and a classifier's classes taken from the data); one that does not fit the
-    data is refused (:func:`check_fits_data`) before anything is written."""
+    ``config`` as :func:`~aiayn.training.run_config.resolve_config` makes it from a config file
+    and the data (the vocabulary size and a classifier's classes taken from the data); one that
+    does not fit the data is refused (:func:`~aiayn.training.run_config.check_fits_data`)
+    before anything is written."""
 
     data_dir, run_dir = Path(data_dir), Path(run_dir)
     manifest = load_manifest(data_dir)
@@ -573,7 +243,7 @@ def train_run(
                 found_weights: dict[str, torch.Tensor] | str | None = None
                 if info.is_main:
                     try:
-                        found_weights = _pretrained_weights(config, tokenizer_bytes)
+                        found_weights = pretrained_weights(config, tokenizer_bytes)
                     except (ConfigError, loading.CheckpointError) as err:
                         found_weights = str(err)
                 found_weights = broadcast_object(found_weights, info)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aiayn.data.corpus import _read_lines
+from aiayn.data.corpus import read_lines
 from aiayn.data.sources.bible import BIBLE_LANGS, bible_corpus
 from aiayn.data.sources.bible_text import (
     BIBLE_BOOKS,
@@ -106,8 +106,8 @@ def bible_verses(prefixes: dict[str, Path], lang: str) -> list[tuple[str, str]]:
     """(reference, text) of every verse in the corpus files of all splits, in canonical order."""
     verses: list[tuple[str, str]] = []
     for split in _SPLITS:
-        refs = _read_lines(Path(f"{prefixes[split]}.ref"))
-        texts = _read_lines(Path(f"{prefixes[split]}.{lang}"))
+        refs = read_lines(Path(f"{prefixes[split]}.ref"))
+        texts = read_lines(Path(f"{prefixes[split]}.{lang}"))
         if len(refs) != len(texts):
             raise UserError(
                 f"{prefixes[split]}.ref and .{lang} differ in length; delete "

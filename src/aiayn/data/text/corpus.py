@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from aiayn.data.corpus import (
-    _open_side,
-    _read_lines,
     check_split,
     data_kind,
     load_manifest,
+    open_ids,
+    read_lines,
     text_path,
 )
 from aiayn.errors import UserError
@@ -46,7 +46,7 @@ class TextCorpus:
         self.task: str = manifest["task"]
         self.vocab_size: int = int(manifest["vocab_size"])
         self.label_names: list[str] = [str(name) for name in manifest.get("labels", [])]
-        self.token_ids, self.offsets, self.lengths = _open_side(
+        self.token_ids, self.offsets, self.lengths = open_ids(
             data_dir, split, TEXT_SUFFIX, np.dtype(manifest["dtype"])
         )
         n = int(manifest["splits"][split]["lines"])
@@ -97,7 +97,7 @@ class TextCorpus:
 
     def texts(self) -> list[str]:
         """The kept texts (labels removed), aligned with the line indices."""
-        return _read_lines(self.text_path())
+        return read_lines(self.text_path())
 
 
 def _load_labels(path: Path, n: int, n_classes: int) -> np.ndarray:

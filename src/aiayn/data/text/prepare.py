@@ -7,7 +7,9 @@ in every error) before any work; a sentencepiece model with ``<mask>`` at ``MASK
 trained on the kept training text (or reused: the one already there when the text and options
 are the same, or a given one); each split is encoded into flat memory-mapped ids. Everything
 is written into a staging directory and moved into place with the manifest last; the same
-inputs and options reuse the directory as it is.
+inputs and options reuse the directory as it is. What the two share: the reading of
+:mod:`aiayn.data.raw_text`, the staging and reuse of :mod:`aiayn.data.staging` and the id
+files of :mod:`aiayn.data.binarise`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from aiayn import __version__
+from aiayn.data.binarise import line_chunks, write_ids, write_offsets
 from aiayn.data.collate import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
 from aiayn.data.corpus import (
     MANIFEST_FORMAT_VERSION,
@@ -31,23 +34,17 @@ from aiayn.data.corpus import (
     ids_paths,
     text_path,
 )
-from aiayn.data.prepare import (
-    _LINE_BREAKS,
-    EncodingErrors,
-    _chunks,
-    _commit,
-    _content_digest,
-    _decode,
-    _digest,
-    _file_stamp,
-    _open_input,
-    _prepared,
-    _refuse_overwriting,
-    _reusable_tokenizer,
-    _staged_tokenizer,
-    _staging_dir,
-    _write_ids,
-    _write_offsets,
+from aiayn.data.raw_text import LINE_BREAKS, EncodingErrors, decode_line, open_input
+from aiayn.data.staging import (
+    commit,
+    content_digest,
+    digest,
+    file_stamp,
+    refuse_overwriting,
+    reusable_tokenizer,
+    reuse_or_write,
+    staged_tokenizer,
+    staging_dir,
 )
 from aiayn.data.text.corpus import TEXT_SUFFIX, TEXT_TASKS, labels_path
 from aiayn.data.tokenizer import (
@@ -120,12 +117,12 @@ def prepare_text(
     if test is not None:
         files["test"] = Path(test)
     for path in files.values():  # every input is checked before any work
-        _open_input(path).close()
+        open_input(path).close()
 
     given = None if tokenizer is None else Path(tokenizer)
     if given is not None:
         _check_text_tokenizer(Tokenizer.load(given), tokenizer_source or given)
-        vocab_options: dict[str, Any] = {"tokenizer": _content_digest([given])}
+        vocab_options: dict[str, Any] = {"tokenizer": content_digest([given])}
     else:
         vocab_options = {
             "vocab_size": vocab_size,
@@ -134,18 +131,18 @@ def prepare_text(
             "input_sentence_size": input_sentence_size,
         }
     options = {"task": task, "labels": names, "encoding_errors": encoding_errors, **vocab_options}
-    stamps = {split: _file_stamp(path) for split, path in files.items()}
-    fingerprint = _digest(
+    stamps = {split: file_stamp(path) for split, path in files.items()}
+    fingerprint = digest(
         {"format_version": MANIFEST_FORMAT_VERSION, "kind": "text", **options, "in": stamps}
     )
 
     out = Path(out_dir)
-    _refuse_overwriting(
+    refuse_overwriting(
         list(files.values()), [text_path(out, split, TEXT_SUFFIX) for split in files], out
     )
 
     def write(old: dict[str, Any] | None) -> dict[str, Any]:
-        with _staging_dir(out) as staging:
+        with staging_dir(out) as staging:
             stats, classes = _read_splits(task, files, staging, names, encoding_errors, say)
             vocab, tokenizer_key = _staged_text_tokenizer(
                 staging,
@@ -198,10 +195,10 @@ def prepare_text(
                 "fingerprint": fingerprint,
                 "tokenizer_key": tokenizer_key,
             }
-            _commit(staging, out, manifest, old)
+            commit(staging, out, manifest, old)
         return manifest
 
-    return _prepared(out, fingerprint, force, say, write)
+    return reuse_or_write(out, fingerprint, force, say, write)
 
 
 def _check_label_names(labels: Sequence[str], task: str) -> list[str]:
@@ -241,22 +238,22 @@ def _staged_text_tokenizer(
     if given is not None:
         say(f"using the tokenizer {given}")
         shutil.copyfile(given, staging / TOKENIZER_NAME)
-        return Tokenizer.load(staging / TOKENIZER_NAME), _digest(vocab_options)
+        return Tokenizer.load(staging / TOKENIZER_NAME), digest(vocab_options)
     # As for translation: the vocabulary depends on the kept training text and the options,
     # so a copy or a rewrite of the same text reuses it.
     train_text = text_path(staging, "train", TEXT_SUFFIX)
-    key = _digest(
+    key = digest(
         {
-            "train_text": _content_digest([train_text]),
+            "train_text": content_digest([train_text]),
             "symbols": [MASK_PIECE],
             "encoding_errors": encoding_errors,
             **vocab_options,
         }
     )
     vocab_size, model_type = vocab_options["vocab_size"], vocab_options["model_type"]
-    tokenizer = _staged_tokenizer(
+    tokenizer = staged_tokenizer(
         staging,
-        _reusable_tokenizer(*previous, key),
+        reusable_tokenizer(*previous, key),
         f"training a {model_type} vocabulary of {vocab_size:,} on {source}",
         lambda prefix: train_tokenizer(
             [train_text],
@@ -340,19 +337,19 @@ def _read_split(
 ) -> _SplitStats:
     """Read one split: plain lines, or ``LABEL<TAB>TEXT`` lines when there are ``classes``."""
     stats = _SplitStats()
-    with _open_input(path) as lines, out_path.open("w", encoding="utf-8", newline="\n") as out:
+    with open_input(path) as lines, out_path.open("w", encoding="utf-8", newline="\n") as out:
         for line_no, raw in enumerate(lines, start=1):
-            line, replaced = _decode(raw, path, line_no, errors)
+            line, replaced = decode_line(raw, path, line_no, errors)
             stats.input_lines += 1
             if line_no % 10_000 == 0:
                 meter.advance(10_000)
             stats.replaced += replaced
-            text = line.translate(_LINE_BREAKS).strip()
+            text = line.translate(LINE_BREAKS).strip()
             if not text:
                 stats.empty += 1
                 continue
             if classes is not None:  # the tab may be at either end of the stripped line
-                label, text = _label_and_text(line.translate(_LINE_BREAKS), path, line_no)
+                label, text = _label_and_text(line.translate(LINE_BREAKS), path, line_no)
                 stats.labels.append(classes.of(label, path, line_no))
             out.write(text + "\n")
             stats.lines += 1
@@ -400,13 +397,13 @@ def _encode_split(
 ) -> None:
     lengths = []
     with ids_paths(staging, split, TEXT_SUFFIX)[0].open("wb") as ids_out:
-        for lines in _chunks(text_path(staging, split, TEXT_SUFFIX)):
-            chunk_lengths = _write_ids(tokenizer.encode_batch(lines), dtype, ids_out)
+        for lines in line_chunks(text_path(staging, split, TEXT_SUFFIX)):
+            chunk_lengths = write_ids(tokenizer.encode_batch(lines), dtype, ids_out)
             lengths.append(chunk_lengths)
             stats.tokens += int(chunk_lengths.sum())
             stats.longest = max(stats.longest, int(chunk_lengths.max(initial=0)))
             meter.advance(len(lines))
-    _write_offsets(staging, split, TEXT_SUFFIX, lengths)
+    write_offsets(staging, split, TEXT_SUFFIX, lengths)
 
 
 def _split_manifest(path: Path, stats: _SplitStats, names: list[str] | None) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """Load and bad-input test of ``aiayn serve`` on loopback: bounded in time, stops by itself.
 
-``python -m aiayn.serving.load CHECKPOINT_OR_RUN --sentences FILE`` starts ``aiayn serve`` on
-a free loopback port (twice: with batching, then with ``--no-batching``), and for each number
-of concurrent clients (1, 8, 32, 128 by default) runs that many clients for a fixed time, each
-sending one sentence per request (round robin over FILE) as soon as its previous answer came.
-It reports sentences/s, p50/p99 latency, errors and the server's peak resident memory.
+From the repository root, ``.venv/bin/python -m benchmarks.serving_load CHECKPOINT_OR_RUN
+--sentences FILE`` starts ``aiayn serve`` on a free loopback port (twice: with batching, then
+with ``--no-batching``), and for each number of concurrent clients (1, 8, 32, 128 by default)
+runs that many clients for a fixed time, each sending one sentence per request (round robin
+over FILE) as soon as its previous answer came. It reports sentences/s, p50/p99 latency,
+errors and the server's peak resident memory.
 
 Then, with batching, a bad-input run: good clients as above while other connections send
 random bytes, truncated JSON, bodies cut off mid-way, invalid UTF-8, wrong types, huge bodies
@@ -634,7 +635,7 @@ def check(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aiayn.serving.load",
+        prog="python -m benchmarks.serving_load",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN")

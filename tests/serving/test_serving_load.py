@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from benchmarks import serving_load
 
-from aiayn.serving import load
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -24,7 +24,7 @@ def test_a_short_load_run_with_bad_input(reverse_checkpoint: Path, tmp_path: Pat
     monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "load.json"
-    code = load.main(
+    code = serving_load.main(
         [
             str(reverse_checkpoint),
             "--sentences",
@@ -55,19 +55,19 @@ def test_a_short_load_run_with_bad_input(reverse_checkpoint: Path, tmp_path: Pat
         assert phase["statuses"] == {"200": phase["requests"]}
         assert phase["p50_ms"] <= phase["p99_ms"] and phase["peak_rss_mib"] > 50
     assert report["exit_statuses"] == [0]
-    assert set(report["bad_input"]) == set(load.ATTACKS)
+    assert set(report["bad_input"]) == set(serving_load.ATTACKS)
     for kind, answers in report["bad_input"].items():
-        assert answers and set(answers) <= load.EXPECTED[kind], (kind, answers)
+        assert answers and set(answers) <= serving_load.EXPECTED[kind], (kind, answers)
     assert "cores" in report["cpu"]
 
 
 def test_the_verdicts_name_what_went_wrong():
-    good = load.Phase("batching", 8, seconds=1.0, sentences=10, requests=10)
+    good = serving_load.Phase("batching", 8, seconds=1.0, sentences=10, requests=10)
     good.statuses["200"] = 10
-    lost = load.Phase("batching", 8, seconds=1.0, sentences=9, requests=10, errors=1)
+    lost = serving_load.Phase("batching", 8, seconds=1.0, sentences=9, requests=10, errors=1)
     lost.statuses.update({"200": 9, "503": 1})
-    assert load.check([good], {}, [0]) == []
-    problems = load.check(
+    assert serving_load.check([good], {}, [0]) == []
+    problems = serving_load.check(
         [good, lost],
         {"truncated JSON": Counter({"400": 3, "500": 1}), "slow body": Counter()},
         [0, -15],
@@ -81,8 +81,8 @@ def test_the_verdicts_name_what_went_wrong():
 
 
 def test_percentiles_are_nearest_rank():
-    phase = load.Phase("batching", 1, latencies=[i / 1000 for i in range(1, 101)])
+    phase = serving_load.Phase("batching", 1, latencies=[i / 1000 for i in range(1, 101)])
     assert phase.percentile_ms(50) == pytest.approx(50)
     assert phase.percentile_ms(99) == pytest.approx(99)
     assert phase.percentile_ms(99.5) == pytest.approx(100)
-    assert load.Phase("batching", 1, latencies=[0.25]).percentile_ms(99) == 250
+    assert serving_load.Phase("batching", 1, latencies=[0.25]).percentile_ms(99) == 250
