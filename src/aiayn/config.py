@@ -288,12 +288,12 @@ class TrainConfig:
     compile: bool = False
     # At the end of `aiayn train` on the CPU: compile the run's decoder step for `translate`
     # and `serve` on this machine (aiayn.accel.compiled; a Transformer with full attention, a
-    # C++ compiler; three libraries, about 30 s each for the Multi30k model). They use it from
-    # then on.
+    # C++ compiler; three libraries, built once: docs/translation.md). They use it from then
+    # on.
     compile_step: bool = True
     # Keep only each layer's input in the forward pass and recompute the layer in the
-    # backward pass: less memory for long sequences and big models, more time (BASE on the
-    # CPU: -47% memory, +7% time; docs/long-sequences.md).
+    # backward pass: less memory for long sequences and big models, more time
+    # (docs/long-sequences.md measures both).
     activation_checkpointing: bool = False
     log_interval: int = 100
     valid_interval: int = 1000

@@ -40,9 +40,8 @@ def inference_attention(device: torch.device | str) -> contextlib.AbstractContex
     """The attention kernels for inference on ``device``. On CUDA: flash, memory-efficient
     or math, never cuDNN's. PyTorch takes cuDNN's kernel for bf16 and fp16 where it can, and
     cuDNN builds a plan for every new shape; decoding meets a new shape at every step and
-    batch (a longer cache, another source length). On an H200 that made the first bf16
-    translation of Multi30k `val` take 13.9 s, against 0.6 s once every shape had been seen
-    (docs/performance.md, "On a GPU")."""
+    batch (a longer cache, another source length), so that a first half-precision pass would
+    spend most of its time building plans (docs/performance.md, "On a GPU")."""
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -54,12 +54,12 @@ class StepAttention(Float32Attention):
     """:class:`Float32Attention` whose beam steps over many sentences attend by two matrix
     products and a softmax rather than ``F.scaled_dot_product_attention``: PyTorch's CPU
     kernel splits the work into one task per sentence and head, each only a few queries long,
-    and was 1.2-2.7× slower than the plain products on decoding shapes (SMALL and BASE, AMD
-    EPYC; docs/performance.md). The same function: the sums run in another order (float32
-    rounding), and a row whose every key is masked gives NaN where the kernel gives zeros (a
-    translation has none: every source has its end-of-sentence token). Inference on the CPU
-    only (no autograd, autocast or dropout); elsewhere the parent's path. Its cross-attention
-    keys and values are kept contiguous, so that no step copies them for the products."""
+    which is slower than the plain products at decoding's shapes (docs/performance.md). The same
+    function: the sums run in another order (float32 rounding), and a row whose every key is
+    masked gives NaN where the kernel gives zeros (a translation has none: every source has
+    its end-of-sentence token). Inference on the CPU only (no autograd, autocast or
+    dropout); elsewhere the parent's path. Its cross-attention keys and values are kept
+    contiguous, so that no step copies them for the products."""
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
@@ -101,10 +101,9 @@ class PanelAttention(MultiHeadAttention):
     """:class:`~aiayn.model.attention.MultiHeadAttention` whose float32 inference on the CPU
     attends through aiayn's kernel (:func:`aiayn.accel.panels.attend`) once that is loaded:
     one task per sentence and head, a query's scores and weighted sum of values in registers,
-    and the heads written side by side so that merging them is a view. For the encoder's
-    short sentences: 0.86-0.94 against PyTorch's 1.75-2.26 ms over 64 SMALL sentences of 24
-    tokens on two cores (docs/performance.md). The same function to float32 rounding; training,
-    autocast, bfloat16 and other devices take the parent's path."""
+    and the heads written side by side so that merging them is a view: faster than PyTorch's
+    kernel for the encoder's short sentences (docs/performance.md). The same function to
+    float32 rounding; training, autocast, bfloat16 and other devices take the parent's path."""
 
     def scaled_dot_product(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool

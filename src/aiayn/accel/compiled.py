@@ -19,18 +19,17 @@ matrix. The step is the model's own: :class:`DecoderStep` calls the decoder laye
 Python in it and one graph serves every row count, source length and output length (the
 cache's positions grow as the output does: :attr:`CompiledCache.capacity`).
 
-Compiling takes half a minute to a minute for each library of a small model (longer for
-larger ones); a library is kept in the user's cache directory (:func:`compiled_dir`), named
-after a digest of the weights, the configuration, the code that is compiled, the rows it is
-tuned for, aiayn's and PyTorch's versions, the thread count and the CPU (:func:`step_key`),
-so that it is built once and found again by any later process (:func:`load_compiled_step`).
-It is native code: it is only ever loaded from
-that cache, and only from a file and directory that belong to the user and that nobody else
-may write (:func:`trusted`). It is a bare shared library rather than a ``.pt2`` package, whose
-loader holds about twice the weights' size more. Its weights are read from the file in place
-(:mod:`aiayn.accel.library_constants`, through an index of them written beside it), not from
-the copy AOTInductor's loader makes, which is freed. A library that fails to load or to
-compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
+Compiling is slow (the longer, the larger the model), so a library is kept in the user's
+cache directory (:func:`compiled_dir`), named after a digest of the weights, the
+configuration, the code that is compiled, the rows it is tuned for, aiayn's and PyTorch's
+versions, the thread count and the CPU (:func:`step_key`), so that it is built once and
+found again by any later process (:func:`load_compiled_step`). It is native code: it is only
+ever loaded from that cache, and only from a file and directory that belong to the user and
+that nobody else may write (:func:`trusted`). It is a bare shared library rather than a
+``.pt2`` package, whose loader holds about twice the weights' size more. Its weights are
+read from the file in place (:mod:`aiayn.accel.library_constants`, through an index of them
+written beside it), not from the copy AOTInductor's loader makes, which is freed. A library
+that fails to load or to compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
 
 :class:`CompiledCache` is the incremental decoder's state for the first, with the
 interface search uses (``reorder``, ``keep``): one row of keys and values per beam, gathered
@@ -82,20 +81,18 @@ if TYPE_CHECKING:
 # kernels are generated for the rows they are tuned with): FEW_ROWS serves decodes of up to
 # MAX_ROWS rows (sentences × beam), MANY_ROWS greedy decodes of more. Not beam searches over
 # more: there a reorder would gather every row's keys, where the eager cache moves a lineage
-# index only; at 256 rows of SMALL the library was 25% slower (docs/performance.md). The
+# index only, and the library measured slower there (docs/performance.md). The
 # library for many rows keeps its keys and values position-major, as the beams' does (below):
-# each step reads the positions decoded so far and no more. Over 64 SMALL sentences the
-# library alone took 4-16% less time than over a doubling cache, about 3% in a whole greedy
-# decode (docs/performance.md).
+# each step reads the positions decoded so far and no more, which measured faster than a
+# cache that doubles (docs/performance.md).
 MAX_ROWS = 16
 FEW_ROWS = 4
 MANY_ROWS = 64
 # A third library serves beam searches of BEAM beams over more than MAX_ROWS rows, tuned for
 # BEAM_ROWS rows: its cache keeps one set of keys and values per sentence with its beams side
 # by side and a lineage, as the eager one does (model/cache.py), so that a reorder moves no
-# keys and the beams read their sentence's memory together. 24 steps of 64 SMALL sentences
-# with beam 4 took 379 ms against 464-468 ms eagerly (docs/performance.md). Other beam sizes
-# over MAX_ROWS rows decode eagerly.
+# keys and the beams read their sentence's memory together; faster than the eager step at
+# these rows (docs/performance.md). Other beam sizes over MAX_ROWS rows decode eagerly.
 BEAM = 4
 BEAM_ROWS = 256
 # The libraries of a model, by the rows each is tuned for, and the attributes of the
@@ -263,8 +260,8 @@ class OneQueryAttention(MultiHeadAttention):
     its own lineage's, read in place (figures: docs/performance.md). Otherwise
     ``softmax(q·kᵀ/√d_k)·v`` written as products and sums over the key positions, which Inductor
     fuses into loops of the library. ``F.scaled_dot_product_attention`` there is a call out of
-    the library to ATen's kernel per attention: 29 µs each against 8 µs for the fused loops at
-    four SMALL rows, six of them a step. Both add in another order than SDPA's, within float32
+    the library to ATen's kernel per attention, which at a few rows costs more than the
+    attention itself (docs/performance.md). Both add in another order than SDPA's, within float32
     rounding of it. A row that may attend to no position gets NaN here (SDPA gives zeros); the
     step has none: each row attends to its own first position and to its source's EOS. Keys and
     values may come as (B, H, positions, beam, Dh), key ``j * beam + b`` at (j, b)
@@ -737,7 +734,7 @@ def step_keys(
                 break
     # The compiler's target, where it is set (Inductor's cpp.march, TORCHINDUCTOR_CPP_MARCH by
     # default; else the host's own). Read from Inductor's config only where a compile has
-    # imported it: the import costs a decoding process 68 MB (docs/performance.md), and
+    # imported it: the import adds to a decoding process's memory (docs/performance.md), and
     # until then the setting is the environment's.
     inductor = sys.modules.get("torch._inductor.config")
     march = os.environ.get(MARCH_VAR) if inductor is None else inductor.cpp.march
@@ -967,8 +964,8 @@ def _decoder_products(model: Transformer) -> list[nn.Module]:
 
 
 # Without autograd: freezing packs a product's weight for oneDNN only where the weight needs
-# no gradient (with it, every product of the 64-row library was an unpacked addmm, and a SMALL
-# greedy batch took 1.03-1.14× as long: docs/performance.md, The compiled decoder step).
+# no gradient (with it, every product of the 64-row library is an unpacked addmm that packs
+# its weight again at every call, and slower: docs/performance.md).
 @torch.no_grad()
 def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     from torch.export import Dim

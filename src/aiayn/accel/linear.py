@@ -57,9 +57,7 @@ BF16_ROW_MULTIPLE = 64
 _CHECK_ROWS = (MIN_PACKED_ROWS, 5, 13, 31, 63, PACK_FOR_ROWS, 65, 100, 127, MAX_PACKED_ROWS)
 # A oneDNN pack is checked at the row count it is made for (tests/accel/test_linear_onednn.py
 # multiplies packs at 1 to 1,000 rows). Every row count multiplied leaves kernels of its own in
-# the process: packing the SMALL benchmark model's 34 layers took 73 MB with seven row counts
-# and 48 MB with two, and checks at 1, 4, 64 and 128 rows cost the benchmark's decoding process
-# about 10 MB at its peak (docs/performance.md, Limits).
+# the process, so each row count checked costs memory for as long as the process lives.
 _CHECK_ROWS_ONEDNN = (PACK_FOR_ROWS,)
 # The panels' product at 64 rows: ten blocks of six rows and one of four.
 _CHECK_ROWS_PANELS = (PACK_FOR_ROWS,)
@@ -102,8 +100,8 @@ def cpu_vendor() -> str:
 
 def fp32_pack_library() -> str | None:
     """The library float32 weights are packed for: ``"onednn"`` on an x86 CPU whose vendor is
-    known and not Intel (MKL's fast float32 kernels are Intel's; on an AMD EPYC oneDNN's
-    one-row product is 2.4× faster at two threads, docs/performance.md), else ``"mkl"``; the
+    known and not Intel (MKL's fast float32 kernels are Intel's; elsewhere oneDNN's one-row
+    product is the faster at two threads, docs/performance.md), else ``"mkl"``; the
     other where only one is there; None where neither is. (Where it is oneDNN, a decode packs
     its step's products into :mod:`aiayn.accel.panels`' panels instead where that product is
     loaded: :func:`aiayn.accel.accelerate`.)"""
@@ -259,8 +257,8 @@ def _agrees_on_columns(
     """Whether ``product`` (x → x W^T + b through a pack) agrees with ``F.linear`` at each
     row count in ``rows`` to ``tolerance`` (relative, and of the largest output), on
     :data:`_CHECK_COLUMNS` output columns drawn at random and the last 16: the reference
-    product of the whole weight would leave MKL's buffers for it in the process (65 MB for an
-    8000 × 256 projection), and a pack in the wrong layout is wrong in nearly every column."""
+    product of the whole weight would leave MKL's buffers for it in the process (as large as
+    the weight), and a pack in the wrong layout is wrong in nearly every column."""
     weight = layer.weight.detach()
     generator = torch.Generator().manual_seed(0)
     drawn = torch.randperm(weight.size(0), generator=generator)[:_CHECK_COLUMNS]

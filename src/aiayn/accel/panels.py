@@ -168,7 +168,7 @@ def _build(path: Path) -> None:
 
 def log_softmax_(logits: Tensor) -> Tensor:
     """``torch.log_softmax(logits, -1, out=logits)``: by the product's file where it is loaded
-    (vectorised, about twice PyTorch's speed over (64, 8,000): docs/performance.md), for a
+    (vectorised, faster than PyTorch's at a step's shapes: docs/performance.md), for a
     float32 CPU matrix with contiguous rows; else PyTorch's. The values agree to float32
     rounding (another exp, other sums)."""
     if (

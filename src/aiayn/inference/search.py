@@ -644,9 +644,8 @@ def _one_token_search(
 
 # Greedy's choice over many rows on the CPU: the maximum of each block of ARGMAX_BLOCK tokens
 # (a vectorised reduction), then the first maximum of the best block. ``max(dim)`` keeps an
-# index with every element and is not vectorised: over (64, 8000) log-probabilities 219 against
-# 70 µs, over (64, 37000) 980 against 196 µs, over (8, 8000) 33 against 27 µs; over (4, 8000)
-# 19 against 21 µs and (1, 8000) 10 against 18 µs, hence ARGMAX_ROWS (docs/performance.md).
+# index with every element and is not vectorised, the slower over many rows; over fewer than
+# ARGMAX_ROWS rows it is the faster (docs/performance.md).
 ARGMAX_BLOCK = 64
 ARGMAX_ROWS = 8
 
@@ -654,8 +653,8 @@ ARGMAX_ROWS = 8
 def native_first_argmax() -> Callable[[Tensor], Tensor] | None:
     """aiayn's AVX2 kernel with :func:`first_argmax`'s result for a float32 CPU matrix, where
     its file (:mod:`aiayn.accel.panels`) is loaded into this process, else None: one pass over
-    each row, 41 against 153 µs over (64, 8000), 5 against 27 µs (``max``) over (1, 8000)
-    (docs/performance.md). Looked up once a search (a few µs)."""
+    each row, faster than the blocks and than ``max`` (docs/performance.md). Looked up once a
+    search."""
     return getattr(torch.ops.aiayn_panels, "first_argmax", None)
 
 

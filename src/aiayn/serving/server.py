@@ -137,9 +137,9 @@ class HeadTimedH11(H11Protocol):
 def _no_delay(transport: asyncio.Transport) -> None:
     """Send each write at once (``TCP_NODELAY``). asyncio sets it only on sockets made with
     protocol ``IPPROTO_TCP``, and those a socket of our own (:func:`bind`, protocol 0) accepts
-    are not: h11 writes an answer's head and body apart, Nagle's algorithm held the body until
-    the client acknowledged the head, and a client's delayed acknowledgement made every answer
-    on a kept-alive connection 40 ms late (docs/serving.md, Load test)."""
+    are not: h11 writes an answer's head and body apart, and Nagle's algorithm would hold the
+    body until the client acknowledged the head, which a client's delayed acknowledgement puts
+    off (docs/serving.md, Load test)."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):  # a peer gone already (EINVAL on some systems)

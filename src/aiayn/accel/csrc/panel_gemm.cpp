@@ -33,13 +33,13 @@ constexpr int64_t MR = 6;         // input rows of a block
 constexpr int64_t KC = 256;       // the block of K a panel is walked in
 constexpr int64_t X_BYTES = 131072;      // the rows of x a block of rows holds at most
 constexpr int64_t PANEL_BYTES = 262144;  // the panels a group holds at most
-// From this many output columns x is copied into blocks of MR rows first: 7-15% more
-// GFLOP/s at 64 rows × 2,048-37,000 columns; at 256-1,024 columns the copy costs what it
-// saves (an AMD EPYC with AVX2, docs/performance.md).
+// From this many output columns x is copied into blocks of MR rows first, so that the
+// kernel's broadcasts read memory in order; at fewer columns the copy costs what it saves
+// (docs/performance.md).
 constexpr int64_t PACK_X_COLUMNS = 2048;
 // From this many rows the panels' products hand their work out in chunks (below), and
 // prefetch the panels' next block: at fewer (one sentence's rows) both cost more than they
-// save (a product of 1 or 4 rows 6-12% slower each; docs/performance.md).
+// save (docs/performance.md).
 constexpr int64_t MANY_ROWS = 16;
 
 // Work of n items handed out in chunks, one at a time: each thread takes the next chunk when
