@@ -235,7 +235,7 @@ def accelerate(
     *,
     precision: Precision = "fp32",
     pack_weights: bool | None = None,
-    memory_settings: bool = True,
+    process_settings: bool = False,
     before_packing: Callable[[Acceleration], object] | None = None,
 ) -> Acceleration:
     """Make ``model`` faster on the CPU for ``mode`` (see the module docstring).
@@ -246,10 +246,14 @@ def accelerate(
     :func:`~aiayn.accel.linear.fp32_pack_library` names (MKL on Intel CPUs, else oneDNN);
     None, the default, packs them where that library is oneDNN, whose packed products are
     faster at every row count there; False packs no float32 weight. bfloat16 weights are
-    always packed, for oneDNN. ``memory_settings`` raises the process's malloc thresholds while the
-    acceleration lives and, for ``"decode"``, hands back the pages of PyTorch's libraries that
-    loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the process's RSS, not the
-    page cache). A model that is not on the CPU is left as it is.
+    always packed, for oneDNN. A model that is not on the CPU is left as it is.
+
+    ``process_settings`` is for the program that owns the process (aiayn's commands pass it):
+    True also raises the process's malloc thresholds while the acceleration lives
+    (:mod:`~aiayn.accel.memory`) and, for ``"decode"``, hands back the pages of PyTorch's
+    libraries that loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the
+    process's RSS, not the page cache). By default (False) nothing outside the model changes:
+    what is handed back is only the model's own (pages of its weights mapped from a file).
 
     ``before_packing`` is called with the acceleration once the modules are swapped and
     before any weight is packed: what it loads does not meet the packs in memory
@@ -345,14 +349,14 @@ def accelerate(
             _relu_in_products(model, acceleration)
     if mode == "decode":
         _tables_by_rows(model, acceleration)
-    if mode == "decode" and memory_settings and acceleration.levers:
+    if mode == "decode" and process_settings and acceleration.levers:
         # Last, where this call changed the model: loading it, packing its weights and
         # loading its compiled step ran code that decoding does not run again.
         acceleration.library_pages = memory.release_library_pages(TORCH_LIBRARIES)
         if acceleration.library_pages:
             megabytes = acceleration.library_pages / (1 << 20)
             acceleration.levers.append(f"PyTorch's code pages handed back ({megabytes:.1f} MB)")
-    if memory_settings:
+    if process_settings:
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
             acceleration.levers.append(f"malloc thresholds ({mode})")

@@ -445,6 +445,7 @@ def train_run(
     device: str = "auto",
     show_progress: bool = True,
     start_over: bool = False,
+    process_settings: bool = False,
 ) -> TrainResult:
     """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank.
     ``config`` as :func:`resolve_config` makes it from a config file and the data (the
@@ -525,6 +526,7 @@ def train_run(
                 labels=labels,
                 dist_info=info,
                 show_progress=show_progress,
+                process_settings=process_settings,
             )
             # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
             state, refusal = None, None
@@ -631,7 +633,7 @@ def _average(trainer: Trainer, last: int) -> Path:
     model = build_model(trainer.config.model, info.device)
     model.load_state_dict(broadcast_object(weights, info))
     if trainer.acceleration is not None:  # validated as the trained model was
-        accelerate(model, "train", precision=trainer.precision, memory_settings=False)
+        accelerate(model, "train", precision=trainer.precision)
     metrics = trainer.validate(model)
     # replace: a finished run run again averages again, and keeps one record.
     record = {"kind": "averaged", "step": trainer.step, "minutes": trainer.minutes, **metrics}
