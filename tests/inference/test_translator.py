@@ -326,13 +326,13 @@ def test_a_cpu_translator_accelerates_its_model_for_decoding() -> None:
 
     translator = Translator(tiny_model(), CharTokenizer())
     assert translator.acceleration is not None and translator.acceleration.mode == "decode"
-    assert "malloc thresholds (decode)" not in translator.acceleration.levers
+    assert "malloc thresholds" not in translator.acceleration.levers
     translator.acceleration.undo()
     translator = Translator(tiny_model(), CharTokenizer(), process_settings=True)
     assert translator.acceleration is not None
     # where the malloc setting applies: glibc, and not AIAYN_MALLOC=system
     if memory._mallopt() is not None:
-        assert "malloc thresholds (decode)" in translator.acceleration.levers
+        assert "malloc thresholds" in translator.acceleration.levers
     translator.acceleration.undo()
     elsewhere = Translator(tiny_model().to("meta"), CharTokenizer())
     assert elsewhere.acceleration is not None and elsewhere.acceleration.levers == []
