@@ -18,7 +18,8 @@ The levers, each with when it applies, what it swaps and how it is undone, are l
 
 On other devices it changes nothing. :class:`aiayn.training.trainer.Trainer` and
 :class:`aiayn.inference.translator.Translator` call it on the CPU. What each lever gives:
-docs/performance.md.
+the table ``make bench-levers`` writes (benchmarks/results/levers-<host>.md), which
+docs/performance.md shows.
 """
 
 from __future__ import annotations
