@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiayn.accel.levers import NAMES
 from benchmarks.lever_table import (
     FIGURES,
     cell,
@@ -15,6 +14,8 @@ from benchmarks.lever_table import (
     lever_rows,
     render,
 )
+
+from aiayn.accel.levers import NAMES
 
 
 def _run(figures: dict[str, float], rss: float, levers: list[str]) -> dict[str, Any]:
