@@ -1,5 +1,5 @@
 # The two commands at the top of the README. Each creates or reuses .venv.
-.PHONY: demo demo-lm demo-classify test lint format venv bench bench-paired
+.PHONY: demo demo-lm demo-classify test lint format venv bench bench-paired bench-levers
 
 venv:
 	@bash scripts/setup_env.sh
@@ -41,3 +41,9 @@ bench: venv
 # aiayn and CTranslate2 taking turns batch by batch (docs/performance.md): about 8 minutes.
 bench-paired: venv
 	.venv/bin/python benchmarks/paired_decode.py --write
+
+# Each lever of aiayn.accel on and off on the headline figures, SMALL and BASE, 3 rounds
+# (benchmarks/results/levers-<host>.md, shown by docs/performance.md): about 40 minutes on 2
+# cores. `.venv/bin/python -m benchmarks.lever_table --quick` takes a few.
+bench-levers: venv
+	.venv/bin/python -m benchmarks.lever_table

@@ -153,6 +153,7 @@ def aiayn_decoder(
         precision=precision,
         pack_weights=True if packed else None,
         before_packing=(lambda acc: use_compiled_step(model, acc)) if compiled else None,
+        process_settings=True,  # as aiayn translate and serve ask for them
     )
 
     @torch.inference_mode()

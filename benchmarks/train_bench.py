@@ -63,7 +63,8 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     train = TrainConfig(label_smoothing=w.label_smoothing)
     torch.manual_seed(0)
     model = build_model(config).train()
-    accelerate(model, "train", precision="bf16" if bf16 else "fp32")  # as aiayn's Trainer does
+    # As aiayn train's Trainer does (its process settings included).
+    accelerate(model, "train", precision="bf16" if bf16 else "fp32", process_settings=True)
     optimizer = build_optimizer(model, train)
     schedule = build_schedule(optimizer, config.d_model, train)
     n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())

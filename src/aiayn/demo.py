@@ -92,7 +92,8 @@ CUDA_RECIPE = [
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """What ``aiayn demo`` does; every field has the default the command uses."""
+    """What ``aiayn demo`` does; every field has the default the command uses but
+    ``process_settings``, which the command sets (:class:`~aiayn.training.trainer.Trainer`'s)."""
 
     minutes: float = 10.0
     data_dir: Path = Path("data/bible-en-es")
@@ -108,6 +109,7 @@ class DemoOptions:
     cache_dir: Path | None = None
     sword_path: Path | None = None
     show_progress: bool = True
+    process_settings: bool = False
 
 
 @dataclass
@@ -308,7 +310,12 @@ def run_demo(
     )
     try:
         result = train_run(
-            config, data_dir, run_dir, device=device, show_progress=options.show_progress
+            config,
+            data_dir,
+            run_dir,
+            device=device,
+            show_progress=options.show_progress,
+            process_settings=options.process_settings,
         )
     except ResumeMismatch as error:  # a run of another corpus or recipe in run_dir
         raise UserError(f"{error} (aiayn demo --fresh starts over)") from None
@@ -332,7 +339,9 @@ def run_demo(
     sources = test.src_texts()
     references = test.tgt_texts()
     step(4, f"translating the {len(sources):,} test verses (beam {config.decode.beam_size})")
-    translator, _ = Translator.from_checkpoint(model_path, device=device)
+    translator, _ = Translator.from_checkpoint(
+        model_path, device=device, process_settings=options.process_settings
+    )
     hypotheses = _translate_with_progress(translator, sources, log)
     hyp_path = run_dir / f"test.hyp.{TGT}"
     hyp_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")

@@ -81,7 +81,7 @@ def _classes(model: nn.Module) -> list[type]:
 @pytest.mark.parametrize("pre_norm", [False, True])
 def test_training_in_fp32_without_dropout_is_bit_identical(pre_norm: bool) -> None:
     plain, fast = _model(pre_norm=pre_norm).train(), _model(pre_norm=pre_norm).train()
-    acceleration = accelerate(fast, "train", memory_settings=False)
+    acceleration = accelerate(fast, "train")
     assert GridResidual in _classes(fast) and GridDropout in _classes(fast)
     want_logits, want_grads = _forward_backward(plain)
     got_logits, got_grads = _forward_backward(fast)
@@ -92,7 +92,7 @@ def test_training_in_fp32_without_dropout_is_bit_identical(pre_norm: bool) -> No
 
 def test_training_with_dropout_is_the_plain_model_in_eval_and_drops_in_train() -> None:
     plain, fast = _model(dropout=0.3), _model(dropout=0.3)
-    accelerate(fast, "train", memory_settings=False)
+    accelerate(fast, "train")
     src, src_pad, tgt = _batch()
     with torch.no_grad():
         assert torch.equal(fast.eval()(src, src_pad, tgt), plain.eval()(src, src_pad, tgt))
@@ -108,7 +108,7 @@ def test_parameters_and_state_dict_stay_and_undo_restores_the_plain_model() -> N
     plain, fast = _model(dropout=0.1), _model(dropout=0.1)
     params = list(fast.parameters())
     state = fast.state_dict()
-    acceleration = accelerate(fast, "train", precision="bf16", memory_settings=False)
+    acceleration = accelerate(fast, "train", precision="bf16")
     assert list(fast.parameters()) == params
     assert fast.state_dict().keys() == state.keys()
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in state.items())
@@ -127,7 +127,7 @@ def test_parameters_and_state_dict_stay_and_undo_restores_the_plain_model() -> N
 def test_decoding_in_fp32_is_bit_identical() -> None:
     plain, fast = _model().eval(), _model().eval()
     # Unpacked, as on an Intel CPU (packed weights agree to float32 rounding only).
-    with accelerate(fast, "decode", pack_weights=False, memory_settings=False) as acceleration:
+    with accelerate(fast, "decode", pack_weights=False) as acceleration:
         assert acceleration.mode == "decode"
         assert _hypotheses(fast) == _hypotheses(plain)
         assert torch.equal(_steps(fast), _steps(plain))
@@ -144,7 +144,7 @@ def test_a_packed_projection_frees_the_last_steps_log_probabilities_first() -> N
         pytest.skip("this PyTorch has no MKL packed-linear operators")
     model = _model().eval()
     made: list[weakref.ref[Tensor]] = []
-    with accelerate(model, "decode", pack_weights=True, memory_settings=False):
+    with accelerate(model, "decode", pack_weights=True):
         projection = model.out_proj
         assert isinstance(projection, CpuLinear) and projection.pack_serves()
         product = projection.product_through  # what the decoder step's projection calls
@@ -209,7 +209,7 @@ BF16_TOLERANCE = {"rtol": 3e-2, "atol": 3e-2}
 @needs_bf16
 def test_training_in_bf16_is_the_plain_model_to_bf16_rounding() -> None:
     reference, plain, fast = _model().train(), _model().train(), _model().train()
-    accelerate(fast, "train", precision="bf16", memory_settings=False)
+    accelerate(fast, "train", precision="bf16")
     want_logits, want_grads = _forward_backward(reference)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain_logits, plain_grads = _forward_backward(plain)
@@ -234,7 +234,7 @@ def test_decoding_in_bf16_is_the_plain_model_to_bf16_rounding() -> None:
     reference, plain, fast = _model().eval(), _model().eval(), _model().eval()
     plain.to(torch.bfloat16)
     fast.to(torch.bfloat16)
-    acceleration = accelerate(fast, "decode", precision="bf16", memory_settings=False)
+    acceleration = accelerate(fast, "decode", precision="bf16")
     assert acceleration.packed == sum(isinstance(m, nn.Linear) for m in fast.modules())
     src, src_pad, _ = _batch()
     with torch.inference_mode():
@@ -248,8 +248,8 @@ def test_decoding_in_bf16_is_the_plain_model_to_bf16_rounding() -> None:
 
 def test_calls_add_up_and_each_undoes_its_own() -> None:
     plain, model = _model().eval(), _model().eval()
-    first = accelerate(model, "decode", memory_settings=False)
-    second = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    first = accelerate(model, "decode")
+    second = accelerate(model, "decode", pack_weights=True)
     assert "grid dropout" in first.levers and second.packed > 0
     assert "grid dropout" not in second.levers  # nothing plain was left of it
     assert _hypotheses(model) == _hypotheses(plain)
@@ -262,14 +262,14 @@ def test_calls_add_up_and_each_undoes_its_own() -> None:
 
 def test_a_later_call_packs_and_pads_the_layers_an_earlier_one_swapped() -> None:
     model = _model().eval()
-    first = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    first = accelerate(model, "decode", pack_weights=True)
     assert first.packed > 0
-    again = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    again = accelerate(model, "decode", pack_weights=True)
     assert again.packed == first.packed and again.levers == []  # the packs serve: nothing new
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     float_packs = [m.pack for m in linears]
     model.to(torch.bfloat16)  # the float32 packs no longer match the weights
-    bf16 = accelerate(model, "decode", precision="bf16", memory_settings=False)
+    bf16 = accelerate(model, "decode", precision="bf16")
     assert "padded bfloat16 rows" in bf16.levers and all(m.pad_bf16_rows for m in linears)
     if cpu_has_bfloat16():
         assert bf16.packed == len(linears)
@@ -292,7 +292,7 @@ def test_undo_leaves_a_module_that_was_swapped_again_since() -> None:
             return 2 * weight
 
     model = _model().eval()
-    acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    acceleration = accelerate(model, "decode", pack_weights=True)
     layer = model.decoder.layers[0].ffn.w1
     parametrize.register_parametrization(layer, "weight", Double())  # its class changes again
     acceleration.undo()
@@ -414,7 +414,7 @@ def test_nothing_happens_without_the_explicit_call() -> None:
 
 def test_deepcopy_keeps_the_swaps_but_no_pack() -> None:
     model = _model().eval()
-    accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    accelerate(model, "decode", pack_weights=True)
     twin = copy.deepcopy(model)
     assert _classes(twin) == _classes(model)
     assert all(m.pack is None for m in twin.modules() if isinstance(m, CpuLinear))

@@ -871,7 +871,6 @@ def test_the_weights_the_libraries_hold_are_handed_back(tmp_path: Path, pack_wei
         model,
         "decode",
         pack_weights=pack_weights,
-        memory_settings=False,
         before_packing=give_libraries,
     )
     held = library_products(model)

@@ -54,7 +54,7 @@ def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _accelerate(model: nn.Module, calls: list[int]) -> int:
     """Accelerate for decoding with packed weights, forgetting the products of the check."""
-    count = accelerate(model, "decode", pack_weights=True, memory_settings=False).packed
+    count = accelerate(model, "decode", pack_weights=True).packed
     calls.clear()
     return count
 
@@ -65,7 +65,7 @@ def test_every_float_linear_is_packed_and_undo_drops_them() -> None:
     # Encoder: QKV, Wo, two FFN per layer; decoder: QKV, Wo, Wq, W_kv, Wo, two FFN; the
     # output projection.
     assert len(linears) == 2 * 4 + 2 * 7 + 1
-    acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    acceleration = accelerate(model, "decode", pack_weights=True)
     assert acceleration.packed == len(linears) and all(packed_flags(model))
     assert optimizer_hook_registered()
     watchers = linear_module._watchers
@@ -154,7 +154,7 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
 
 def test_a_copied_model_carries_no_pack_and_decodes_the_same() -> None:
     model = packing_model()
-    accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    accelerate(model, "decode", pack_weights=True)
     twin = copy.deepcopy(model)
     assert not any(packed_flags(twin))
     assert_close(step_log_probs(twin, 6), step_log_probs(model, 6), rtol=1e-5, atol=1e-5)
@@ -173,10 +173,10 @@ def test_what_is_not_packed() -> None:
         quantized = torch.ao.quantization.quantize_dynamic(
             packing_model(), {nn.Linear}, dtype=torch.qint8
         )
-    assert accelerate(quantized, "decode", pack_weights=True, memory_settings=False).packed == 0
+    assert accelerate(quantized, "decode", pack_weights=True).packed == 0
     assert not any(isinstance(m, CpuLinear) for m in quantized.modules())
     with pytest.raises(ValueError, match="float32"):  # a float64 model is not fp32
-        accelerate(model, "decode", pack_weights=True, memory_settings=False)
+        accelerate(model, "decode", pack_weights=True)
 
 
 def test_an_optimizer_step_makes_every_pack_stale() -> None:
@@ -187,7 +187,7 @@ def test_an_optimizer_step_makes_every_pack_stale() -> None:
 
     model = packing_model()
     plain = copy.deepcopy(model).train()
-    acceleration = accelerate(model, "decode", pack_weights=True, memory_settings=False)
+    acceleration = accelerate(model, "decode", pack_weights=True)
     assert all(packed_flags(model))
     model.train()
     src = torch.randint(4, 50, (3, 5))
@@ -262,7 +262,7 @@ def test_bf16_products_on_the_cpu_see_rows_padded_to_a_multiple_of_64(
     # are padded to a multiple of 64, and the padding is cut off again (values and gradients).
     layer = nn.Linear(16, 8)
     plain = copy.deepcopy(layer)
-    accelerate(layer, "train", precision="bf16", memory_settings=False)
+    accelerate(layer, "train", precision="bf16")
     sizes: list[int] = []
     real = torch.nn.functional.linear
 

@@ -38,7 +38,7 @@ def test_bf16_products_go_through_the_pack_at_every_row_count(
     torch.manual_seed(1)
     layer = nn.Linear(48, 80).to(torch.bfloat16)
     plain = copy.deepcopy(layer)
-    assert accelerate(layer, "decode", precision="bf16", memory_settings=False).packed == 1
+    assert accelerate(layer, "decode", precision="bf16").packed == 1
     onednn_rows_seen.clear()  # the pack's own check
     x = torch.randn(rows, 1, 48).bfloat16()  # a decoder step's (B, 1, d) input
     with torch.no_grad():
@@ -59,7 +59,7 @@ def test_bf16_decoder_steps_equal_those_without_the_packs(
     rows: int, onednn_rows_seen: list[int]
 ) -> None:
     model = packing_model().to(torch.bfloat16)
-    acceleration = accelerate(model, "decode", precision="bf16", memory_settings=False)
+    acceleration = accelerate(model, "decode", precision="bf16")
     assert acceleration.packed == len(linear_layers(model))
     packs = {m: m.pack for m in model.modules() if isinstance(m, CpuLinear)}
     for layer in packs:

@@ -54,14 +54,15 @@ def test_the_library_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_decoding_packs_every_float32_linear_by_default_and_not_when_told() -> None:
     model = packing_model()
-    acceleration = accelerate(model, "decode", memory_settings=False)
+    acceleration = accelerate(model, "decode")
     assert acceleration.packed == len(linear_layers(model)) and all(packed_flags(model))
-    assert any(lever.startswith("packed weights (oneDNN") for lever in acceleration.levers)
+    assert "packed weights" in acceleration.levers
+    assert acceleration.details["packed weights"].startswith("oneDNN")
     assert all(m.pack is not None and m.pack.kind == "onednn" for m in linear_layers(model))  # type: ignore[attr-defined]
     acceleration.undo()
     plain = packing_model()
-    assert accelerate(plain, "decode", pack_weights=False, memory_settings=False).packed == 0
-    assert accelerate(packing_model(), "train", memory_settings=False).packed == 0
+    assert accelerate(plain, "decode", pack_weights=False).packed == 0
+    assert accelerate(packing_model(), "train").packed == 0
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130, 1000])
@@ -71,7 +72,7 @@ def test_products_equal_the_plain_layer_through_the_pack_at_every_row_count(
     torch.manual_seed(1)
     layer = nn.Linear(48, 80)
     plain = copy.deepcopy(layer)
-    assert accelerate(layer, "decode", memory_settings=False).packed == 1
+    assert accelerate(layer, "decode").packed == 1
     onednn_rows_seen.clear()  # the pack's own check
     x = torch.randn(rows, 1, 48)  # a decoder step's (B, 1, d) input
     with torch.no_grad():
@@ -89,7 +90,7 @@ def test_products_equal_the_plain_layer_through_the_pack_at_every_row_count(
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_decoder_steps_equal_the_plain_model(rows: int, onednn_rows_seen: list[int]) -> None:
     plain, model = packing_model(), packing_model()
-    accelerate(model, "decode", memory_settings=False)
+    accelerate(model, "decode")
     onednn_rows_seen.clear()
     assert_close(step_log_probs(model, rows), step_log_probs(plain, rows), **FLOAT32)
     assert onednn_rows_seen
@@ -98,7 +99,7 @@ def test_decoder_steps_equal_the_plain_model(rows: int, onednn_rows_seen: list[i
 @pytest.mark.parametrize("beam", [True, False])
 def test_search_finds_the_same_hypotheses(beam: bool, onednn_rows_seen: list[int]) -> None:
     plain, model = packing_model(), packing_model()
-    accelerate(model, "decode", memory_settings=False)
+    accelerate(model, "decode")
     onednn_rows_seen.clear()
     assert search_tokens(model, beam) == search_tokens(plain, beam)
     assert onednn_rows_seen
@@ -109,7 +110,7 @@ def test_a_weight_changed_after_packing_is_never_multiplied_stale(
 ) -> None:
     model = packing_model()
     plain = copy.deepcopy(model)
-    accelerate(model, "decode", memory_settings=False)
+    accelerate(model, "decode")
     with torch.no_grad():
         model.decoder.layers[0].ffn.w1.weight.mul_(2.0)
         plain.decoder.layers[0].ffn.w1.weight.mul_(2.0)
@@ -175,13 +176,13 @@ def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> No
     weights = sum(m.weight.numel() * 4 for m in linear_layers(model) if m.weight is not table)
     before = resident_bytes(path)
     assert before >= weights + table.numel() * 4
-    acceleration = accelerate(model, "decode", memory_settings=False)
+    acceleration = accelerate(model, "decode")
     assert acceleration.packed == len(linear_layers(model))
     assert acceleration.handed_back > 0.9 * before
     assert any(lever.startswith("mapped weights' pages") for lever in acceleration.levers)
     assert [id(t) for t in acceleration._tables] == [id(table)]
     assert resident_bytes(path) < 0.1 * before
-    accelerate(plain, "decode", memory_settings=False)
+    accelerate(plain, "decode")
     assert_close(step_log_probs(model, 5, 3000), step_log_probs(plain, 5, 3000), **FLOAT32)
     # The lookups of those steps read the rows of their tokens, not the whole table.
     assert resident_bytes(path) < 0.5 * table.numel() * 4
@@ -200,7 +201,7 @@ def test_the_relu_taken_in_the_first_product_changes_no_value(
     model = packing_model().to(dtype)
     ffns = [m for m in model.modules() if type(m) is PositionwiseFeedForward]
     precision = "bf16" if dtype is torch.bfloat16 else "fp32"
-    acceleration = accelerate(model, "decode", precision=precision, memory_settings=False)
+    acceleration = accelerate(model, "decode", precision=precision)
     assert "ReLU in the product" in acceleration.levers
     assert ffns and all(type(m) is ReluInProduct for m in ffns)
     activations: list[str] = []
@@ -243,11 +244,11 @@ def test_an_ffn_without_a_relu_or_a_onednn_pack_keeps_its_class() -> None:
     model = packing_model()
     gelu = model.encoder.layers[0].ffn
     gelu.activation = torch.nn.functional.gelu
-    acceleration = accelerate(model, "decode", pack_weights=False, memory_settings=False)
+    acceleration = accelerate(model, "decode", pack_weights=False)
     assert "ReLU in the product" not in acceleration.levers
     assert all(type(m) is PositionwiseFeedForward for m in model.modules() if hasattr(m, "w1"))
     acceleration.undo()
-    acceleration = accelerate(model, "decode", memory_settings=False)
+    acceleration = accelerate(model, "decode")
     assert type(gelu) is PositionwiseFeedForward
     assert "ReLU in the product" in acceleration.levers
 

@@ -197,10 +197,10 @@ def test_decoding_hands_back_the_code_pages_loading_ran() -> None:
     if not Path("/proc/self/smaps").exists() or memory._libc() is None:
         pytest.skip("needs Linux's /proc and C library")
     config = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=4, n_layers=1)
-    untouched = accelerate(build_model(config).eval(), "decode", memory_settings=False)
-    assert untouched.library_pages == 0  # no process setting
+    untouched = accelerate(build_model(config).eval(), "decode")
+    assert untouched.library_pages == 0  # not asked for: the process is left alone
     model = build_model(config).eval()
-    acceleration = accelerate(model, "decode")
+    acceleration = accelerate(model, "decode", process_settings=True)
     assert acceleration.library_pages > 0
     assert any(lever.startswith("PyTorch's code pages") for lever in acceleration.levers)
     tokens = torch.tensor([[5, 6, 7]])

@@ -270,7 +270,7 @@ def test_attention_without_a_position_is_nan_and_reads_no_masked_value(loaded: P
 
 def test_decoding_attends_the_encoders_sentences_through_the_kernel(loaded: Path) -> None:
     plain, model = packing_model(), packing_model()
-    acceleration = accelerate(model, "decode", memory_settings=False)
+    acceleration = accelerate(model, "decode")
     encoder = [type(m) for m in model.encoder.modules() if isinstance(m, MultiHeadAttention)]
     assert encoder and set(encoder) == {PanelAttention}
     assert "encoder attention by aiayn's kernel" in acceleration.levers
@@ -292,7 +292,7 @@ def test_decoding_packs_the_steps_products_into_panels_and_the_encoders_for_oned
 ) -> None:
     plain, model = packing_model(), packing_model()
     stepwise = {id(m) for m in step_products(model)}
-    acceleration = accelerate(model, "decode", memory_settings=False)
+    acceleration = accelerate(model, "decode")
     kinds = {name: m.pack.kind for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert kinds["out_proj"] == kinds["decoder.layers.0.ffn.w1"] == "panels"
     assert (
@@ -304,7 +304,8 @@ def test_decoding_packs_the_steps_products_into_panels_and_the_encoders_for_oned
             [m for m in model.modules() if isinstance(m, nn.Linear)], kinds.values(), strict=True
         )
     )
-    assert "packed weights (oneDNN and aiayn's AVX2 panels, 23)" in acceleration.levers
+    assert "aiayn's AVX2 panels" in acceleration.levers
+    assert acceleration.details["packed weights"] == "oneDNN and aiayn's AVX2 panels, 23"
     assert "ReLU in the product" in acceleration.levers  # through the panels too
     for rows in (1, 5, 40):
         assert_close(step_log_probs(model, rows), step_log_probs(plain, rows), **FLOAT32)
@@ -332,7 +333,7 @@ def test_a_failed_build_says_why_and_decoding_keeps_onednns_packs(
         panels.load(tmp_path / "compiled", build=True)
     assert not panels.loaded() and not list((tmp_path / "compiled").iterdir())
     model = packing_model()
-    accelerate(model, "decode", memory_settings=False)
+    accelerate(model, "decode")
     assert {m.pack.kind for m in model.modules() if isinstance(m, nn.Linear)} == {"onednn"}
 
 
@@ -344,7 +345,7 @@ def test_the_compiled_steps_products_go_through_the_panels(
 
     monkeypatch.setenv("AIAYN_CACHE", str(tmp_path / "cache"))
     model = packing_model()
-    accelerate(model, "decode", memory_settings=False)
+    accelerate(model, "decode")
     step = compile_step(model, rows=MANY_ROWS)
     # The library calls the operator (its runner reads the description beside it) ...
     calls = extern_calls(step.path)

@@ -136,7 +136,7 @@ def test_only_the_decoder_gets_it_and_only_where_it_paid(monkeypatch: pytest.Mon
     kernel (its queries are whole sentences)."""
     monkeypatch.setattr(aiayn.accel, "fp32_pack_library", lambda: "onednn")
     model = _model()
-    acceleration = accelerate(model, "decode", pack_weights=False, memory_settings=False)
+    acceleration = accelerate(model, "decode", pack_weights=False)
     assert "beam steps attended by products" in acceleration.levers
     decoder = [m for m in model.decoder.modules() if isinstance(m, MultiHeadAttention)]
     encoder = [m for m in model.encoder.modules() if isinstance(m, MultiHeadAttention)]
@@ -145,12 +145,12 @@ def test_only_the_decoder_gets_it_and_only_where_it_paid(monkeypatch: pytest.Mon
     acceleration.undo()
     assert all(type(m) is MultiHeadAttention for m in decoder)
     monkeypatch.setattr(aiayn.accel, "fp32_pack_library", lambda: "mkl")
-    acceleration = accelerate(model, "decode", memory_settings=False)
+    acceleration = accelerate(model, "decode")
     assert "beam steps attended by products" not in acceleration.levers
     assert all(type(m) is MultiHeadAttention for m in model.modules() if m in decoder)
     acceleration.undo()
     bf16 = _model().to(torch.bfloat16)
-    with accelerate(bf16, "decode", precision="bf16", memory_settings=False) as acceleration:
+    with accelerate(bf16, "decode", precision="bf16") as acceleration:
         assert "attention in float32" in acceleration.levers
         for module in bf16.modules():
             if isinstance(module, MultiHeadAttention):
@@ -162,7 +162,7 @@ def test_beam_search_over_many_sentences_finds_the_plain_hypotheses(
 ) -> None:
     monkeypatch.setattr(aiayn.accel, "fp32_pack_library", lambda: "onednn")
     plain, fast = _model(), _model()
-    accelerate(fast, "decode", pack_weights=False, memory_settings=False)
+    accelerate(fast, "decode", pack_weights=False)
     gen = torch.Generator().manual_seed(2)
     sentences = ENOUGH + 1
     src = torch.randint(4, 40, (sentences, 7), generator=gen)

@@ -318,16 +318,21 @@ def test_precision_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_cpu_translator_accelerates_its_model_for_decoding() -> None:
-    """On the CPU the model is accelerated for decoding (aiayn.accel), malloc setting
-    included where glibc is; elsewhere (here the meta device) it is left as it is."""
+    """On the CPU the model is accelerated for decoding (aiayn.accel), the malloc setting
+    included where glibc is and the caller asks for it (process_settings); elsewhere (here the
+    meta device) it is left as it is."""
 
     from aiayn.accel import memory
 
     translator = Translator(tiny_model(), CharTokenizer())
     assert translator.acceleration is not None and translator.acceleration.mode == "decode"
+    assert "malloc thresholds" not in translator.acceleration.levers
+    translator.acceleration.undo()
+    translator = Translator(tiny_model(), CharTokenizer(), process_settings=True)
+    assert translator.acceleration is not None
     # where the malloc setting applies: glibc, and not AIAYN_MALLOC=system
     if memory._mallopt() is not None:
-        assert "malloc thresholds (decode)" in translator.acceleration.levers
+        assert "malloc thresholds" in translator.acceleration.levers
     translator.acceleration.undo()
     elsewhere = Translator(tiny_model().to("meta"), CharTokenizer())
     assert elsewhere.acceleration is not None and elsewhere.acceleration.levers == []
@@ -353,6 +358,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         precision: str = "fp32",
         compiled_step: bool | None = None,
         mmap: bool = True,
+        process_settings: bool = False,
     ) -> tuple[Translator, None]:
         decode = replace(DecodeConfig(max_len_b=5), **(decode_overrides or {}))
         translator = cls(
@@ -363,6 +369,7 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
             device=device,
             pack_weights=pack_weights,
             compiled_step=compiled_step,
+            process_settings=process_settings,
         )
         translator.checkpoint = Path(path) / "averaged.pt"
         return translator, None

@@ -484,7 +484,7 @@ def test_training_checkpoints_averaging_and_bf16_acceleration_keep_the_patterns(
     model = Transformer(config.model)
     model.load_state_dict(mean)
     model = model.eval().to(torch.bfloat16)
-    with accelerate(model, "decode", precision="bf16", memory_settings=False):
+    with accelerate(model, "decode", precision="bf16"):
         attention = model.decoder.layers[0].cross_attn
         assert isinstance(attention, Float32Attention) and attention.pattern is not None
         src = torch.randint(4, 12, (2, 7))

@@ -151,14 +151,14 @@ def test_training_acceleration_leaves_the_model_and_fuses_its_loss(name):
     tgt_in = torch.randint(4, VOCAB, (3, 5))
     tgt_out = torch.randint(4, VOCAB, (3, 5))
     plain = label_smoothed_nll(model(src, pad, tgt_in), tgt_out, 0.1, PAD_ID)
-    with accelerate(model, "train", memory_settings=False) as acceleration:
+    with accelerate(model, "train") as acceleration:
         assert acceleration.fused_loss
         hidden = model(src, pad, tgt_in, project=False)
         fused = projected_label_smoothed_nll(
             hidden, model.get_parameter("out_proj.weight"), tgt_out, 0.1, PAD_ID
         )
     assert_close(fused, plain)
-    with accelerate(model, "decode", memory_settings=False):
+    with accelerate(model, "decode"):
         assert type(model) in (RNNSearch, LuongNMT)
         assert_close(model(src, pad, tgt_in), model(src, pad, tgt_in))
 

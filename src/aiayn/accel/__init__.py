@@ -5,72 +5,26 @@ The network in :mod:`aiayn.model` is the paper's, in plain PyTorch. On the CPU,
 dict and the plain model's results (bit for bit in fp32 without dropout, packed weights or
 beam steps over many sentences; the same dropout distribution from other draws; packed
 weights, which decoding uses by default on x86 CPUs other than Intel's, attention by
-products and bfloat16 to the tolerances that ``tests/accel`` states), and raises the
-process's ``malloc`` thresholds; :meth:`Acceleration.undo` puts everything back::
+products and bfloat16 to the tolerances that ``tests/accel`` states); asked
+(``process_settings=True``, as aiayn's commands ask), it also raises the process's ``malloc``
+thresholds. :meth:`Acceleration.undo` puts everything back::
 
     acceleration = accelerate(model, mode="train", precision="bf16")
     ...
     acceleration.undo()
 
-===========================  ==========================  =======================================
-lever                        applied in                  what changes
-===========================  ==========================  =======================================
-grid dropout (one random    train and decode (where     ``nn.Dropout`` → :class:`GridDropout`,
-draw per four elements)      it is a cheaper identity)   ``Residual`` → :class:`GridResidual`
-attention in float32         bf16 (train and decode)     ``MultiHeadAttention`` →
-                                                         :class:`Float32Attention` (decode:
-                                                         its subclass :class:`StepAttention`)
-beam steps attended by       decode, 32+ (sentence,      ``MultiHeadAttention`` →
-products                     head) pairs, 2-16 beams     :class:`StepAttention`
-padded bfloat16 rows         bf16 (train and decode)     ``nn.Linear`` → :class:`CpuLinear`
-packed weights               decode: bf16 (oneDNN);      ``nn.Linear`` → :class:`CpuLinear` with
-                             fp32 where oneDNN packs     a pack of its weight
-                             them (non-Intel CPUs), or
-                             with ``pack_weights``
-one buffer per decode        decode                      ``Transformer`` →
-                                                         :class:`BufferedDecoding`
-compiled decoder step        decode, fp32, up to 16      ``BufferedDecoding.compiled_step``,
-                             rows, greedy decodes and     ``compiled_batch_step``,
-                             beam 4 searches of more,     ``compiled_beam_step`` (set by
-                             once compiled on the         :func:`.compiled.use_compiled_step`)
-                             machine (``Translator``)
-fused projection + loss      train (fp32, bf16)          ``fused_loss``: the Trainer takes
-                                                         :func:`.loss.projected_label_smoothed_nll`
-mapped weights handed back   decode (weights mapped      the pages of each weight a oneDNN
-                             from a checkpoint)          pack replaces, and of embedding
-                                                         tables (then read a row at a time)
-compiled step's weights      decode, with a compiled     views of the library's file
-read from its file           step (Linux)                (:mod:`.library_constants`); the
-                                                         loader's copy freed
-idle memory handed back      decode, with a compiled     the heap's free blocks before small
-at each switch               step                        decodes that follow a large one, the
-                                                         library's pages before large ones
-aiayn's AVX2 product         decode, fp32, x86 CPUs      the step's products packed into
-(panels)                     other than Intel's with     panels (:mod:`.panels`), also in the
-                             AVX2 and no AVX-512, once   compiled step's libraries (there the
-                             built with the compiled     feed-forward's ReLU in its first
-                             step                        product); the encoder's stay oneDNN's;
-                                                         over 16 rows, work in chunks
-aiayn's AVX2 kernels         decode, fp32, where the     the step's log-softmax in place, greedy's
-                             panels' file is loaded      choice (:mod:`.panels`); the encoder's
-                                                         ``MultiHeadAttention`` →
-                                                         :class:`PanelAttention`
-ReLU in the product          decode, feed-forward        ``PositionwiseFeedForward`` →
-                             layers whose first product  :class:`~.linear.ReluInProduct`
-                             has a oneDNN pack
-PyTorch's code pages         decode, at the end of the   the pages of PyTorch's libraries
-handed back                  call (Linux)                (:func:`.memory.release_library_pages`)
-malloc thresholds            train, decode               process-wide, see :mod:`.memory`
-===========================  ==========================  =======================================
+The levers, each with when it applies, what it swaps and how it is undone, are listed once in
+:data:`aiayn.accel.levers.LEVERS`; ``accelerate(..., disable={name})`` leaves any of them out.
 
 On other devices it changes nothing. :class:`aiayn.training.trainer.Trainer` and
 :class:`aiayn.inference.translator.Translator` call it on the CPU. What each lever gives:
-docs/performance.md.
+the table ``make bench-levers`` writes (benchmarks/results/levers-<host>.md), which
+docs/performance.md shows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -85,6 +39,7 @@ from aiayn.accel.compiled import library_products, step_products
 from aiayn.accel.cpu import cpu_has_bfloat16
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
+from aiayn.accel.levers import LEVERS, disabled_levers
 from aiayn.accel.linear import (
     CpuLinear,
     ReluInProduct,
@@ -99,6 +54,7 @@ from aiayn.model.layers import Residual
 from aiayn.model.transformer import Transformer
 
 __all__ = [
+    "LEVERS",
     "Acceleration",
     "BufferedDecoding",
     "CpuLinear",
@@ -132,6 +88,7 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 
 
 _UNSET = object()
+_NAMES = frozenset(lever.name for lever in LEVERS)
 
 # PyTorch's shared libraries (libtorch_cpu and the rest).
 TORCH_LIBRARIES = Path(torch.__file__).resolve().parent / "lib"
@@ -143,7 +100,12 @@ class Acceleration:
 
     mode: Mode
     precision: Precision
+    # The names (aiayn.accel.levers.LEVERS) of the levers this call applied, in its order;
+    # their counts (packs, bytes) in ``details``.
     levers: list[str] = field(default_factory=list)
+    details: dict[str, str] = field(default_factory=dict)
+    # The levers the call was asked to leave out (with those that need them).
+    disabled: frozenset[str] = frozenset()
     packed: int = 0  # linear layers whose weight is packed
     # Bytes of weights mapped from a file whose pages were advised out (decode; what the
     # kernel does with them: accel.memory.page_out): those a oneDNN pack replaced, and
@@ -189,6 +151,7 @@ class Acceleration:
             unwatch_optimizer_steps()
             self._watching = False
         self.levers.clear()
+        self.details.clear()
         self.packed = 0
         self.handed_back = 0
         self.library_pages = 0
@@ -222,7 +185,19 @@ class Acceleration:
             self._swapped.append((module, type(module), fast))
             module.__class__ = fast
         if swapped and lever:
+            self.use(lever)
+
+    def wants(self, lever: str) -> bool:
+        """Whether the call may apply ``lever`` (not disabled)."""
+        return lever not in self.disabled
+
+    def use(self, lever: str, detail: str = "") -> None:
+        """Record ``lever`` as applied (once), with a detail (a count, a size)."""
+        assert lever in _NAMES, lever
+        if lever not in self.levers:
             self.levers.append(lever)
+        if detail:
+            self.details[lever] = detail
 
     def _set(self, module: nn.Module, name: str, value: object) -> None:
         self._attributes.append((module, name, module.__dict__.get(name, _UNSET)))
@@ -235,7 +210,8 @@ def accelerate(
     *,
     precision: Precision = "fp32",
     pack_weights: bool | None = None,
-    memory_settings: bool = True,
+    process_settings: bool = False,
+    disable: Iterable[str] = (),
     before_packing: Callable[[Acceleration], object] | None = None,
 ) -> Acceleration:
     """Make ``model`` faster on the CPU for ``mode`` (see the module docstring).
@@ -246,10 +222,17 @@ def accelerate(
     :func:`~aiayn.accel.linear.fp32_pack_library` names (MKL on Intel CPUs, else oneDNN);
     None, the default, packs them where that library is oneDNN, whose packed products are
     faster at every row count there; False packs no float32 weight. bfloat16 weights are
-    always packed, for oneDNN. ``memory_settings`` raises the process's malloc thresholds while the
-    acceleration lives and, for ``"decode"``, hands back the pages of PyTorch's libraries that
-    loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the process's RSS, not the
-    page cache). A model that is not on the CPU is left as it is.
+    always packed, for oneDNN. A model that is not on the CPU is left as it is.
+
+    ``process_settings`` is for the program that owns the process (aiayn's commands pass it):
+    True also raises the process's malloc thresholds while the acceleration lives
+    (:mod:`~aiayn.accel.memory`) and, for ``"decode"``, hands back the pages of PyTorch's
+    libraries that loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the
+    process's RSS, not the page cache). By default (False) nothing outside the model changes:
+    what is handed back is only the model's own (pages of its weights mapped from a file).
+
+    ``disable``: names of levers (:data:`~aiayn.accel.levers.LEVERS`) to leave out, and with
+    them those that need them; an unknown name raises ValueError.
 
     ``before_packing`` is called with the acceleration once the modules are swapped and
     before any weight is packed: what it loads does not meet the packs in memory
@@ -264,10 +247,11 @@ def accelerate(
         )
     if pack_weights and mode != "decode":
         raise ValueError("pack_weights is for decoding: packed weights serve no gradient")
+    acceleration = Acceleration(mode, precision, disabled=disabled_levers(disable))
+    wants = acceleration.wants
     fp32_library = fp32_pack_library()
     if pack_weights is None:
         pack_weights = mode == "decode" and fp32_library == "onednn"
-    acceleration = Acceleration(mode, precision)
     first = next(model.parameters(), None)
     if first is not None and first.device.type != "cpu":
         return acceleration
@@ -281,47 +265,66 @@ def accelerate(
                 f"{PRECISION_DTYPES[precision]}, not {sorted(map(str, weights))}"
             )
     bf16 = precision == "bf16"
-    acceleration._swap(model, [nn.Dropout, Residual], "grid dropout")
-    if mode == "train":
+    if wants("grid dropout"):
+        acceleration._swap(model, [nn.Dropout, Residual], "grid dropout")
+    if mode == "train" and wants("fused projection + loss"):
         acceleration.fused_loss = True
-        acceleration.levers.append("fused projection + loss")
-    if mode == "decode":
+        acceleration.use("fused projection + loss")
+    if mode == "decode" and wants("one buffer per decode"):
         acceleration._swap(model, [Transformer], "one buffer per decode")
     decoder = getattr(model, "decoder", None)
+    steps_by_products = wants("beam steps attended by products") and (
+        not bf16 or wants("attention in float32")  # a StepAttention is a Float32Attention
+    )
     if mode == "decode" and fp32_library == "onednn" and isinstance(decoder, nn.Module):
         # Measured to pay on an AMD EPYC; on an Intel Xeon beam batches were slower with it.
-        lever = "beam steps attended by products"
-        acceleration._swap(decoder, [MultiHeadAttention], lever, StepAttention)
-    if bf16:  # the rest (StepAttention is a Float32Attention)
+        if steps_by_products:
+            lever = "beam steps attended by products"
+            acceleration._swap(decoder, [MultiHeadAttention], lever, StepAttention)
+    if bf16 and wants("attention in float32"):  # the rest (StepAttention is a Float32Attention)
         acceleration._swap(model, [MultiHeadAttention])
         if any(issubclass(fast, Float32Attention) for _, _, fast in acceleration._swapped):
-            acceleration.levers.append("attention in float32")
+            acceleration.use("attention in float32")
     if before_packing is not None:
         before_packing(acceleration)
     encoder = getattr(model, "encoder", None)
-    if mode == "decode" and not bf16 and panels.loaded() and isinstance(encoder, nn.Module):
+    if (
+        mode == "decode"
+        and not bf16
+        and panels.loaded()
+        and isinstance(encoder, nn.Module)
+        and wants("encoder attention by aiayn's kernel")
+    ):
         lever = "encoder attention by aiayn's kernel"
         acceleration._swap(encoder, [MultiHeadAttention], lever, PanelAttention)
+    hand_back = wants("mapped weights' pages handed back")
     # The products the compiled steps hold: not packed, their weights' pages handed back.
     held = _hand_back_library_products(model, acceleration) if mode == "decode" else []
-    if bf16 or pack_weights:
+    packing = mode == "decode" and wants("packed weights") and (bf16 or pack_weights)
+    padding = bf16 and wants("padded bfloat16 rows")
+    if packing or padding:
         acceleration._swap(model, [nn.Linear])
         # Every CpuLinear, also those an earlier call swapped in: calls add up.
         linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
-        if bf16:
+        if padding:
             unpadded = [layer for layer in linears if not layer.pad_bf16_rows]
             for layer in unpadded:
                 acceleration._set(layer, "pad_bf16_rows", True)
             if unpadded:
-                acceleration.levers.append("padded bfloat16 rows")
-        if mode == "decode":
+                acceleration.use("padded bfloat16 rows")
+        if packing:
             made: list[str] = []  # for each new pack: the library it is packed for
-            mappings = memory.file_mappings()
+            mappings = memory.file_mappings() if hand_back else []
             handed = {id(m.weight) for m in held}  # weights whose pages were handed back
             unpacked = {id(m) for m in held}
             # Where the panels' product is loaded (by the compiled step's loader, before
             # packing), it multiplies the step's products; the encoder's stay oneDNN's.
-            use_panels = fp32_library == "onednn" and not bf16 and panels.loaded()
+            use_panels = (
+                fp32_library == "onednn"
+                and not bf16
+                and panels.loaded()
+                and wants("aiayn's AVX2 panels")
+            )
             stepwise = {id(m) for m in step_products(model)} if use_panels else set()
             for layer in linears:
                 if id(layer) in unpacked or layer.pack_serves():
@@ -330,7 +333,7 @@ def accelerate(
                 if new is not None:
                     acceleration._set(layer, "pack", new)
                     made.append(new.kind)
-                    if new.whole and id(layer.weight) not in handed:
+                    if new.whole and hand_back and id(layer.weight) not in handed:
                         # Every product goes through the pack from now on: the pages of a
                         # weight mapped from a file go back one layer at a time.
                         handed.add(id(layer.weight))
@@ -341,21 +344,29 @@ def accelerate(
                 acceleration._watching = True
                 names = {"mkl": "MKL", "onednn": "oneDNN", "panels": "aiayn's AVX2 panels"}
                 library = " and ".join(names[kind] for kind in sorted(set(made)))
-                acceleration.levers.append(f"packed weights ({library}, {len(made)})")
-            _relu_in_products(model, acceleration)
-    if mode == "decode":
+                acceleration.use("packed weights", f"{library}, {len(made)}")
+                if "panels" in made:
+                    acceleration.use("aiayn's AVX2 panels", str(made.count("panels")))
+            if wants("ReLU in the product"):
+                _relu_in_products(model, acceleration)
+    if mode == "decode" and hand_back:
         _tables_by_rows(model, acceleration)
-    if mode == "decode" and memory_settings and acceleration.levers:
+    if (
+        mode == "decode"
+        and process_settings
+        and acceleration.levers
+        and wants("PyTorch's code pages handed back")
+    ):
         # Last, where this call changed the model: loading it, packing its weights and
         # loading its compiled step ran code that decoding does not run again.
         acceleration.library_pages = memory.release_library_pages(TORCH_LIBRARIES)
         if acceleration.library_pages:
             megabytes = acceleration.library_pages / (1 << 20)
-            acceleration.levers.append(f"PyTorch's code pages handed back ({megabytes:.1f} MB)")
-    if memory_settings:
+            acceleration.use("PyTorch's code pages handed back", f"{megabytes:.1f} MB")
+    if process_settings and wants("malloc thresholds"):
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
-            acceleration.levers.append(f"malloc thresholds ({mode})")
+            acceleration.use("malloc thresholds", mode)
     return acceleration
 
 
@@ -365,6 +376,8 @@ def _hand_back_library_products(model: nn.Module, acceleration: Acceleration) ->
     name the libraries: every decode they serve reads the libraries' copies, packs or not.
     Return those products."""
     products = library_products(model)
+    if not acceleration.wants("mapped weights' pages handed back"):
+        return products
     mappings = memory.file_mappings() if products else []
     weights = {id(m.weight): m.weight for m in products}
     for weight in weights.values():
@@ -406,6 +419,4 @@ def _tables_by_rows(model: nn.Module, acceleration: Acceleration) -> None:
                 acceleration.handed_back += memory.page_out(table, mappings)
     if acceleration.handed_back:
         megabytes = acceleration.handed_back / (1 << 20)
-        acceleration.levers.append(
-            f"mapped weights' pages handed back ({megabytes:.1f} MB advised)"
-        )
+        acceleration.use("mapped weights' pages handed back", f"{megabytes:.1f} MB advised")

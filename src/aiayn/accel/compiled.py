@@ -886,6 +886,8 @@ def use_compiled_step(
     :meth:`Acceleration.undo` takes the steps away."""
     from aiayn.accel.decoding import BufferedDecoding
 
+    if not acceleration.wants("compiled decoder step"):  # left out (accelerate's disable)
+        return None
     reason = unsupported(model)
     if reason is None and not isinstance(model, BufferedDecoding):
         reason = "the compiled step serves the accelerated model (accelerated=False)"
@@ -924,7 +926,7 @@ def use_compiled_step(
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warn(f"compiled step: {first[:300]}; decoding without it")
     if steps:
-        acceleration.levers.append("compiled decoder step")
+        acceleration.use("compiled decoder step")
         trim()  # what the libraries' loader freed (its copy of their weights) goes back
     return steps[0] if steps else None
 

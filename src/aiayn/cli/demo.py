@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError
 
 
@@ -21,6 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "Running it again continues an interrupted run (Ctrl-C saves a checkpoint); --fresh "
         "starts over. KEY=VALUE arguments override the training recipe "
         "(e.g. train.update_tokens=4000).",
+        epilog=PROCESS_SETTINGS,
     )
     parser.add_argument(
         "--minutes",
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         sword_path=args.sword_path,
         show_progress=not args.no_progress,
+        process_settings=True,
     )
     run_demo(options)
     return 0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.cli.paths import add_checkpoint_argument
+from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError
 from aiayn.progress import parameter_count
 
@@ -31,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops "
         "accepting, finishes what is queued and exits 0. --engine ctranslate2 decodes with "
         "CTranslate2, as translate does (no attention maps then: /v1/attention answers 501).",
+        epilog=PROCESS_SETTINGS,
     )
     add_checkpoint_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
@@ -128,6 +130,7 @@ def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[
         compiled_step=args.compiled_step,
         mmap=args.mmap is not False,
         threads=args.threads,
+        process_settings=True,
     )
     return engine, str(device)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiayn.cli.paths import check_output_dir
+from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError
 from aiayn.recipes import recipe_names, resolve_recipe
 
@@ -30,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "it further (e.g. train.max_steps=1000 model.dropout=0.3). Progress goes to stderr, "
         "one JSON line per log interval to RUN_DIR/metrics.jsonl. SIGINT/SIGTERM save a "
         "checkpoint and exit 0. The same command runs under `torchrun --nproc-per-node N`.",
+        epilog=PROCESS_SETTINGS,
     )
     parser.add_argument(
         "--config",
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         show_progress=not args.no_progress,
         start_over=args.start_over,
+        process_settings=True,
     )
     if result.rank != 0:  # under torchrun, rank 0 reports
         return 0

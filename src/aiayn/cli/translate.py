@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.cli.paths import add_checkpoint_argument
+from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError
 from aiayn.progress import counted, stderr_report
 
@@ -30,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "Empty lines give empty lines; lines longer than the model's positions are cut to fit "
         "with a warning on stderr. Defaults come from the run's [decode] settings. "
         "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md).",
+        epilog=PROCESS_SETTINGS,
     )
     add_checkpoint_argument(parser)
     parser.add_argument("--input", "-i", metavar="FILE", help="source text (default, or -: stdin)")
@@ -134,6 +136,7 @@ def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
         precision=args.precision,
         compiled_step=args.compiled_step,
         mmap=args.mmap is not False,
+        process_settings=True,
     )
     return translator, str(device)
 

@@ -317,6 +317,11 @@ class Translator(TextTranslator):
     (:mod:`aiayn.accel.compiled`, float32 Transformers on the CPU): by default (None) when it
     has been compiled on this machine before, True compiles it first where it has not (its
     three libraries, one to two minutes for a small model), False never.
+
+    ``process_settings``: also the process-wide settings of :func:`aiayn.accel.accelerate`
+    (malloc thresholds, PyTorch's code pages handed back), for a program that owns its process
+    (``aiayn translate``, ``serve`` and ``demo`` pass it); by default nothing outside the model
+    changes.
     """
 
     engine_name = "torch"
@@ -334,6 +339,7 @@ class Translator(TextTranslator):
         precision: Precision = "fp32",
         accelerated: bool = True,
         compiled_step: bool | None = None,
+        process_settings: bool = False,
     ) -> None:
         super().__init__(
             tokenizer, decode, max_positions=model.config.max_positions, nbest=nbest, warn=warn
@@ -366,6 +372,7 @@ class Translator(TextTranslator):
                 "decode",
                 precision=weights,
                 pack_weights=pack_weights,
+                process_settings=process_settings,
                 before_packing=step_first,
             )
         if pack_weights and (self.acceleration is None or not self.acceleration.packed):
@@ -396,6 +403,7 @@ class Translator(TextTranslator):
         precision: Precision = "fp32",
         compiled_step: bool | None = None,
         mmap: bool = True,
+        process_settings: bool = False,
     ) -> tuple[Translator, RunConfig]:
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
@@ -423,6 +431,7 @@ class Translator(TextTranslator):
             pack_weights=pack_weights,
             precision=precision,
             compiled_step=compiled_step,
+            process_settings=process_settings,
         )
         translator.checkpoint = loaded.path
         return translator, config

@@ -111,6 +111,7 @@ class Engine:
         threads: int | None = None,
         compiled_step: bool | None = None,
         mmap: bool = True,
+        process_settings: bool = False,
     ) -> Engine:
         """The PyTorch engine for a checkpoint file or run directory (the settings are
         :meth:`Translator.from_checkpoint`'s)."""
@@ -123,6 +124,7 @@ class Engine:
             precision=precision,
             compiled_step=compiled_step,
             mmap=mmap,
+            process_settings=process_settings,
         )
         return cls(translator, config, source=str(path), threads=threads)
 

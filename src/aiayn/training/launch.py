@@ -114,6 +114,7 @@ def train_run(
     device: str = "auto",
     show_progress: bool = True,
     start_over: bool = False,
+    process_settings: bool = False,
 ) -> TrainResult:
     """Train (or resume) ``run_dir`` on ``data_dir``; the same call on every torchrun rank.
     ``config`` as :func:`~aiayn.training.run_config.resolve_config` makes it from a config file
@@ -195,6 +196,7 @@ def train_run(
                 labels=labels,
                 dist_info=info,
                 show_progress=show_progress,
+                process_settings=process_settings,
             )
             # Rank 0 reads the checkpoint and sends it: no shared filesystem needed.
             state, refusal = None, None
@@ -301,7 +303,7 @@ def _average(trainer: Trainer, last: int) -> Path:
     model = build_model(trainer.config.model, info.device)
     model.load_state_dict(broadcast_object(weights, info))
     if trainer.acceleration is not None:  # validated as the trained model was
-        accelerate(model, "train", precision=trainer.precision, memory_settings=False)
+        accelerate(model, "train", precision=trainer.precision)
     metrics = trainer.validate(model)
     # replace: a finished run run again averages again, and keeps one record.
     record = {"kind": "averaged", "step": trainer.step, "minutes": trainer.minutes, **metrics}

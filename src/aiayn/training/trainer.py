@@ -142,6 +142,7 @@ class Trainer:
         show_progress: bool = True,
         tensorboard: bool = True,
         accelerated: bool = True,
+        process_settings: bool = False,
     ) -> None:
         self.info = dist_info or DistInfo()
         self.device = self.info.device
@@ -156,11 +157,14 @@ class Trainer:
             raise ConfigError("train.update_tokens must be positive")
         self.model = model.to(self.device)
         set_activation_checkpointing(self.model, self.train_cfg.activation_checkpointing)
-        # On the CPU, the faster modules and malloc settings of aiayn.accel (the plain model's
-        # results, see its docstring); ``accelerated=False`` trains the plain model.
+        # On the CPU, the faster modules of aiayn.accel (the plain model's results, see its
+        # docstring); ``accelerated=False`` trains the plain model. ``process_settings``: also
+        # its process-wide malloc thresholds, for a program that owns the process (aiayn train).
         self.acceleration: Acceleration | None = None
         if accelerated:
-            self.acceleration = accelerate(self.model, "train", precision=self.precision)
+            self.acceleration = accelerate(
+                self.model, "train", precision=self.precision, process_settings=process_settings
+            )
         self.corpus = corpus
         self.sampler = sampler
         self.valid = valid
@@ -728,7 +732,7 @@ class Trainer:
 
     def close(self) -> None:
         """Close the metrics log (its TensorBoard writer) and undo the acceleration: the model
-        is the plain one again, and the process's malloc setting is released."""
+        is the plain one again, and the process's malloc setting (``process_settings``) released."""
         self.metrics.close()
         if self.acceleration is not None:
             self.acceleration.undo()
