@@ -124,7 +124,7 @@ def test_the_commands_ask_for_them_and_say_so(
     from aiayn.cli import main
     from aiayn.cli.process import PROCESS_SETTINGS
     from aiayn.serving.engine import Engine
-    from aiayn.training import launch
+    from aiayn.training import launch, run_config
 
     checkpoint = str(tmp_path / "model.pt")
     for owner, argv in (
@@ -139,7 +139,7 @@ def test_the_commands_ask_for_them_and_say_so(
         seen.update(kwargs, args=args)
         raise SystemExit(0)
 
-    monkeypatch.setattr(launch, "resolve_config", lambda *args: None)
+    monkeypatch.setattr(run_config, "resolve_config", lambda *args: None)
     monkeypatch.setattr(launch, "train_run", stop)
     with pytest.raises(SystemExit):
         main(["train", "--config", "tiny", "--data", str(tmp_path), "--out", str(tmp_path / "r")])
