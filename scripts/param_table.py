@@ -19,6 +19,9 @@ from aiayn.config import load_config
 from aiayn.model import Transformer, count_parameters
 from aiayn.presets import PAPER_PARAMS_M, TABLE3_ROWS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_block import rewrite
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "faithfulness.md"
 BEGIN = "<!-- param-table:begin (scripts/param_table.py) -->"
 END = "<!-- param-table:end -->"
@@ -50,17 +53,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check the document")
     args = parser.parse_args()
-    text = DOC.read_text(encoding="utf-8")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    updated = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
-    if args.check:
-        if updated != text:
-            print(f"{DOC} is out of date: run scripts/param_table.py", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(updated, encoding="utf-8")
-    return 0
+    return rewrite(DOC, BEGIN, END, table(), check=args.check, script="scripts/param_table.py")
 
 
 if __name__ == "__main__":

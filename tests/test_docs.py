@@ -140,3 +140,13 @@ def test_faithfulness_parameter_table_is_up_to_date():
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_performance_lever_list_is_up_to_date():
+    """docs/performance.md shows the list of levers that aiayn.accel.levers holds."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "lever_list.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
