@@ -23,17 +23,17 @@ demo-classify: venv
 
 test: venv
 	.venv/bin/python -m pytest -q
-	.venv/bin/ruff check src tests benchmarks scripts
-	.venv/bin/ruff format --check src tests benchmarks scripts
+	.venv/bin/ruff check src tests benchmarks scripts experiments
+	.venv/bin/ruff format --check src tests benchmarks scripts experiments
 	.venv/bin/mypy
 
 lint: venv
-	.venv/bin/ruff check src tests benchmarks scripts
+	.venv/bin/ruff check src tests benchmarks scripts experiments
 	.venv/bin/mypy
 
 format: venv
-	.venv/bin/ruff format src tests benchmarks scripts
-	.venv/bin/ruff check --fix src tests benchmarks scripts
+	.venv/bin/ruff format src tests benchmarks scripts experiments
+	.venv/bin/ruff check --fix src tests benchmarks scripts experiments
 
 bench: venv
 	.venv/bin/python benchmarks/run_all.py
