@@ -10,7 +10,7 @@ warm up, then times ``translate_nbest`` over the whole file (the model's decode 
 batches of ``decode.batch_tokens``); loading and exporting are not timed. The export is made
 once, beforehand, beside a link to the checkpoint in a scratch directory, and timed on its
 own. Writes ``experiments/results/ct2-export-<host>.json`` and ``.md`` (``<host>``:
-:func:`benchmarks.common.host_slug`; or into ``--out``). ``--quick``: the first 40 lines, one
+:func:`benchmarks.common.host_slug`; or into ``--out``). ``--quick``: the first 10 lines, one
 round at one thread, no waiting, into a temporary folder.
 """
 
@@ -47,7 +47,7 @@ from benchmarks.common import (  # noqa: E402
 from experiments import add_output_options, output_folders  # noqa: E402
 
 WARMUP_LINES = 32
-QUICK_LINES = 40
+QUICK_LINES = 10
 
 # name: (engine, quantize); the engines and weights compared.
 SYSTEMS = {

@@ -8,7 +8,7 @@ finite, and lists each line that differs with both engines' hypotheses.
         --source data/multi30k/valid.en [--name ct2-nbest-<host>]
 
 Writes ``experiments/results/NAME.json`` and ``.md`` (or into ``--out``; NAME by default
-``ct2-nbest-<host>``, :func:`benchmarks.common.host_slug`). ``--quick``: the first 40 lines,
+``ct2-nbest-<host>``, :func:`benchmarks.common.host_slug`). ``--quick``: the first 10 lines,
 into a temporary folder.
 """
 
@@ -30,7 +30,7 @@ from benchmarks.common import host_slug, json_text, machine  # noqa: E402
 from experiments import add_output_options, output_folders  # noqa: E402
 
 BEAM = 4
-QUICK_LINES = 40
+QUICK_LINES = 10
 
 
 def compare(checkpoint: Path, source: Path) -> dict[str, Any]:
