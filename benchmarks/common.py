@@ -278,9 +278,10 @@ def host_slug(
 
 def json_text(value: Any, width: int = 120) -> str:
     """``value`` as JSON that stays short: a list or object on one line where it fits in
-    ``width`` characters, else one item a line; a list of numbers or strings always on one
-    line (a benchmark's many timings); floats to 6 significant digits (timings on a shared
-    CPU vary in the second or third, and no report prints more)."""
+    ``width`` characters, else one item a line; always on one line a list of numbers or
+    strings (a benchmark's many timings) and an object whose values are those or such lists
+    (one measurement); floats to 6 significant digits (timings on a shared CPU vary in the
+    second or third, and no report prints more)."""
 
     def rounded(item: Any) -> Any:
         if isinstance(item, float) and math.isfinite(item):
@@ -291,10 +292,17 @@ def json_text(value: Any, width: int = 120) -> str:
             return [rounded(v) for v in item]
         return item
 
+    def scalars(item: Any) -> bool:
+        return isinstance(item, list) and not any(isinstance(v, dict | list) for v in item)
+
+    def flat_record(item: dict[Any, Any] | list[Any]) -> bool:
+        if isinstance(item, list):
+            return scalars(item)
+        return all(not isinstance(v, dict | list) or scalars(v) for v in item.values())
+
     def render(item: Any, level: int, column: int) -> str:
         flat = json.dumps(item)
-        scalars = isinstance(item, list) and not any(isinstance(v, dict | list) for v in item)
-        if column + len(flat) <= width or scalars or not isinstance(item, dict | list):
+        if column + len(flat) <= width or not isinstance(item, dict | list) or flat_record(item):
             return flat
         pad = " " * (level + 1)
         if isinstance(item, dict):

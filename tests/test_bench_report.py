@@ -172,12 +172,14 @@ def test_this_host_s_name_is_a_file_name():
     assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", host_slug())
 
 
-def test_results_json_keeps_timings_on_one_line_and_six_digits():
-    result = {"modes": {"beam": {"rounds": [1.5] * 40, "median_s": 0.5}}, "cpu": "c" * 120}
+def test_results_json_keeps_each_measurement_on_one_line_and_six_digits():
+    result = {"modes": {"beam": {"rounds": [1.5] * 40, "median_s": 0.5}, "greedy": {}},
+              "cpu": "c" * 120}  # fmt: skip
     text = json_text(result)
     assert json.loads(text) == result
-    assert any(line.strip() == '"rounds": [' + ", ".join(["1.5"] * 40) + "]," for line in
-               text.splitlines())  # fmt: skip
+    beam = '"beam": {"rounds": [' + ", ".join(["1.5"] * 40) + '], "median_s": 0.5},'
+    assert beam in [line.strip() for line in text.splitlines()]
+    assert len(text.splitlines()) == 7  # {, "modes": {, beam, greedy, }, "cpu", }
     assert json_text({"a": [1, 2]}) == '{"a": [1, 2]}\n'
     assert json.loads(json_text({"t": 0.48289264450431})) == {"t": 0.482893}
 
