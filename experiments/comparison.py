@@ -45,12 +45,15 @@ MODELS = {
 AVERAGE = 5
 # --quick: training minutes of each model, and the validation sentences scored.
 QUICK_MINUTES, QUICK_LINES = 0.3, 10
+# --quick: no decoder step compiled after training (minutes); decoding is eager unless this
+# machine compiled one for the model's shape before.
+QUICK_TRAIN = ("train.compile_step=false",)
 
 
-def _train(recipe: str, data: Path, out: Path, minutes: float) -> dict[str, Any]:
+def _train(recipe: str, data: Path, out: Path, minutes: float, *extra: str) -> dict[str, Any]:
     command = [sys.executable, "-m", "aiayn", "train", "--config", recipe, "--data", str(data),
                "--out", str(out), "--no-progress", f"train.max_minutes={minutes:g}",
-               "train.keep_last=100000"]  # fmt: skip
+               "train.keep_last=100000", *extra]  # fmt: skip
     print("+ " + " ".join(command[2:]), file=sys.stderr, flush=True)
     subprocess.run(command, check=True, cwd=ROOT)
     figures = finished_run(out)
@@ -273,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         out = work / name
         if args.fresh and out.exists():
             shutil.rmtree(out)
-        training = _train(recipe, args.data, out, args.minutes)
+        training = _train(recipe, args.data, out, args.minutes, *QUICK_TRAIN * args.quick)
         figures = evaluate(out, sources, references, points, test)
         result["models"][name] = {"recipe": recipe, "training": training, **figures}
         json_path.write_text(json_text(result))
