@@ -23,22 +23,24 @@ demo-classify: venv
 
 test: venv
 	.venv/bin/python -m pytest -q
-	.venv/bin/ruff check src tests benchmarks scripts
-	.venv/bin/ruff format --check src tests benchmarks scripts
+	.venv/bin/ruff check src tests benchmarks scripts experiments
+	.venv/bin/ruff format --check src tests benchmarks scripts experiments
 	.venv/bin/mypy
 
 lint: venv
-	.venv/bin/ruff check src tests benchmarks scripts
+	.venv/bin/ruff check src tests benchmarks scripts experiments
 	.venv/bin/mypy
 
 format: venv
-	.venv/bin/ruff format src tests benchmarks scripts
-	.venv/bin/ruff check --fix src tests benchmarks scripts
+	.venv/bin/ruff format src tests benchmarks scripts experiments
+	.venv/bin/ruff check --fix src tests benchmarks scripts experiments
 
+# Every system on the fixed workloads: benchmarks/results/bench-<host>.md (benchmarks/README.md).
 bench: venv
 	.venv/bin/python benchmarks/run_all.py
 
-# aiayn and CTranslate2 taking turns batch by batch (docs/performance.md): about 8 minutes.
+# aiayn and CTranslate2 taking turns batch by batch: benchmarks/results/paired-<host>.md,
+# about 8 minutes.
 bench-paired: venv
 	.venv/bin/python benchmarks/paired_decode.py --write
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -168,19 +169,6 @@ def rotated(items: list[str], shift: int) -> list[str]:
     return items[shift:] + items[:shift]
 
 
-def replace_section(doc: Path, begin: str, end: str, markdown: str) -> None:
-    """Replace what lies between the markers ``begin`` and ``end`` of ``doc`` with
-    ``markdown`` (a no-op where the file or a marker is missing)."""
-    if not doc.exists():
-        return
-    text = doc.read_text(encoding="utf-8")
-    if begin not in text or end not in text:
-        return
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    doc.write_text(f"{head}{begin}\n{markdown}{end}{tail}", encoding="utf-8")
-
-
 def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
@@ -244,6 +232,90 @@ def cpu_instructions() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` field of Linux's ``/proc/cpuinfo`` ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+# AMD's CPU families (``cpu family`` of /proc/cpuinfo) by the core they name; family 25 is
+# Zen 3 and Zen 4, told apart by AVX-512, which only Zen 4 has.
+AMD_FAMILIES = {23: "zen2", 26: "zen5"}
+
+
+def host_slug(
+    vendor: str | None = None,
+    model: str | None = None,
+    instructions: list[str] | None = None,
+    family: int | None = None,
+) -> str:
+    """A short name of this CPU for result files: ``xeon`` (Intel Xeon), ``epyc-zen3`` (AMD
+    EPYC without AVX-512), ``epyc-zen4`` (with AVX-512), else a slug of the model name. The
+    arguments stand in for what ``/proc/cpuinfo`` says (for tests)."""
+    vendor = _cpuinfo_field("vendor_id") if vendor is None else vendor
+    model = cpu_model() if model is None else model
+    instructions = cpu_instructions() if instructions is None else instructions
+    if family is None:
+        raw = _cpuinfo_field("cpu family")
+        family = int(raw) if raw.isdigit() else 0
+    if vendor == "GenuineIntel" and "xeon" in model.lower():
+        return "xeon"
+    if vendor == "AuthenticAMD" and "epyc" in model.lower():
+        core = AMD_FAMILIES.get(family) or ("zen4" if "avx512f" in instructions else "zen3")
+        return f"epyc-{core}"
+    words = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b", " ", model.lower())
+    return re.sub(r"[^a-z0-9]+", "-", words).strip("-")[:40] or "unknown"
+
+
+def json_text(value: Any, width: int = 120) -> str:
+    """``value`` as JSON that stays short: a list or object on one line where it fits in
+    ``width`` characters, else one item a line; always on one line a list of numbers or
+    strings (a benchmark's many timings) and an object whose values are those or such lists
+    (one measurement); floats to 6 significant digits (timings on a shared CPU vary in the
+    second or third, and no report prints more)."""
+
+    def rounded(item: Any) -> Any:
+        if isinstance(item, float) and math.isfinite(item):
+            return float(f"{item:.6g}")
+        if isinstance(item, dict):
+            return {k: rounded(v) for k, v in item.items()}
+        if isinstance(item, list | tuple):
+            return [rounded(v) for v in item]
+        return item
+
+    def scalars(item: Any) -> bool:
+        return isinstance(item, list) and not any(isinstance(v, dict | list) for v in item)
+
+    def flat_record(item: dict[Any, Any] | list[Any]) -> bool:
+        if isinstance(item, list):
+            return scalars(item)
+        return all(not isinstance(v, dict | list) or scalars(v) for v in item.values())
+
+    def render(item: Any, level: int, column: int) -> str:
+        flat = json.dumps(item)
+        if column + len(flat) <= width or not isinstance(item, dict | list) or flat_record(item):
+            return flat
+        pad = " " * (level + 1)
+        if isinstance(item, dict):
+            keys = {k: json.dumps({k: 0})[1:-4] for k in item}
+            parts = [
+                f"{pad}{keys[k]}: {render(v, level + 1, len(pad) + len(keys[k]) + 2)}"
+                for k, v in item.items()
+            ]
+            return "{\n" + ",\n".join(parts) + "\n" + " " * level + "}"
+        parts = [pad + render(v, level + 1, len(pad)) for v in item]
+        return "[\n" + ",\n".join(parts) + "\n" + " " * level + "]"
+
+    return render(rounded(value), 0, 0) + "\n"
 
 
 def machine() -> dict[str, Any]:

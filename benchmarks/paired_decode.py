@@ -20,6 +20,9 @@ takes turns too, its oneDNN limited to AVX2 (faster there at batches: ``decode_b
 ``ct2-float32-avx2``); elsewhere that setting is the first one's. What it does not measure:
 the compiling of aiayn's libraries (compiled first, where they are not in the cache yet).
 
+With ``--write`` it writes ``benchmarks/results/paired-<host>.{md,json}`` (``<host>``:
+:func:`benchmarks.common.host_slug`); without, it prints the table only.
+
     .venv/bin/python -m benchmarks.paired_decode [--workload small base] [--pairs 9] [--write]
 """
 
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import subprocess
@@ -50,8 +52,9 @@ from benchmarks.common import (  # noqa: E402
     cpu_model,
     decode_sources,
     emit,
+    host_slug,
+    json_text,
     peak_rss_mb,
-    replace_section,
     rotated,
     set_threads,
     versions,
@@ -67,8 +70,6 @@ from benchmarks.decode_bench import (  # noqa: E402
 from benchmarks.peers import available, convert_to_ctranslate2  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DOC = ROOT / "docs" / "performance.md"
-DOC_BEGIN, DOC_END = "<!-- paired:begin -->", "<!-- paired:end -->"
 AIAYN = "aiayn"
 # CTranslate2 float32 by its intra-op threads.
 PEERS = {"ct2-float32": 2, "ct2-float32-1thread": 1}
@@ -253,7 +254,7 @@ MODE_NAMES = {
 
 
 def render(result: dict[str, Any]) -> str:
-    """The results as the Markdown that goes between the markers of docs/performance.md."""
+    """The results as a Markdown paragraph and table."""
     lines = [
         f"Run of {result['date']} ({result['time']}) on {result['cpu']} "
         f"({', '.join(result['instructions']) or 'no listed instruction sets'}; "
@@ -286,16 +287,17 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "paired.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    table = render(result)
-    (RESULTS / "paired.md").write_text(
+def write(result: dict[str, Any], folder: Path = RESULTS) -> Path:
+    """Write ``paired-<host>.md`` and ``.json`` into ``folder``; the Markdown file's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"paired-{host_slug()}.md"
+    path.with_suffix(".json").write_text(json_text(result), encoding="utf-8")
+    path.write_text(
         "# aiayn and CTranslate2 taking turns, batch by batch\n\n"
-        "Written by `make bench-paired` (benchmarks/paired_decode.py).\n\n" + table + "\n",
+        "Written by `make bench-paired` (benchmarks/paired_decode.py).\n\n" + render(result) + "\n",
         encoding="utf-8",
     )
-    replace_section(DOC, DOC_BEGIN, DOC_END, table + "\n")
+    return path
 
 
 def _commit() -> str:
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", type=Path, help="converted models (default: a new folder)")
     parser.add_argument("--serve", choices=(AIAYN, *ALL_PEERS), help=argparse.SUPPRESS)
     parser.add_argument(
-        "--write", action="store_true", help="write results/paired.{md,json}, performance.md"
+        "--write", action="store_true", help="write benchmarks/results/paired-<host>.{md,json}"
     )
     args = parser.parse_args(argv)
     if args.serve:
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     emit({"kind": "paired", **result})
     print(render(result))
     if args.write:
-        write(result)
+        print(f"written: {write(result)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def training_table(train: dict[str, dict[str, dict[str, Any]]], ceiling: float) 
             mfu_cell = "–" if system in OPT_IN_TRAIN else f"{100 * mfu:.0f}%"
             lines.append(
                 f"| {w.name} | {name} | {_fmt(r['tokens_per_s'])} | {r['median_s']:.3f} "
-                f"| {len(r['times_s'])} | {mfu_cell} | {_fmt(r['peak_rss_mb'])} "
+                f"| {r['samples']} | {mfu_cell} | {_fmt(r['peak_rss_mb'])} "
                 f"| {r.get('background_cpus', 0):.2f} |"
             )
     lines += [

@@ -4,8 +4,10 @@ Each (system, workload) runs in a subprocess of its own, so that its peak RSS is
 no system inherits another's allocator state or thread pool. Systems are interleaved: each
 round runs every system once, in an order rotated from round to round, and the timings of all
 rounds are pooled before taking medians; the matmul ceiling is measured once per round too.
-Writes ``benchmarks/results/latest.{md,json}`` and, for a full run, the table section of
-``docs/performance.md``.
+Writes ``benchmarks/results/bench-<host>.{md,json}`` (``<host>``: :func:`common.host_slug`,
+e.g. ``epyc-zen4``); the JSON holds each figure's median, its rounds and the count of timings,
+not the timings themselves. ``--quick`` writes to a new temporary folder unless ``--out`` is
+given. docs/performance.md points at the file of each host.
 
     .venv/bin/python benchmarks/run_all.py [--quick] [--only train decode] [--rounds N]
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
-import json
 import os
 import resource
 import shutil
@@ -36,11 +37,12 @@ from benchmarks.common import (  # noqa: E402
     THREADS,
     WORKLOADS,
     busy_cpu_seconds,
+    host_slug,
+    json_text,
     load_average,
     machine,
     median,
     parse_results,
-    replace_section,
     rotated,
     training_flops_per_target_token,
     versions,
@@ -49,8 +51,6 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.report import render  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DOC = ROOT / "docs" / "performance.md"
-DOC_BEGIN, DOC_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 # Every system each benchmark knows, in that order.
 TRAIN_SYSTEMS = list(train_bench.SYSTEMS)
@@ -156,7 +156,7 @@ def merge_train(runs: list[dict[str, Any]], workload: str) -> dict[str, Any]:
     w = WORKLOADS[workload]
     step = median(times)
     return {
-        "times_s": times,
+        "samples": len(times),
         "median_s": step,
         "tokens_per_s": w.tgt_tokens / step,
         "gflops": w.tgt_tokens * training_flops_per_target_token(w) / step / 1e9,
@@ -174,7 +174,7 @@ def merge_decode(runs: list[dict[str, Any]]) -> dict[str, Any]:
         done = [r["modes"][mode] for r in runs if mode in r["modes"]]
         times = [t for d in done for t in d["times_s"]]
         m = median(times)
-        entry: dict[str, Any] = {"times_s": times, "median_s": m}
+        entry: dict[str, Any] = {"samples": len(times), "median_s": m}
         # Each round's own median too, for the spread between rounds.
         if mode.endswith("batch"):
             n = done[0]["sentences_per_s"] * done[0]["median_s"]  # sentences per batch
@@ -209,8 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-systems", nargs="+", default=TRAIN_SYSTEMS)
     parser.add_argument("--decode-systems", nargs="+", default=DECODE_SYSTEMS)
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, quick 1)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "latest.md")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/performance.md alone")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the Markdown file to write, the JSON beside it (default: "
+        "benchmarks/results/bench-<host>.md; with --quick, a new temporary folder)",
+    )
     parser.add_argument(
         "--wait-quiet",
         type=float,
@@ -222,21 +226,23 @@ def main(argv: list[str] | None = None) -> None:
         choices=["as-shipped", "retained"],
         default="as-shipped",
         help="run the peers with glibc's malloc as it comes (default) or with the setting "
-        "aiayn applies to itself (aiayn.accel); 'retained' never updates docs/performance.md",
+        "aiayn applies to itself (aiayn.accel); 'retained' writes bench-<host>-retained.md",
     )
     parser.add_argument(
         "--isa",
         choices=sorted(ISA_LIMITS),
         help="limit every process to these instructions (as on a host without AVX-512); "
-        "never updates docs/performance.md",
+        "writes bench-<host>-<isa>.md",
     )
     args = parser.parse_args(argv)
     if args.peer_malloc == "retained":
         PEER_MALLOC.update(RETAINED_MALLOC_ENV)
     if args.isa:
         ISA_LIMIT.update(ISA_LIMITS[args.isa])
-        if args.out == RESULTS / "latest.md":  # the unlimited run's results stay
-            args.out = RESULTS / f"latest-{args.isa}.md"
+    if args.out is None:  # a limited run's results beside the unlimited one's, not over them
+        limits = ["retained"] * bool(PEER_MALLOC) + [args.isa] * bool(args.isa)
+        folder = Path(tempfile.mkdtemp(prefix="aiayn-bench-")) if args.quick else RESULTS
+        args.out = folder / ("-".join(["bench", host_slug(), *limits]) + ".md")
     mode = "quick" if args.quick else "full"
     rounds = args.rounds or (1 if args.quick else 3)
     quiet_s = args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 60.0)
@@ -335,12 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     markdown = render(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown, encoding="utf-8")
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    limited = bool(PEER_MALLOC or ISA_LIMIT)
-    documented = not args.no_doc and not limited and args.out == RESULTS / "latest.md"
-    if mode == "full" and documented:
-        replace_section(DOC, DOC_BEGIN, DOC_END, markdown)
+    args.out.with_suffix(".json").write_text(json_text(results), encoding="utf-8")
     print(markdown)
+    print(f"written: {args.out} and {args.out.with_suffix('.json').name}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from benchmarks.common import INSTRUCTION_SETS, cpu_instructions
+from benchmarks.common import INSTRUCTION_SETS, cpu_instructions, host_slug, json_text
 from benchmarks.report import decoding_table, render
-from benchmarks.run_all import merge_decode
+from benchmarks.run_all import merge_decode, merge_train
 
 
 def _round(batch_s: float, single_s: float) -> dict:
@@ -148,3 +150,45 @@ def test_peak_rss_is_the_process_own_not_its_parent_s() -> None:
     )
     del ballast
     assert float(done.stdout) < 600.0  # importing torch: about 220 MB
+
+
+@pytest.mark.parametrize(
+    ("vendor", "model", "instructions", "family", "slug"),
+    [
+        ("GenuineIntel", "Intel(R) Xeon(R) Processor", ["avx2", "avx512f"], 6, "xeon"),
+        ("AuthenticAMD", "AMD EPYC", ["avx2", "avx512f"], 25, "epyc-zen4"),
+        ("AuthenticAMD", "AMD EPYC", ["avx2", "fma"], 25, "epyc-zen3"),
+        ("AuthenticAMD", "AMD EPYC 7B12", ["avx2"], 23, "epyc-zen2"),
+        ("AuthenticAMD", "AMD Ryzen 9 7950X 16-Core Processor", ["avx512f"], 25,
+         "amd-ryzen-9-7950x-16-core"),
+        ("", "", [], 0, "unknown"),
+    ],
+)  # fmt: skip
+def test_each_host_has_a_short_name_for_its_result_files(vendor, model, instructions, family, slug):
+    assert host_slug(vendor, model, instructions, family) == slug
+
+
+def test_this_host_s_name_is_a_file_name():
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", host_slug())
+
+
+def test_results_json_keeps_each_measurement_on_one_line_and_six_digits():
+    result = {"modes": {"beam": {"rounds": [1.5] * 40, "median_s": 0.5}, "greedy": {}},
+              "cpu": "c" * 120}  # fmt: skip
+    text = json_text(result)
+    assert json.loads(text) == result
+    beam = '"beam": {"rounds": [' + ", ".join(["1.5"] * 40) + '], "median_s": 0.5},'
+    assert beam in [line.strip() for line in text.splitlines()]
+    assert len(text.splitlines()) == 7  # {, "modes": {, beam, greedy, }, "cpu", }
+    assert json_text({"a": [1, 2]}) == '{"a": [1, 2]}\n'
+    assert json.loads(json_text({"t": 0.48289264450431})) == {"t": 0.482893}
+
+
+def test_merged_figures_keep_their_count_of_timings_not_the_timings():
+    run = {"times_s": [0.5, 0.7, 0.6], "peak_rss_mb": 300.0, "build_s": 1.0,
+           "background_cpus": 0.0}  # fmt: skip
+    train = merge_train([run, run], "small")
+    assert train["samples"] == 6 and train["median_s"] == 0.6 and "times_s" not in train
+    decode = merge_decode([_round(0.5, 0.020), _round(0.8, 0.030)])
+    assert decode["modes"]["greedy-single"]["samples"] == 10
+    assert not any("times_s" in mode for mode in decode["modes"].values())

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
-from benchmarks.paired_decode import paired_figure, peers, render, take_turns
+from benchmarks.common import host_slug
+from benchmarks.paired_decode import paired_figure, peers, render, take_turns, write
 
 
 def run_of(figure: dict, instructions: list[str]) -> dict:
@@ -67,6 +69,17 @@ def test_the_table_names_the_run_and_each_figures_spread():
     assert "Some CPU (avx2; 2 threads), the code of abc1234" in table
     row = next(line for line in table.splitlines() if line.startswith("| SMALL"))
     assert "| 116.4 | 106.7, 2 threads | 1.09× (1.05–1.15; 1.00–1.20) | 3 | met |" in row
+
+
+def test_a_written_run_is_its_host_s_file_and_its_json_reads_back(tmp_path):
+    times = {"aiayn": [0.5, 0.6, 0.55], "ct2-float32": [0.6] * 3, "ct2-float32-1thread": [1.0] * 3}
+    run = run_of(paired_figure(times, batch=True, rows=64), ["avx2"])
+    path = write(run, tmp_path)
+    assert path == tmp_path / f"paired-{host_slug()}.md"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.with_suffix(".json").name, path.name]
+    assert render(run) in path.read_text(encoding="utf-8")
+    # The JSON keeps what the table shows (its floats to 6 significant digits).
+    assert render(json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))) == render(run)
 
 
 def test_ctranslate2_limited_to_avx2_takes_turns_only_where_the_cpu_has_avx512():

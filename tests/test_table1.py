@@ -1,4 +1,4 @@
-"""The counts of benchmarks/table1.py: the maximum path length that stacking real layers finds
+"""The counts of experiments/table1.py: the maximum path length that stacking real layers finds
 is the one each layer's reach implies, and the timed layers keep the sequence's shape."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from benchmarks.table1 import LAYERS, build, path_length
+from experiments.table1 import LAYERS, build, path_length
 
 
 @pytest.mark.parametrize("n", [2, 5, 16, 37, 100])

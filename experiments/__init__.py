@@ -1,0 +1,42 @@
+"""Experiments: the scripts that reproduce the figures of the paper and of docs/, one a file,
+each listed in experiments/README.md with its command, what it writes and how long it takes.
+Run them from the repository root as ``.venv/bin/python -m experiments.NAME``.
+
+Each writes its results into ``experiments/results`` (figures into ``docs/images``), or into
+``--out``; ``--quick`` runs it at its smallest settings into a new temporary folder, so that a
+smoke run never overwrites the committed results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+IMAGES = ROOT / "docs" / "images"
+
+
+def add_output_options(parser: argparse.ArgumentParser, quick: str) -> None:
+    """``--out`` and ``--quick`` (``quick``: what the smallest settings are)."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the results and figures (default: experiments/results and "
+        "docs/images; with --quick, a new temporary folder)",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: {quick}")
+
+
+def output_folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The folders for the results and for the figures, made if missing: ``--out`` for both
+    where given, a new temporary folder for a ``--quick`` run, else the committed ones."""
+    if args.out is None and args.quick:
+        args.out = Path(tempfile.mkdtemp(prefix="aiayn-experiment-"))
+        print(f"--quick: writing into {args.out}", file=sys.stderr, flush=True)
+    results, images = (args.out, args.out) if args.out is not None else (RESULTS, IMAGES)
+    results.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
+    return results, images
