@@ -25,14 +25,15 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import host_slug
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -56,50 +57,6 @@ NOT_APPLIED = "—"
 # (warmup, timed updates), (timed runs of each batch, sentences one at a time) per run kind
 TRAIN_STEPS = {"full": {"small": (3, 10), "base": (2, 6)}, "quick": {"small": (2, 4)}}
 DECODE_REPEATS = {"full": {"small": (3, 24), "base": (2, 12)}, "quick": {"small": (1, 6)}}
-
-
-# -- this host ----------------------------------------------------------------------------------
-
-
-def host_slug_of(cpu: str, flags: Iterable[str]) -> str:
-    """The agreed short name of a CPU (benchmarks/results/*-<host>.md): ``xeon`` for an Intel
-    Xeon, ``epyc-zen4`` for an AMD EPYC with AVX-512, ``epyc-zen3`` without; else the CPU's
-    name in lower case, words joined by ``-``."""
-    name = cpu.lower()
-    if "xeon" in name:
-        return "xeon"
-    if "epyc" in name:
-        return "epyc-zen4" if "avx512f" in set(flags) else "epyc-zen3"
-    words = re.findall(r"[a-z0-9]+", re.sub(r"\((r|tm)\)", " ", name))
-    noise = {"cpu", "processor", "core", "with", "radeon", "graphics"}
-    return "-".join(w for w in words if w not in noise)[:40] or "unknown"
-
-
-def _cpuinfo() -> tuple[str, set[str]]:
-    """The CPU's model name and flags (Linux's /proc/cpuinfo; elsewhere the platform's)."""
-    import platform
-
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    return name, flags
-
-
-def host_slug() -> str:
-    """This host's slug: benchmarks.common.host_slug where it is, else :func:`host_slug_of`."""
-    try:
-        from benchmarks.common import host_slug as common_slug  # type: ignore[attr-defined]
-    except ImportError:
-        return host_slug_of(*_cpuinfo())
-    return str(common_slug())
 
 
 # -- one measurement (a child process) ----------------------------------------------------------

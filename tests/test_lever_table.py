@@ -9,8 +9,6 @@ from benchmarks.lever_table import (
     FIGURES,
     cell,
     earns,
-    host_slug,
-    host_slug_of,
     lever_rows,
     render,
 )
@@ -105,13 +103,3 @@ def test_the_markdown_is_the_agreed_table() -> None:
 def test_every_lever_can_be_named() -> None:
     rows = lever_rows(_runs(), list(NAMES))["small"]
     assert [row["lever"] for row in rows] == list(NAMES)
-
-
-def test_host_slug() -> None:
-    assert host_slug_of("Intel(R) Xeon(R) Platinum 8488C", {"avx512f"}) == "xeon"
-    assert host_slug_of("Intel(R) Xeon(R) Processor", set()) == "xeon"
-    assert host_slug_of("AMD EPYC 9R14 96-Core Processor", {"avx2", "avx512f"}) == "epyc-zen4"
-    assert host_slug_of("AMD EPYC 7R13 Processor", {"avx2"}) == "epyc-zen3"
-    assert host_slug_of("Apple M2", set()) == "apple-m2"
-    slug = host_slug()
-    assert slug and slug == slug.lower() and " " not in slug
