@@ -8,7 +8,10 @@ from aiayn.data.sources.bible import write_bible_corpus
 from aiayn.inference import search
 from tests.helpers import BIBLE_MISSING, make_reverse_data
 
-torch.set_num_threads(2)
+# The suite's models are tiny: on one thread they run several times faster than on two, above
+# all on a shared CPU (tests/model and tests/inference: less than half the CPU time). A test
+# that needs more threads sets them and puts them back.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +21,7 @@ def _seed():
 
 @pytest.fixture
 def single_thread():
-    """Tiny models run several times faster on one thread, above all on a shared CPU
+    """One thread for the test, whatever the thread count before it (the suite's is one)
     (``pytestmark = pytest.mark.usefixtures("single_thread")``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
