@@ -1,5 +1,7 @@
 """Fixtures shared by the whole suite; plain helpers live in tests/helpers.py."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,8 +12,10 @@ from tests.helpers import BIBLE_MISSING, make_reverse_data
 
 # The suite's models are tiny: on one thread they run several times faster than on two, above
 # all on a shared CPU (tests/model and tests/inference: less than half the CPU time). A test
-# that needs more threads sets them and puts them back.
+# that needs more threads sets them and puts them back. The processes the tests start run on
+# one thread too: a compiled step's key names the thread count it was compiled for.
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)
