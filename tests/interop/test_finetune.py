@@ -45,7 +45,6 @@ def _valid_nll(checkpoint: Path, data: Path) -> float:
     )
 
 
-@pytest.mark.slow
 def test_fine_tune_an_imported_marian_model(tmp_path, capsys):
     directory = _marian_dir(tmp_path, "swish", separate=True, logits_bias=True)
     imported = tmp_path / "opus.pt"
