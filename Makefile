@@ -1,5 +1,5 @@
 # The two commands at the top of the README. Each creates or reuses .venv.
-.PHONY: demo demo-lm demo-classify test lint format venv bench bench-paired bench-levers
+.PHONY: demo demo-lm demo-classify test test-all lint format venv bench bench-paired bench-levers
 
 venv:
 	@bash scripts/setup_env.sh
@@ -21,8 +21,16 @@ demo-classify: venv
 	.venv/bin/aiayn classify runs/bible-genre --data data/bible-genre --split test \
 		--confusion runs/bible-genre/confusion.png
 
+# What CI runs: every test but those marked slow (pyproject's addopts), then the linters;
+# --durations lists the slowest tests. make test-all runs the slow ones too.
 test: venv
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15
+	.venv/bin/ruff check src tests benchmarks scripts experiments
+	.venv/bin/ruff format --check src tests benchmarks scripts experiments
+	.venv/bin/mypy
+
+test-all: venv
+	.venv/bin/python -m pytest -q --durations=15 -m "slow or not slow"
 	.venv/bin/ruff check src tests benchmarks scripts experiments
 	.venv/bin/ruff format --check src tests benchmarks scripts experiments
 	.venv/bin/mypy

@@ -1,5 +1,7 @@
 """Fixtures shared by the whole suite; plain helpers live in tests/helpers.py."""
 
+import os
+
 import pytest
 import torch
 
@@ -8,7 +10,12 @@ from aiayn.data.sources.bible import write_bible_corpus
 from aiayn.inference import search
 from tests.helpers import BIBLE_MISSING, make_reverse_data
 
-torch.set_num_threads(2)
+# The suite's models are tiny: on one thread they run several times faster than on two, above
+# all on a shared CPU (tests/model and tests/inference: less than half the CPU time). A test
+# that needs more threads sets them and puts them back. The processes the tests start run on
+# one thread too: a compiled step's key names the thread count it was compiled for.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +25,7 @@ def _seed():
 
 @pytest.fixture
 def single_thread():
-    """Tiny models run several times faster on one thread, above all on a shared CPU
+    """One thread for the test, whatever the thread count before it (the suite's is one)
     (``pytestmark = pytest.mark.usefixtures("single_thread")``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -177,6 +177,7 @@ def same_steps(model: Transformer, step: CompiledStep, rows: int, length: int, s
             step.log_probs_step(tokens, compiled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rows", "length", "slots"), [(3, 9, 6), (1, 1, 1), (2, 70, 90)])
 def test_the_step_is_the_eager_step(
     model: Transformer, step: CompiledStep, rows: int, length: int, slots: int
@@ -187,6 +188,7 @@ def test_the_step_is_the_eager_step(
 
 # (Every source keeps a token: sources() pads every other one, and more rows than tokens
 # would pad some whole, a row that attends to nothing, which no translation has.)
+@pytest.mark.slow
 @pytest.mark.parametrize(("rows", "length", "slots"), [(70, 71, 40), (17, 30, 5), (2, 3, 17)])
 def test_the_step_tuned_for_many_rows_is_the_eager_step(
     model: Transformer, batch_step: CompiledStep, rows: int, length: int, slots: int
@@ -200,6 +202,7 @@ def test_the_step_tuned_for_many_rows_is_the_eager_step(
     same_steps(model, batch_step, rows, length, slots)
 
 
+@pytest.mark.slow
 def test_the_library_attends_in_its_own_loops(step: CompiledStep) -> None:
     # ATen's attention kernel, called out of the library, costs more than the attention.
     assert b"scaled_dot_product" not in step.path.read_bytes()
@@ -228,6 +231,7 @@ def test_one_query_attention_is_sdpa() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_models_own_variants_are_compiled(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -261,6 +265,7 @@ def test_the_models_own_variants_are_compiled(
     same_steps(variant, compile_step(variant), 2, 11, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rows", "beam"), [(1, 1), (5, 1), (1, 4), (3, 4), (40, 1)])
 def test_search_finds_the_eager_hypotheses(
     model: Transformer, step: CompiledStep, batch_step: CompiledStep, rows: int, beam: int
@@ -271,6 +276,7 @@ def test_search_finds_the_eager_hypotheses(
         assert len({len(tokens) for tokens in got}) > 1
 
 
+@pytest.mark.slow
 def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep) -> None:
     src, src_pad = sources(2, 9)
     with torch.inference_mode():
@@ -302,6 +308,7 @@ def test_reorder_and_keep_move_whole_rows(model: Transformer, step: CompiledStep
         assert torch.equal(cache.self_v[1][1], before_v[1][3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [5, 20])
 def test_beam_searches_over_many_rows_find_the_eager_hypotheses(
     model: Transformer, beam_step: CompiledStep, rows: int
@@ -312,6 +319,7 @@ def test_beam_searches_over_many_rows_find_the_eager_hypotheses(
     assert len({len(hyps[0][0]) for hyps in got}) > 1
 
 
+@pytest.mark.slow
 def test_the_beam_cache_steps_reorders_and_keeps_as_the_eager_one(
     model: Transformer, beam_step: CompiledStep
 ) -> None:
@@ -439,6 +447,7 @@ def test_the_cross_keys_and_values_are_each_sentences_once_a_beam(d_v: int) -> N
     assert len(storages([*keys, *values])) == (1 if d_v == 8 else 4)
 
 
+@pytest.mark.slow
 def test_found_again_by_key_and_only_for_the_same_weights(
     model: Transformer, step: CompiledStep, cache_dir: Path
 ) -> None:
@@ -471,6 +480,7 @@ def test_found_again_by_key_and_only_for_the_same_weights(
     assert step_key(model) == key
 
 
+@pytest.mark.slow
 def test_a_decoding_process_imports_nothing_of_the_compiler(step: CompiledStep) -> None:
     """Naming, loading and running a library import nothing of Inductor (which costs a
     decoding process 68 MB), and the key is the one Inductor's own setting gives, with a
@@ -507,6 +517,7 @@ def test_a_decoding_process_imports_nothing_of_the_compiler(step: CompiledStep) 
     assert keys[0] == step_key(packing_model()) != keys[1]
 
 
+@pytest.mark.slow
 def test_a_step_that_is_not_trusted_or_does_not_load_is_not_used(
     model: Transformer, step: CompiledStep, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -554,6 +565,7 @@ def test_it_is_compiled_without_autograd_however_it_is_asked_for(
     assert grad == [False, False]
 
 
+@pytest.mark.slow
 def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     step: CompiledStep, batch_step: CompiledStep, beam_step: CompiledStep
 ) -> None:
@@ -589,6 +601,7 @@ def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     assert type(model) is Transformer
 
 
+@pytest.mark.slow
 def test_a_switch_between_paths_hands_back_what_is_idle(
     step: CompiledStep,
     batch_step: CompiledStep,
@@ -643,6 +656,7 @@ def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
         compile_step(packing_model().to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_a_translator_finds_it_and_translates_as_without(
     step: CompiledStep,
     batch_step: CompiledStep,
@@ -739,6 +753,7 @@ def five_steps(model: Transformer, compiled: CompiledStep) -> torch.Tensor:
         return torch.stack([compiled.log_probs_step(tokens, cache).clone() for _ in range(5)])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
 def test_the_weights_are_read_from_the_librarys_file(
     model: Transformer, step: CompiledStep, tmp_path: Path
@@ -807,6 +822,7 @@ def test_the_weights_are_read_from_the_librarys_file(
     assert CompiledStep(copied, model).constants is None
 
 
+@pytest.mark.slow
 def test_weights_packed_for_onednn_are_read_from_the_file_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -901,6 +917,7 @@ def test_file_pages_are_handed_back_and_read_again(tmp_path: Path) -> None:
         mapped.close()
 
 
+@pytest.mark.slow
 def test_a_training_run_ends_with_the_step_that_translate_then_uses(
     cache_dir: Path,
     reverse_data_dir: Path,

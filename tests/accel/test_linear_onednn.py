@@ -306,6 +306,7 @@ def _heap_probe(rows: int, columns: int = 20_000) -> dict[str, object]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     __import__("platform").libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's"
 )

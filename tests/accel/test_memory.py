@@ -99,6 +99,7 @@ def test_the_decoding_setting_reuses_blocks_under_16_mib_and_maps_larger_ones() 
     assert _faults(decoding, "40") > 50_000
 
 
+@pytest.mark.slow
 @glibc_only
 def test_the_largest_held_setting_applies_and_releasing_lowers_it() -> None:
     # Training then decoding in one process (aiayn demo): the training setting stays.

@@ -186,7 +186,7 @@ def test_a_run_whose_checkpoints_are_all_unreadable_stops(data_dir, tmp_path, ca
     assert (run / loading.CHECKPOINT_DIR / "step_00000002.pt.broken").is_file()
 
 
-def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):
+def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path, capsys):
     run = tmp_path / "run"
     command = [
         sys.executable,
@@ -224,28 +224,17 @@ def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path):
     assert saved is not None
     step = saved[1]["step"]
     assert step >= 3
-    # Resume and finish two updates later.
-    result = subprocess.run(
-        [
-            *command[:3],
-            "train",
-            "--out",
-            str(run),
-            "--resume",
-            f"train.max_steps={step + 2}",
-            "train.average_last=0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert f"resuming at update {step}" in result.stderr
-    assert f"at update {step + 2}" in result.stdout
+    # Resume and finish two updates later (in this process: a second one would only cost the
+    # start of another Python).
+    capsys.readouterr()
+    resume = ["train", "--out", str(run), "--resume", f"train.max_steps={step + 2}"]
+    assert main([*resume, "train.average_last=0"]) == 0
+    out, err = capsys.readouterr()
+    assert f"resuming at update {step}" in err
+    assert f"at update {step + 2}" in out
 
 
-def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
+def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path, capsys):
     run = tmp_path / "run"
     command = [
         sys.executable,
@@ -280,16 +269,11 @@ def test_kill_9_leaves_the_newest_complete_checkpoint(data_dir, tmp_path):
     assert paths and all(loading.load_checkpoint(p)["step"] > 0 for p in paths)
     (run / "checkpoints" / ".step_00099999.pt.abc.tmp").write_bytes(b"partial")  # as if cut
     step = loading.latest_valid_checkpoint(run)[1]["step"]
-    result = subprocess.run(
-        [*command[:3], "train", "--out", str(run), f"train.max_steps={step + 1}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "left by an interrupted save" in result.stderr
-    assert f"resuming at update {step}" in result.stderr
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), f"train.max_steps={step + 1}"]) == 0
+    err = capsys.readouterr().err
+    assert "left by an interrupted save" in err
+    assert f"resuming at update {step}" in err
     assert not list((run / "checkpoints").glob("*.tmp"))
     # The updates redone after the resume are recorded once.
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -185,6 +185,7 @@ def ct2_server(reverse_checkpoint: Path) -> Iterator[ServerProcess]:
         process.stop()
 
 
+@pytest.mark.slow
 def test_the_page_without_attention_maps(browser, ct2_server):
     """With ``--engine ctranslate2`` the page says so, translates, and offers no attention
     view (the server has none)."""

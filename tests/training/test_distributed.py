@@ -101,6 +101,7 @@ def test_two_gloo_processes_equal_one(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["lm", "classify"])
 def test_two_gloo_processes_equal_one_for_the_other_families(tmp_path, task):
     _run(0, 1, str(tmp_path / "single"), 0, task)
