@@ -277,7 +277,7 @@ def accelerate(
         not bf16 or wants("attention in float32")  # a StepAttention is a Float32Attention
     )
     if mode == "decode" and fp32_library == "onednn" and isinstance(decoder, nn.Module):
-        # Measured to pay on an AMD EPYC; on an Intel Xeon beam batches were slower with it.
+        # Where oneDNN packs float32 (make bench-levers measures it: docs/performance.md).
         if steps_by_products:
             lever = "beam steps attended by products"
             acceleration._swap(decoder, [MultiHeadAttention], lever, StepAttention)

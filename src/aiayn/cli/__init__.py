@@ -6,7 +6,7 @@ Each subcommand lives in its own module with two functions: ``add_parser(subpars
 or :class:`aiayn.errors.ConfigError` and become a one-line message with exit status 2.
 
 The subcommand modules import the library inside ``run``, not at the top: ``aiayn --help``
-and usage errors then take about 0.05 s instead of 1.2 s (the time to import PyTorch).
+and usage errors then answer without the time it takes to import PyTorch.
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ BUSY_SLOWDOWN = 1.5
 
 def _warn_if_cpu_busy() -> None:
     """Say so when other work on the machine makes PyTorch's threads slower than one thread
-    (on a 2-core Xeon beside one busy process, a product on two threads measured 1.3x to 12x
-    slower than on one; 0.5x on the idle machine)."""
+    (on a small CPU shared with a busy process, PyTorch's threads wait on each other:
+    docs/training.md)."""
     threads = torch.get_num_threads()
     slowdown = busy_cpu_slowdown()
     if slowdown > BUSY_SLOWDOWN:
