@@ -22,15 +22,16 @@ demo-classify: venv
 		--confusion runs/bible-genre/confusion.png
 
 # What CI runs: every test but those marked slow (pyproject's addopts), then the linters;
-# --durations lists the slowest tests. make test-all runs the slow ones too.
+# --durations lists the slowest tests. make test-all runs the slow ones too. The tests run on
+# one thread each (tests/conftest.py), one pytest-xdist worker per core, a file per worker.
 test: venv
-	.venv/bin/python -m pytest -q --durations=15
+	.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=15
 	.venv/bin/ruff check src tests benchmarks scripts experiments
 	.venv/bin/ruff format --check src tests benchmarks scripts experiments
 	.venv/bin/mypy
 
 test-all: venv
-	.venv/bin/python -m pytest -q --durations=15 -m "slow or not slow"
+	.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=15 -m "slow or not slow"
 	.venv/bin/ruff check src tests benchmarks scripts experiments
 	.venv/bin/ruff format --check src tests benchmarks scripts experiments
 	.venv/bin/mypy

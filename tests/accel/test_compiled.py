@@ -231,7 +231,6 @@ def test_one_query_attention_is_sdpa() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_the_models_own_variants_are_compiled(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
