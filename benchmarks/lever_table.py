@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import host_slug
+from benchmarks.common import host_slug, json_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -417,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     markdown = render(report)
     (args.out_dir / f"{stem}.md").write_text(markdown, encoding="utf-8")
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / f"{stem}.json").write_text(json_text(report) + "\n")
     print(markdown)
     print(f"wrote {args.out_dir / stem}.md and .json", file=sys.stderr)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks import paired_decode, report
+from benchmarks import lever_table, paired_decode, report
 from experiments import (
     comparison,
     ct2_export,
@@ -29,6 +29,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "ct2-export-": ct2_export.markdown,
     "ct2-nbest-": ct2_nbest.markdown,
     "families": families.report,
+    "levers-": lever_table.render,
     "long-attention": long_attention.report,
     "long-quality": long_quality.report,
     "marian-finetune": marian_finetune.report,
