@@ -52,6 +52,19 @@ class Workload:
     dropout: float = 0.1
     label_smoothing: float = 0.1
 
+    def model_config(self) -> Any:
+        """aiayn's ``ModelConfig`` of these sizes (the paper's defaults otherwise)."""
+        from aiayn.config import ModelConfig
+
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            d_ff=self.d_ff,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            dropout=self.dropout,
+        )
+
     @property
     def tgt_tokens(self) -> int:
         return self.batch * self.tgt_len

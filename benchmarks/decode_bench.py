@@ -115,19 +115,11 @@ def aiayn_decoder(
     """aiayn's decode; ``weights``: the file of the model's weights (written by the first
     process that needs it), mapped from it."""
     from aiayn.accel import accelerate
-    from aiayn.config import ModelConfig
     from aiayn.inference.search import beam_search, greedy_search
     from aiayn.model.families import build_model
 
     w = dw.model
-    config = ModelConfig(
-        vocab_size=w.vocab_size,
-        d_model=w.d_model,
-        d_ff=w.d_ff,
-        n_heads=w.n_heads,
-        n_layers=w.n_layers,
-        dropout=w.dropout,
-    )
+    config = w.model_config()
     torch.manual_seed(0)
     model = build_model(config).eval()
     if weights is not None:  # mapped, as aiayn's Translator maps a checkpoint

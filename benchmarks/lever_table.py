@@ -85,7 +85,7 @@ def _child_train(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 
     import aiayn.accel
     from aiayn.accel.loss import projected_label_smoothed_nll
-    from aiayn.config import ModelConfig, TrainConfig
+    from aiayn.config import TrainConfig
     from aiayn.model.families import build_model
     from aiayn.training.loss import label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
@@ -93,14 +93,7 @@ def _child_train(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 
     w = WORKLOADS[workload]
     batch = training_batch(w)
-    config = ModelConfig(
-        vocab_size=w.vocab_size,
-        d_model=w.d_model,
-        d_ff=w.d_ff,
-        n_heads=w.n_heads,
-        n_layers=w.n_layers,
-        dropout=w.dropout,
-    )
+    config = w.model_config()
     train = TrainConfig(label_smoothing=w.label_smoothing)
     torch.manual_seed(0)
     model = build_model(config).train()

@@ -55,18 +55,10 @@ def show(title: str, results: dict[str, float]) -> None:
 
 
 def _model(w: Workload, train: bool) -> torch.nn.Module:
-    from aiayn.config import ModelConfig
     from aiayn.model.families import build_model
 
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=w.vocab_size,
-        d_model=w.d_model,
-        d_ff=w.d_ff,
-        n_heads=w.n_heads,
-        n_layers=w.n_layers,
-        dropout=w.dropout,
-    )
+    config = w.model_config()
     return build_model(config).train(train)
 
 

@@ -48,18 +48,11 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     fused loss with bfloat16 products."""
     from aiayn.accel import accelerate
     from aiayn.accel.loss import projected_label_smoothed_nll
-    from aiayn.config import ModelConfig, TrainConfig
+    from aiayn.config import TrainConfig
     from aiayn.model.families import build_model
     from aiayn.training.optim import build_optimizer, build_schedule
 
-    config = ModelConfig(
-        vocab_size=w.vocab_size,
-        d_model=w.d_model,
-        d_ff=w.d_ff,
-        n_heads=w.n_heads,
-        n_layers=w.n_layers,
-        dropout=w.dropout,
-    )
+    config = w.model_config()
     train = TrainConfig(label_smoothing=w.label_smoothing)
     torch.manual_seed(0)
     model = build_model(config).train()
