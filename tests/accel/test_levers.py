@@ -95,6 +95,8 @@ def test_each_lever_reported_is_listed_and_can_be_left_out(case: Case, tmp_path:
 
 def test_the_levers_that_need_another_go_with_it() -> None:
     assert "compiled decoder step" in disabled_levers({"one buffer per decode"})
+    # and what needs what needs it
+    assert "aiayn's AVX2 panels" in disabled_levers({"one buffer per decode"})
     assert {"aiayn's AVX2 panels", "ReLU in the product"} <= disabled_levers({"packed weights"})
     assert disabled_levers("grid dropout") == {"grid dropout"}  # one name, not its letters
 
@@ -110,6 +112,9 @@ def test_a_compiled_step_left_out_is_not_loaded() -> None:
     said: list[str] = []
     assert use_compiled_step(model, acceleration, True, said.append) is None
     assert not said and "compiled decoder step" not in acceleration.levers
+    # aiayn's AVX2 product is loaded by the compiled step's loader: its levers go with it.
     assert isinstance(acceleration, Acceleration) and acceleration.disabled == {
-        "compiled decoder step"
+        "compiled decoder step",
+        "encoder attention by aiayn's kernel",
+        "aiayn's AVX2 panels",
     }

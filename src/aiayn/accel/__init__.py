@@ -228,8 +228,10 @@ def accelerate(
     True also raises the process's malloc thresholds while the acceleration lives
     (:mod:`~aiayn.accel.memory`) and, for ``"decode"``, hands back the pages of PyTorch's
     libraries that loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the
-    process's RSS, not the page cache). By default (False) nothing outside the model changes:
-    what is handed back is only the model's own (pages of its weights mapped from a file).
+    process's RSS, not the page cache). By default (False) no setting of the process changes:
+    what is handed back is the model's own (pages of its weights mapped from a file), and the
+    compiled step returns the heap's free blocks to the kernel (``malloc_trim``) when it loads
+    and when decodes switch between its libraries.
 
     ``disable``: names of levers (:data:`~aiayn.accel.levers.LEVERS`) to leave out, and with
     them those that need them; an unknown name raises ValueError.

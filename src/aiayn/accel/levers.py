@@ -89,6 +89,7 @@ LEVERS: tuple[Lever, ...] = (
         "and no AVX-512, with the compiled step)",
         "the encoder's MultiHeadAttention → PanelAttention",
         _CLASS_BACK,
+        needs=("compiled decoder step",),  # whose loader loads aiayn's AVX2 product
     ),
     Lever(
         "padded bfloat16 rows",
@@ -111,7 +112,7 @@ LEVERS: tuple[Lever, ...] = (
         "fp32, oneDNN, where aiayn's AVX2 product is loaded: the decoder step's products",
         "those packs made for aiayn's panels (accel.panels) instead of oneDNN",
         "the packs dropped",
-        needs=("packed weights",),
+        needs=("packed weights", "compiled decoder step"),
     ),
     Lever(
         "ReLU in the product",
@@ -164,8 +165,11 @@ def disabled_levers(disable: Iterable[str]) -> frozenset[str]:
             f"unknown lever(s) {', '.join(map(repr, unknown))}; the levers: "
             + ", ".join(map(repr, NAMES))
         )
-    more = {lever.name for lever in LEVERS if names.intersection(lever.needs)}
-    return names | more
+    while True:  # and those that need those
+        more = {lever.name for lever in LEVERS if names.intersection(lever.needs)} - names
+        if not more:
+            return names
+        names |= more
 
 
 def markdown_table() -> str:
