@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
+from aiayn import native
 from aiayn.accel import panels
 from aiayn.data.sources.bible import write_bible_corpus
-from aiayn.inference import search
 from tests.helpers import BIBLE_MISSING, make_reverse_data
 
 # The suite's models are tiny: on one thread they run several times faster than on two, above
@@ -98,6 +98,6 @@ def _panels_per_test(monkeypatch):
     asks for (``translate --compiled-step`` builds it beside the step) copies the session's
     one build instead of compiling it again (:func:`panel_library_copy`)."""
     monkeypatch.setattr(panels, "_loaded", None)
-    # greedy's choice by the kernel only where a test loads the file (it stays registered)
-    monkeypatch.setattr(search, "native_first_argmax", lambda: None)
+    # greedy's choice by the kernel only where a test loads the file (which registers it)
+    monkeypatch.setattr(native, "_first_argmax", None)
     monkeypatch.setattr(panels, "_build", panel_library_copy)

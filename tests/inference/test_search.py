@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from aiayn import native
 from aiayn.inference import search
 from aiayn.inference.search import (
     BEAM_RULES,
@@ -651,6 +652,21 @@ def test_greedy_search_by_blocks_equals_greedy_by_max(monkeypatch: pytest.Monkey
     assert len({len(tokens) for tokens, _ in by_blocks}) > 1  # rows left at different steps
     monkeypatch.setattr(search, "ARGMAX_ROWS", batch + 1)  # max(dim) at every step
     assert run() == by_blocks
+    # A native kernel registered for the choice (aiayn.native) is what greedy search calls.
+    calls: list[int] = []
+
+    def kernel(scores: Tensor) -> Tensor:
+        calls.append(scores.shape[0])
+        return scores.max(dim=-1).indices
+
+    native.register_first_argmax(kernel)
+    try:
+        assert search.native_first_argmax() is kernel
+        assert run() == by_blocks
+    finally:
+        native.register_first_argmax(None)
+    assert calls and calls[0] == batch
+    assert search.native_first_argmax() is None
 
 
 # -- beam search with its bookkeeping on the host ---------------------------------------------

@@ -7,13 +7,14 @@ in ``csrc/panel_gemm.cpp`` packs a weight once into panels of 16 output columns 
 blocks of 6 rows by a panel with 12 accumulators held in registers (the layout of the
 classic AVX2 kernels); bias and ReLU are applied as the result is written. The same file holds
 three more kernels for decoding: the steps' log-softmax in place (:func:`log_softmax_`), greedy
-search's choice of token (``aiayn_panels::first_argmax``, which search finds registered once
-the file is loaded) and attention (:func:`attend`): the encoder's, through
-:class:`aiayn.accel.attention.PanelAttention`, and the compiled decoder step's, called out of
-its library (:class:`aiayn.accel.compiled.OneQueryAttention`). Over 16 rows or more, each
-kernel hands its work out in chunks, each thread taking the next when done with one, so that a
-core slowed for a while by a busy host does less of it; the results do not depend on who took
-what. Figures: docs/performance.md.
+search's choice of token (``aiayn_panels::first_argmax``, registered for search with
+:func:`aiayn.native.register_first_argmax` once the file is loaded) and attention
+(:func:`attend`): the encoder's, through :class:`aiayn.accel.attention.PanelAttention`, and
+the compiled decoder step's, called out of its library
+(:class:`aiayn.accel.compiled.OneQueryAttention`). Over 16 rows or more, each kernel hands its
+work out in chunks, each thread taking the next when done with one, so that a core slowed for
+a while by a busy host does less of it; the results do not depend on who took what.
+Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
 step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
@@ -41,6 +42,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from aiayn import native as native_kernels
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -129,6 +132,7 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         # the compiled decoder step through it.
         torch.library.register_fake("aiayn_panels::linear")(_linear_shape)
         torch.library.register_fake("aiayn_panels::attend")(_attend_shape)
+    native_kernels.register_first_argmax(torch.ops.aiayn_panels.first_argmax)
     _loaded = path
     return True
 

@@ -54,6 +54,7 @@ from typing import Any, Literal, Protocol, TypeVar, overload
 import torch
 from torch import Tensor
 
+from aiayn import native as native_kernels
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -651,11 +652,11 @@ ARGMAX_ROWS = 8
 
 
 def native_first_argmax() -> Callable[[Tensor], Tensor] | None:
-    """aiayn's AVX2 kernel with :func:`first_argmax`'s result for a float32 CPU matrix, where
-    its file (:mod:`aiayn.accel.panels`) is loaded into this process, else None: one pass over
-    each row, faster than the blocks and than ``max`` (docs/performance.md). Looked up once a
-    search."""
-    return getattr(torch.ops.aiayn_panels, "first_argmax", None)
+    """The native kernel with :func:`first_argmax`'s result for a float32 CPU matrix that is
+    registered with :func:`aiayn.native.register_first_argmax` (aiayn's AVX2 kernel, where
+    :mod:`aiayn.accel.panels` loaded it into this process), else None: one pass over each row,
+    faster than the blocks and than ``max`` (docs/performance.md). Looked up once a search."""
+    return native_kernels.first_argmax()
 
 
 def first_argmax(scores: Tensor, native: Callable[[Tensor], Tensor] | None = None) -> Tensor:
