@@ -79,43 +79,13 @@ def _accelerate_with(disable: frozenset[str], record: list[Any]) -> None:
 
 
 def _child_train(workload: str, warmup: int, steps: int) -> dict[str, Any]:
-    """Timed updates as aiayn's Trainer makes them on the CPU in fp32: its loss fused with the
-    projection where the acceleration fuses it, else the plain loss over the logits."""
-    import torch
-
-    import aiayn.accel
-    from aiayn.accel.loss import projected_label_smoothed_nll
-    from aiayn.config import TrainConfig
-    from aiayn.model.families import build_model
-    from aiayn.training.loss import label_smoothed_nll
-    from aiayn.training.optim import build_optimizer, build_schedule
-    from benchmarks.common import PAD_ID, WORKLOADS, median, time_calls, training_batch
+    """Timed updates as ``benchmarks.train_bench`` measures aiayn's (the Trainer's update on
+    the CPU in fp32: the loss fused with the projection where the acceleration fuses it)."""
+    from benchmarks.common import WORKLOADS, median, time_calls, training_batch
+    from benchmarks.train_bench import aiayn_update
 
     w = WORKLOADS[workload]
-    batch = training_batch(w)
-    config = w.model_config()
-    train = TrainConfig(label_smoothing=w.label_smoothing)
-    torch.manual_seed(0)
-    model = build_model(config).train()
-    acceleration = aiayn.accel.accelerate(model, "train")
-    optimizer = build_optimizer(model, train)
-    schedule = build_schedule(optimizer, config.d_model, train)
-    n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
-    eps = train.label_smoothing
-    fused = model.out_proj.weight if acceleration.fused_loss else None
-
-    def update() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        out = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=fused is None)
-        if fused is not None:
-            loss_sum, _ = projected_label_smoothed_nll(out, fused, batch.tgt_out, eps, PAD_ID)
-        else:
-            loss_sum, _ = label_smoothed_nll(out, batch.tgt_out, eps, PAD_ID)
-        (loss_sum / n_tokens).backward()
-        optimizer.step()
-        schedule.step()
-
-    times = time_calls(update, warmup, steps)
+    times = time_calls(aiayn_update(w, training_batch(w)), warmup, steps)
     return {"train": w.tgt_tokens / median(times), "times_s": times}
 
 

@@ -42,14 +42,15 @@ ADAM_BETAS, ADAM_EPS, PEER_LR = (0.9, 0.98), 1e-9, 1e-4
 def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     """The core of ``aiayn.training.trainer.Trainer._update`` for one batch on the CPU in fp32:
     the library's model, its fused projection + label-smoothed loss
-    (``projected_label_smoothed_nll``), ``build_optimizer`` (fused Adam) and
-    ``build_schedule``. With ``bf16``, what ``train.precision=bf16`` does on the CPU
-    (opt-in, outside the fp32 workloads): the model under bfloat16 autocast and the
-    fused loss with bfloat16 products."""
+    (``projected_label_smoothed_nll``) where the acceleration fuses them (else the loss over
+    the logits), ``build_optimizer`` (fused Adam) and ``build_schedule``. With ``bf16``, what
+    ``train.precision=bf16`` does on the CPU (opt-in, outside the fp32 workloads): the model
+    under bfloat16 autocast and the fused loss with bfloat16 products."""
     from aiayn.accel import accelerate
     from aiayn.accel.loss import projected_label_smoothed_nll
     from aiayn.config import TrainConfig
     from aiayn.model.families import build_model
+    from aiayn.training.loss import label_smoothed_nll
     from aiayn.training.optim import build_optimizer, build_schedule
 
     config = w.model_config()
@@ -57,22 +58,26 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     torch.manual_seed(0)
     model = build_model(config).train()
     # As aiayn train's Trainer does (its process settings included).
-    accelerate(model, "train", precision="bf16" if bf16 else "fp32", process_settings=True)
+    precision = "bf16" if bf16 else "fp32"
+    acceleration = accelerate(model, "train", precision=precision, process_settings=True)
     optimizer = build_optimizer(model, train)
     schedule = build_schedule(optimizer, config.d_model, train)
     n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
     eps = train.label_smoothing
-    weight = model.out_proj.weight
+    fused = model.out_proj.weight if acceleration.fused_loss else None
 
     dtype = torch.bfloat16 if bf16 else None
 
     def update() -> None:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            hidden = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=False)
-        loss_sum, _ = projected_label_smoothed_nll(
-            hidden, weight, batch.tgt_out, eps, PAD_ID, dtype
-        )
+            out = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=fused is None)
+        if fused is not None:
+            loss_sum, _ = projected_label_smoothed_nll(
+                out, fused, batch.tgt_out, eps, PAD_ID, dtype
+            )
+        else:
+            loss_sum, _ = label_smoothed_nll(out, batch.tgt_out, eps, PAD_ID)
         (loss_sum / n_tokens).backward()
         optimizer.step()
         schedule.step()
