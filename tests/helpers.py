@@ -256,16 +256,15 @@ def search_tokens(model: Transformer, beam: bool) -> list:
         return [h.tokens for h in greedy_search(model.log_probs_step, cache, 6, max_len=11)]
 
 
-def resident_bytes(path: Path) -> int:
-    """Bytes of this process's mappings of ``path`` that are in memory (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            inside = fields[-1] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1]) << 10
-    return total
+def file_spans(path: Path) -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of ``path`` (/proc/self/maps)."""
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            spans.append((start, end))
+    return spans
 
 
 def write_to_disk(path: Path, tensors: dict[str, Tensor]) -> None:
@@ -275,30 +274,6 @@ def write_to_disk(path: Path, tensors: dict[str, Tensor]) -> None:
         torch.save(tensors, file)
         file.flush()
         os.fsync(file.fileno())
-
-
-def pages_stay(folder: Path) -> str | None:
-    """Why the pages of a file in ``folder`` that this process maps are not handed back here
-    (no /proc, a kernel before Linux 5.4, a file system that keeps its pages in memory such
-    as tmpfs), or None where they are."""
-    from aiayn.accel import memory
-
-    if not Path("/proc/self/smaps").exists():
-        return "needs Linux's /proc"
-    path = folder / "probe.pt"
-    write_to_disk(path, {"w": torch.ones(1 << 18)})  # 1 MiB
-    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
-    float(mapped.sum())  # every page read in
-    before = resident_bytes(path)
-    advised = memory.page_out(mapped)
-    after = resident_bytes(path)
-    del mapped
-    path.unlink()
-    if not advised:
-        return "madvise(MADV_PAGEOUT) refused here (a kernel before Linux 5.4?)"
-    if after >= before:
-        return f"pages of a file in {folder} stay in memory when handed back (tmpfs?)"
-    return None
 
 
 def loader_settings(monkeypatch: Any, owner: type, argv: list[str]) -> dict[str, object]:

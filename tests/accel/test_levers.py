@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16, memory
-from aiayn.accel.compiled import use_compiled_step
+from aiayn.accel.decoding import use_compiled_step
 from aiayn.accel.levers import BY_NAME, LEVERS, NAMES, disabled_levers, markdown_table
 from aiayn.accel.linear import onednn_packing_available
 from aiayn.config import ModelConfig
@@ -69,10 +69,7 @@ def test_the_list_names_each_lever_once_with_all_it_says() -> None:
         assert lever.name and lever.mode and lever.applies and lever.swaps and lever.undone
         assert set(lever.mode.split(", ")) <= {"train", "decode"}
         assert set(lever.needs) <= set(NAMES)
-    assert {lever.name for lever in LEVERS if lever.process} == {
-        "PyTorch's code pages handed back",
-        "malloc thresholds",
-    }
+    assert {lever.name for lever in LEVERS if lever.process} == {"malloc thresholds"}
     table = markdown_table().splitlines()
     assert len(table) == 2 + len(LEVERS) and all(row.count("|") == 6 for row in table)
 

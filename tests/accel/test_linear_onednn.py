@@ -5,7 +5,6 @@ row count, the same hypotheses, and never a stale weight."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +25,8 @@ from tests.helpers import (
     linear_layers,
     packed_flags,
     packing_model,
-    pages_stay,
-    resident_bytes,
     search_tokens,
     step_log_probs,
-    write_to_disk,
 )
 
 pytestmark = [
@@ -145,47 +141,6 @@ def test_translator_packs_by_default_and_not_with_pack_weights_false() -> None:
     model = packing_model()
     Translator(model, LetterTokenizer(), pack_weights=False)  # type: ignore[arg-type]
     assert not any(packed_flags(model))
-
-
-def test_mapped_weights_that_packs_replace_are_handed_back(tmp_path: Path) -> None:
-    """A model whose weights are mapped from a file (as a checkpoint is for inference) keeps
-    none of the packed weights' pages, nor those of the embedding table that lookups read a
-    row at a time, and decodes as a model of its own copies does."""
-    from aiayn.config import ModelConfig
-    from aiayn.inference.loading import assign_weights
-    from aiayn.model.transformer import Transformer
-
-    def build() -> Transformer:  # weights of many pages each: a page is handed back whole
-        torch.manual_seed(0)
-        config = ModelConfig(vocab_size=3000, d_model=128, d_ff=512, n_heads=4, n_layers=1)
-        return Transformer(config).eval()
-
-    reason = pages_stay(tmp_path)
-    if reason is not None:
-        pytest.skip(reason)
-    path = tmp_path / "weights.pt"
-    plain = build()
-    write_to_disk(path, plain.state_dict())
-    model = build()
-    assign_weights(model, torch.load(path, mmap=True, weights_only=True))
-    assert model.out_proj.weight is model.tgt_embed.token.weight
-    assert torch.equal(model.out_proj.weight, plain.out_proj.weight)
-    for parameter in model.parameters():
-        parameter.sum()  # every page read, as the compiled step's digest reads them
-    table = model.tgt_embed.token.weight
-    weights = sum(m.weight.numel() * 4 for m in linear_layers(model) if m.weight is not table)
-    before = resident_bytes(path)
-    assert before >= weights + table.numel() * 4
-    acceleration = accelerate(model, "decode")
-    assert acceleration.packed == len(linear_layers(model))
-    assert acceleration.handed_back > 0.9 * before
-    assert any(lever.startswith("mapped weights' pages") for lever in acceleration.levers)
-    assert [id(t) for t in acceleration._tables] == [id(table)]
-    assert resident_bytes(path) < 0.1 * before
-    accelerate(plain, "decode")
-    assert_close(step_log_probs(model, 5, 3000), step_log_probs(plain, 5, 3000), **FLOAT32)
-    # The lookups of those steps read the rows of their tokens, not the whole table.
-    assert resident_bytes(path) < 0.5 * table.numel() * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,7 +9,6 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -121,91 +120,3 @@ def test_opt_out_leaves_malloc_alone() -> None:
     system = _probe("system", "train", "decode")
     assert system["held"] == [False, False] and system["in_force"] is None
     assert _faults(system, "40") > 50_000
-
-
-def test_only_pages_mapped_from_a_file_are_handed_back(tmp_path):
-    import torch
-
-    from aiayn.accel import memory
-    from tests.helpers import pages_stay, resident_bytes, write_to_disk
-
-    reason = pages_stay(tmp_path)
-    if reason is not None:
-        pytest.skip(reason)
-    path = tmp_path / "weights.pt"
-    write_to_disk(path, {"w": torch.arange(1 << 20, dtype=torch.float32)})  # 4 MiB
-    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
-    assert memory.read_by_rows(mapped)
-    float(mapped.sum())
-    assert resident_bytes(path) >= 4 << 20
-    assert 4 << 20 >= memory.page_out(mapped) >= (4 << 20) - 2 * memory._PAGE
-    assert resident_bytes(path) <= 2 * memory._PAGE  # its whole pages went, not its ends
-    assert torch.equal(mapped, torch.arange(1 << 20, dtype=torch.float32))  # read again
-    assert memory.read_by_rows(mapped, undo=True)
-    own = torch.ones(1 << 20)
-    assert memory.page_out(own) == 0 and not memory.read_by_rows(own)
-    assert memory.page_out(mapped[::2]) == 0  # not contiguous: left alone
-
-
-def test_library_pages_go_back_unless_the_process_wrote_them_or_may(tmp_path):
-    """Only a library's clean pages go: a page the process wrote (a relocated table, made
-    read-only after) would be lost, and a writable mapping may be written at any time."""
-    import ctypes
-    import mmap
-
-    from aiayn.accel import memory
-    from tests.helpers import resident_bytes
-
-    if not Path("/proc/self/smaps").exists() or memory._libc() is None:
-        pytest.skip("needs Linux's /proc and C library")
-    size = 64 * mmap.PAGESIZE
-    content = bytes(range(256)) * (size // 256)
-    lib, near = tmp_path / "lib", tmp_path / "lib2"
-    lib.mkdir()
-    near.mkdir()
-    paths = [lib / "clean.so", lib / "written.so", lib / "writable.so", near / "clean.so"]
-    maps = []
-    for path in paths:
-        path.write_bytes(content)
-        writable = path.name != "clean.so"
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        with path.open("rb" if not writable else "r+b") as file:
-            maps.append(mmap.mmap(file.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot))
-    clean, written = maps[:2]
-    written[:4] = b"abcd"  # a private copy of this page, then the mapping made read-only
-    address = ctypes.addressof(ctypes.c_char.from_buffer(written))
-    assert memory._libc().mprotect(ctypes.c_void_p(address), ctypes.c_size_t(size), 1) == 0
-    for m in maps:
-        assert m[:] == m[:]  # every page read in
-    resident = {path: resident_bytes(path) for path in paths}
-    assert all(resident[path] == size for path in paths)
-
-    assert memory.release_library_pages(lib) == size  # clean.so's pages, no other
-    assert resident_bytes(paths[0]) == 0
-    assert [resident_bytes(path) for path in paths[1:]] == [size] * 3
-    assert written[:8] == b"abcd" + content[4:8]
-    assert clean[:] == content  # read again from the file
-    assert memory.release_library_pages(tmp_path / "none") == 0
-
-
-def test_decoding_hands_back_the_code_pages_loading_ran() -> None:
-    import torch
-
-    from aiayn.accel import accelerate, memory
-    from aiayn.config import ModelConfig
-    from aiayn.model.families import build_model
-
-    if not Path("/proc/self/smaps").exists() or memory._libc() is None:
-        pytest.skip("needs Linux's /proc and C library")
-    config = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=4, n_layers=1)
-    untouched = accelerate(build_model(config).eval(), "decode")
-    assert untouched.library_pages == 0  # not asked for: the process is left alone
-    model = build_model(config).eval()
-    acceleration = accelerate(model, "decode", process_settings=True)
-    assert acceleration.library_pages > 0
-    assert any(lever.startswith("PyTorch's code pages") for lever in acceleration.levers)
-    tokens = torch.tensor([[5, 6, 7]])
-    with torch.inference_mode():  # the code runs again, read back from the page cache
-        assert model.encode(tokens, None).isfinite().all()
-    acceleration.undo()
-    assert acceleration.library_pages == 0

@@ -19,30 +19,41 @@ from aiayn.training.trainer import Trainer
 from tests.helpers import LetterTokenizer, loader_settings
 
 
+class _Call:
+    """A C function of the spied C library: records each call (name, arguments)."""
+
+    def __init__(self, name: str, calls: list[tuple[str, tuple[Any, ...]]]) -> None:
+        self.name, self.calls = name, calls
+
+    def __call__(self, *args: Any) -> int:
+        self.calls.append((self.name, args))
+        return 1
+
+
 class Spies:
-    """Records every mallopt(3) call and every hand-back of PyTorch's code pages."""
+    """Stands in for the C library aiayn reaches (the only way it changes the process: malloc's
+    settings, and any other libc call such as madvise or malloc_trim) and records each call."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.mallopt: list[tuple[int, int]] = []
-        self.library_pages: list[Path] = []
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
         # A fresh process's state: nothing held, nothing set (so that a hold must call).
         monkeypatch.setattr(memory, "_holders", {})
         monkeypatch.setattr(memory, "_in_force", None)
+        calls = self.calls
 
-        def mallopt(parameter: int, value: int) -> int:
-            self.mallopt.append((parameter, value))
-            return 1
+        class Libc:
+            def __getattr__(self, name: str) -> _Call:
+                return _Call(name, calls)
 
-        def release_library_pages(directory: Path) -> int:
-            self.library_pages.append(directory)
-            return 0
+        monkeypatch.setattr(memory, "_libc", lambda: Libc())
 
-        monkeypatch.setattr(memory, "_mallopt", lambda: mallopt)
-        monkeypatch.setattr(memory, "release_library_pages", release_library_pages)
+    @property
+    def mallopt(self) -> list[tuple[Any, ...]]:
+        return [args for name, args in self.calls if name == "mallopt"]
 
     @property
     def touched(self) -> bool:
-        return bool(self.mallopt or self.library_pages or memory.in_force() is not None)
+        return bool(self.calls or memory.in_force() is not None)
 
 
 @pytest.fixture
@@ -76,14 +87,14 @@ def test_a_library_translator_leaves_the_process_alone(spies: Spies) -> None:
     assert translator.acceleration is not None and translator.acceleration.levers
     translator.translate(["hello", "a longer sentence"] * 8)  # decoding's own holds too
     translator.acceleration.undo()
-    assert not spies.touched, (spies.mallopt, spies.library_pages)
+    assert not spies.touched, spies.calls
 
 
 def test_a_library_trainer_leaves_the_process_alone(spies: Spies, tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
     assert trainer.acceleration is not None and trainer.acceleration.levers
     trainer.close()
-    assert not spies.touched, spies.mallopt
+    assert not spies.touched, spies.calls
 
 
 def test_accelerate_leaves_the_process_alone(spies: Spies) -> None:
@@ -99,7 +110,7 @@ def test_asked_for_a_translator_sets_them_and_undo_gives_them_back(spies: Spies)
     translator = Translator(_model(), LetterTokenizer(), process_settings=True)  # type: ignore[arg-type]
     assert translator.acceleration is not None
     assert memory.in_force() == memory.DECODE and spies.mallopt
-    assert spies.library_pages  # the end of a decode acceleration that changed the model
+    assert {name for name, _ in spies.calls} == {"mallopt"}
     translator.acceleration.undo()
     assert memory.in_force() is None and spies.mallopt[-2:] == [
         (memory._M_MMAP_THRESHOLD, memory.GLIBC_DEFAULT[0]),
@@ -112,7 +123,7 @@ def test_asked_for_a_trainer_sets_them(spies: Spies, tmp_path: Path) -> None:
         pytest.skip("malloc thresholds are glibc's (and AIAYN_MALLOC=system leaves them)")
     trainer = _trainer(tmp_path, process_settings=True)
     assert memory.in_force() == memory.TRAIN and spies.mallopt
-    assert not spies.library_pages  # a decode's only
+    assert {name for name, _ in spies.calls} == {"mallopt"}
     trainer.close()
     assert memory.in_force() is None
 

@@ -358,15 +358,15 @@ def test_a_model_of_another_vocabulary_than_its_tokenizer_is_refused(tmp_path):
 def test_inference_maps_the_checkpoint_instead_of_reading_it(tmp_path):
     """load_model's parameters are the checkpoint file's pages (no copy of the weights in
     the process), the tied embedding stays one parameter, and the values are the saved ones."""
-    from aiayn.accel.memory import file_mappings
     from aiayn.data.corpus import tokenizer_path
+    from tests.helpers import file_spans
 
     data = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
     config = tiny_config("model.vocab_size=13")
     path = tmp_path / "model.pt"
     saved = _model_file(path, config, 5, tokenizer_path(data).read_bytes())
     model = loading.load_model(path).model
-    spans = [(start, end) for start, end, name in file_mappings() if name == str(path)]
+    spans = file_spans(path)
     for name, parameter in model.named_parameters():
         start = parameter.data_ptr()
         assert any(lo <= start < hi for lo, hi in spans), f"{name} is not mapped"
@@ -374,7 +374,7 @@ def test_inference_maps_the_checkpoint_instead_of_reading_it(tmp_path):
     assert model.out_proj.weight is model.tgt_embed.token.weight is model.src_embed.token.weight
     assert len(list(model.parameters())) == len(list(saved.parameters()))
     read = loading.load_model(path, mmap=False).model  # --no-mmap: in memory of its own
-    spans = [(start, end) for start, end, name in file_mappings() if name == str(path)]
+    spans = file_spans(path)
     for name, parameter in read.named_parameters():
         assert not any(lo <= parameter.data_ptr() < hi for lo, hi in spans), name
         assert torch.equal(parameter, saved.get_parameter(name))

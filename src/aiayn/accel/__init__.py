@@ -24,9 +24,9 @@ docs/performance.md shows.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 from aiayn.accel import memory, panels
 from aiayn.accel.attention import Float32Attention, PanelAttention, StepAttention
 from aiayn.accel.compiled import library_products, step_products
-from aiayn.accel.cpu import cpu_has_bfloat16
+from aiayn.accel.cpu import cpu_has_bfloat16, cpu_vendor, private_ops_unverified
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
 from aiayn.accel.levers import LEVERS, disabled_levers
@@ -90,9 +90,6 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 _UNSET = object()
 _NAMES = frozenset(lever.name for lever in LEVERS)
 
-# PyTorch's shared libraries (libtorch_cpu and the rest).
-TORCH_LIBRARIES = Path(torch.__file__).resolve().parent / "lib"
-
 
 @dataclass
 class Acceleration:
@@ -107,13 +104,6 @@ class Acceleration:
     # The levers the call was asked to leave out (with those that need them).
     disabled: frozenset[str] = frozenset()
     packed: int = 0  # linear layers whose weight is packed
-    # Bytes of weights mapped from a file whose pages were advised out (decode; what the
-    # kernel does with them: accel.memory.page_out): those a oneDNN pack replaced, and
-    # embedding tables read a row at a time.
-    handed_back: int = 0
-    # Bytes of PyTorch's library pages (code that loading ran) handed back at the end of a
-    # decode acceleration (accel.memory.release_library_pages).
-    library_pages: int = 0
     # Training: fuse the pre-softmax projection and the loss (aiayn.accel.loss).
     fused_loss: bool = False
     # (module, its plain class, the class it was given)
@@ -124,8 +114,6 @@ class Acceleration:
     _attributes: list[tuple[nn.Module, str, object]] = field(default_factory=list, repr=False)
     _memory: int | None = field(default=None, repr=False)
     _watching: bool = field(default=False, repr=False)
-    # Mapped embedding tables advised to be read a page at a time.
-    _tables: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def undo(self) -> None:
         """Put back what this call changed: the attributes it set, the plain classes of the
@@ -143,9 +131,6 @@ class Acceleration:
                     module.__dict__.pop(name, None)
                 module.__class__ = plain
         self._swapped.clear()
-        for table in self._tables:  # read ahead again, as products that read it whole do
-            memory.read_by_rows(table, undo=True)
-        self._tables.clear()
         self.release_memory()
         if self._watching:
             unwatch_optimizer_steps()
@@ -153,8 +138,6 @@ class Acceleration:
         self.levers.clear()
         self.details.clear()
         self.packed = 0
-        self.handed_back = 0
-        self.library_pages = 0
         self.fused_loss = False
 
     def release_memory(self) -> None:
@@ -226,12 +209,7 @@ def accelerate(
 
     ``process_settings`` is for the program that owns the process (aiayn's commands pass it):
     True also raises the process's malloc thresholds while the acceleration lives
-    (:mod:`~aiayn.accel.memory`) and, for ``"decode"``, hands back the pages of PyTorch's
-    libraries that loading ran (:func:`~aiayn.accel.memory.release_library_pages`: the
-    process's RSS, not the page cache). By default (False) no setting of the process changes:
-    what is handed back is the model's own (pages of its weights mapped from a file), and the
-    compiled step returns the heap's free blocks to the kernel (``malloc_trim``) when it loads
-    and when decodes switch between its libraries.
+    (:mod:`~aiayn.accel.memory`). By default (False) nothing outside the model changes.
 
     ``disable``: names of levers (:data:`~aiayn.accel.levers.LEVERS`) to leave out, and with
     them those that need them; an unknown name raises ValueError.
@@ -267,6 +245,8 @@ def accelerate(
                 f"{PRECISION_DTYPES[precision]}, not {sorted(map(str, weights))}"
             )
     bf16 = precision == "bf16"
+    if mode == "decode" and (bf16 or pack_weights or cpu_vendor() not in ("GenuineIntel", "")):
+        _say_once(private_ops_unverified())  # where decoding would pack weights
     if wants("grid dropout"):
         acceleration._swap(model, [nn.Dropout, Residual], "grid dropout")
     if mode == "train" and wants("fused projection + loss"):
@@ -299,9 +279,8 @@ def accelerate(
     ):
         lever = "encoder attention by aiayn's kernel"
         acceleration._swap(encoder, [MultiHeadAttention], lever, PanelAttention)
-    hand_back = wants("mapped weights' pages handed back")
-    # The products the compiled steps hold: not packed, their weights' pages handed back.
-    held = _hand_back_library_products(model, acceleration) if mode == "decode" else []
+    # The products the compiled steps hold: not packed (their weights are in the libraries).
+    held = library_products(model) if mode == "decode" else []
     packing = mode == "decode" and wants("packed weights") and (bf16 or pack_weights)
     padding = bf16 and wants("padded bfloat16 rows")
     if packing or padding:
@@ -316,8 +295,6 @@ def accelerate(
                 acceleration.use("padded bfloat16 rows")
         if packing:
             made: list[str] = []  # for each new pack: the library it is packed for
-            mappings = memory.file_mappings() if hand_back else []
-            handed = {id(m.weight) for m in held}  # weights whose pages were handed back
             unpacked = {id(m) for m in held}
             # Where the panels' product is loaded (by the compiled step's loader, before
             # packing), it multiplies the step's products; the encoder's stay oneDNN's.
@@ -335,11 +312,6 @@ def accelerate(
                 if new is not None:
                     acceleration._set(layer, "pack", new)
                     made.append(new.kind)
-                    if new.whole and hand_back and id(layer.weight) not in handed:
-                        # Every product goes through the pack from now on: the pages of a
-                        # weight mapped from a file go back one layer at a time.
-                        handed.add(id(layer.weight))
-                        acceleration.handed_back += memory.page_out(layer.weight, mappings)
             acceleration.packed = sum(layer.pack_serves() for layer in linears)
             if made:
                 watch_optimizer_steps()
@@ -351,20 +323,6 @@ def accelerate(
                     acceleration.use("aiayn's AVX2 panels", str(made.count("panels")))
             if wants("ReLU in the product"):
                 _relu_in_products(model, acceleration)
-    if mode == "decode" and hand_back:
-        _tables_by_rows(model, acceleration)
-    if (
-        mode == "decode"
-        and process_settings
-        and acceleration.levers
-        and wants("PyTorch's code pages handed back")
-    ):
-        # Last, where this call changed the model: loading it, packing its weights and
-        # loading its compiled step ran code that decoding does not run again.
-        acceleration.library_pages = memory.release_library_pages(TORCH_LIBRARIES)
-        if acceleration.library_pages:
-            megabytes = acceleration.library_pages / (1 << 20)
-            acceleration.use("PyTorch's code pages handed back", f"{megabytes:.1f} MB")
     if process_settings and wants("malloc thresholds"):
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
@@ -372,20 +330,14 @@ def accelerate(
     return acceleration
 
 
-def _hand_back_library_products(model: nn.Module, acceleration: Acceleration) -> list[nn.Module]:
-    """Hand back the pages of the weights the compiled steps hold (where the model has all of
-    them: :func:`~aiayn.accel.compiled.library_products`), mapped from a file and read to
-    name the libraries: every decode they serve reads the libraries' copies, packs or not.
-    Return those products."""
-    products = library_products(model)
-    if not acceleration.wants("mapped weights' pages handed back"):
-        return products
-    mappings = memory.file_mappings() if products else []
-    weights = {id(m.weight): m.weight for m in products}
-    for weight in weights.values():
-        if isinstance(weight, torch.Tensor):
-            acceleration.handed_back += memory.page_out(weight, mappings)
-    return products
+_said: set[str] = set()
+
+
+def _say_once(reason: str | None) -> None:
+    """Warn once a process with ``reason`` (a lever that is off), where there is one."""
+    if reason is not None and reason not in _said:
+        _said.add(reason)
+        warnings.warn(reason, RuntimeWarning, stacklevel=3)
 
 
 def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
@@ -398,27 +350,3 @@ def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
         ReluInProduct,
         lambda m: m.activation is F.relu and isinstance(m.w1, CpuLinear) and m.w1.fully_packed(),
     )
-
-
-def _tables_by_rows(model: nn.Module, acceleration: Acceleration) -> None:
-    """Embedding tables mapped from a file (:func:`aiayn.inference.loading.load_model`) that
-    no product reads whole (an unpacked tied projection would): the kernel is to read only the
-    pages of the rows looked up, and the pages read so far (all of them: the compiled step's
-    digest, the packs) are handed back, unless a oneDNN pack of the table (the tied
-    projection's) had them handed back when it was made."""
-    packed: set[int] = set()  # weights of oneDNN packs, handed back when packed
-    products: set[int] = set()  # weights some product reads whole
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            onednn = isinstance(m, CpuLinear) and m.fully_packed()
-            (packed if onednn else products).add(id(m.weight))
-    mappings = memory.file_mappings()
-    tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
-    for key, table in tables.items():
-        if key not in products and memory.read_by_rows(table, mappings):
-            acceleration._tables.append(table)
-            if key not in packed:
-                acceleration.handed_back += memory.page_out(table, mappings)
-    if acceleration.handed_back:
-        megabytes = acceleration.handed_back / (1 << 20)
-        acceleration.use("mapped weights' pages handed back", f"{megabytes:.1f} MB advised")

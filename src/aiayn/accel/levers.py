@@ -77,8 +77,7 @@ LEVERS: tuple[Lever, ...] = (
         "fp32 Transformers, once compiled on the machine (Translator, translate "
         "--compiled-step): up to 16 rows, greedy decodes and beam 4 searches of more",
         "BufferedDecoding.compiled_step, compiled_batch_step, compiled_beam_step "
-        "(accel.compiled.use_compiled_step); the compiled libraries' weights read from their "
-        "file; idle memory handed back when decodes switch between the libraries and eager steps",
+        "(accel.decoding.use_compiled_step)",
         "the attributes removed",
         needs=("one buffer per decode",),
     ),
@@ -121,23 +120,6 @@ LEVERS: tuple[Lever, ...] = (
         "PositionwiseFeedForward → ReluInProduct",
         _CLASS_BACK,
         needs=("packed weights",),
-    ),
-    Lever(
-        "mapped weights' pages handed back",
-        "decode",
-        "weights mapped from a file (a checkpoint Translator maps, a compiled library's): "
-        "those a pack or a library replaces, embedding tables (then read a row at a time)",
-        "the pages of the model's own mapped weights advised out (accel.memory.page_out)",
-        "tables read ahead again; a page read again comes back from the file",
-    ),
-    Lever(
-        "PyTorch's code pages handed back",
-        "decode",
-        "process_settings=True (aiayn's commands), Linux, at the end of a call that changed "
-        "the model",
-        "the process's pages of PyTorch's libraries (accel.memory.release_library_pages)",
-        "nothing to undo: a page run again is mapped again from the page cache",
-        process=True,
     ),
     Lever(
         "malloc thresholds",

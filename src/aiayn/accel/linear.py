@@ -34,7 +34,7 @@ from __future__ import annotations
 import platform
 import weakref
 from collections.abc import Callable, Sequence
-from functools import cache, partial
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from aiayn.accel import memory, panels
+from aiayn.accel.cpu import cpu_vendor, private_ops_unverified
 from aiayn.model.feedforward import PositionwiseFeedForward
 
 # Float32 products over this many rows use an MKL pack: a decoder step over 1 to 32 sentences
@@ -69,33 +70,21 @@ HEAP_MARGIN = 1 << 20
 
 
 def packing_available() -> bool:
-    """Whether this PyTorch has MKL and its packed-linear operators (float32)."""
-    if not torch.backends.mkl.is_available():
+    """Whether this PyTorch has MKL and its packed-linear operators (float32), and is one
+    they were verified with (:func:`~aiayn.accel.cpu.private_ops_unverified`)."""
+    if not torch.backends.mkl.is_available() or private_ops_unverified() is not None:
         return False
     ops = torch.ops.mkl
     return hasattr(ops, "_mkl_reorder_linear_weight") and hasattr(ops, "_mkl_linear")
 
 
 def onednn_packing_available() -> bool:
-    """Whether this PyTorch has oneDNN and its packed-linear operators."""
-    if not torch.backends.mkldnn.is_available():
+    """Whether this PyTorch has oneDNN and its packed-linear operators, and is one they were
+    verified with (:func:`~aiayn.accel.cpu.private_ops_unverified`)."""
+    if not torch.backends.mkldnn.is_available() or private_ops_unverified() is not None:
         return False
     ops = torch.ops.mkldnn
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-
-
-@cache
-def cpu_vendor() -> str:
-    """The CPU's vendor string as /proc/cpuinfo has it (``GenuineIntel``, ``AuthenticAMD``),
-    or "" where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def fp32_pack_library() -> str | None:

@@ -22,11 +22,10 @@ the last is released, glibc's defaults (128 KiB each) are set again, without gli
 raising of the mmap threshold, which an explicit setting switches off for good.
 ``AIAYN_MALLOC=system`` leaves ``malloc`` alone.
 
-Weights mapped from a file (a checkpoint that :func:`aiayn.inference.loading.load_model`
-maps, a compiled library) are the kernel's to page in and out: :func:`page_out` hands back
-the pages of one that a packed copy has replaced, :func:`read_by_rows` has the kernel read
-only the pages of a table that are used, and :func:`release_library_pages` hands back the
-pages of PyTorch's code that loading ran (Linux; elsewhere they do nothing).
+The thresholds are the process's, not the model's: :func:`aiayn.accel.accelerate` holds them
+only with ``process_settings=True``, which aiayn's commands pass and library code does not.
+mallopt(3) has no Python binding: it is called through ``ctypes`` in glibc (not in
+PyTorch).
 """
 
 from __future__ import annotations
@@ -34,15 +33,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
-import mmap
 import os
 import platform
 import threading
 from collections.abc import Callable
 from functools import cache
-from pathlib import Path
-
-from torch import Tensor
 
 ENV_VAR = "AIAYN_MALLOC"
 # (mmap threshold, trim threshold) in bytes
@@ -107,14 +102,6 @@ def _apply(mallopt: Callable[[int, int], int]) -> bool:
     return ok
 
 
-def trim() -> bool:
-    """Give the kernel back the free memory inside malloc's heaps (glibc's ``malloc_trim``):
-    what a large structure freed all at once leaves there, such as the weights a model was
-    built with before a checkpoint's replaced them. False where nothing was done."""
-    libc = _glibc()
-    return libc is not None and bool(libc.malloc_trim(ctypes.c_size_t(0)))
-
-
 def _glibc() -> ctypes.CDLL | None:
     """glibc, or None where this module leaves malloc alone."""
     if os.environ.get(ENV_VAR, "").strip().lower() == "system":
@@ -138,39 +125,6 @@ def _mallopt() -> Callable[[int, int], int] | None:
     return mallopt
 
 
-# -- pages of mapped files ---------------------------------------------------------------------
-
-_MADV_NORMAL = 0
-_MADV_RANDOM = 1  # read only the page that is touched, not the ones around it
-_MADV_DONTNEED = 4  # a file's pages leave this process; the kernel's page cache keeps them
-_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
-_PAGE = mmap.PAGESIZE
-
-# (start, end, path) of a mapping of a file
-Mapping = tuple[int, int, str]
-
-
-def file_mappings() -> list[Mapping]:
-    """(start, end, path) of this process's mappings of files that are not executable code,
-    adjacent parts of one file's mapping as one; empty where /proc/self/maps cannot be read."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    found: list[Mapping] = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or "x" in fields[1] or not fields[5].startswith("/"):
-            continue
-        start, end = (int(a, 16) for a in fields[0].split("-"))
-        if found and found[-1][1] == start and found[-1][2] == fields[5]:
-            # One mapping that advice split in parts (madvise gives a range flags of its own).
-            found[-1] = (found[-1][0], end, fields[5])
-        else:
-            found.append((start, end, fields[5]))
-    return found
-
-
 @cache
 def _libc() -> ctypes.CDLL | None:
     """The C library (Linux), or None."""
@@ -180,118 +134,3 @@ def _libc() -> ctypes.CDLL | None:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
-
-
-def _madvise(start: int, end: int, advice: int) -> int:
-    """madvise(2) over the whole pages of [start, end): the bytes advised (0 where none)."""
-    start, end = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    libc = _libc()
-    if end <= start or libc is None:
-        return 0
-    ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
-    return end - start if ok else 0
-
-
-def _pages_can_go(path: str) -> bool:
-    """Whether Linux hands back this process's pages of the file ``path``: only to its owner
-    or to a process that may write it (``MADV_PAGEOUT`` skips a file's pages otherwise)."""
-    try:
-        return os.stat(path).st_uid == os.geteuid() or os.access(path, os.W_OK)
-    except (OSError, AttributeError):
-        return False
-
-
-def _mapped_span(tensor: Tensor, mappings: list[Mapping]) -> tuple[int, int, str] | None:
-    """The bytes of ``tensor`` (contiguous, on the CPU) and the file, where they lie in a
-    mapping of one."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
-        return None
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    for lo, hi, path in mappings:
-        if lo <= start and end <= hi:
-            return start, end, path
-    return None
-
-
-def page_out(tensor: Tensor, mappings: list[Mapping] | None = None, *, cached: bool = False) -> int:
-    """Hand back the pages of ``tensor`` if its bytes are mapped from a file whose pages Linux
-    hands back for this process, and return how many bytes were advised (0 for memory of the
-    process's own). Nothing is lost: a page read again comes back from the file (a file on a
-    disk; tmpfs keeps its pages in memory, where they stay). ``cached``: they leave this
-    process and stay in the kernel's page cache (``MADV_DONTNEED``, which also takes a page
-    that another mapping holds, where ``MADV_PAGEOUT`` leaves it; for a mapping nothing
-    writes)."""
-    span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
-    if span is None or not (cached or _pages_can_go(span[2])):
-        return 0
-    return _madvise(span[0], span[1], _MADV_DONTNEED if cached else _MADV_PAGEOUT)
-
-
-def read_by_rows(
-    tensor: Tensor, mappings: list[Mapping] | None = None, *, undo: bool = False
-) -> bool:
-    """Have the kernel read only the touched pages of ``tensor`` if it is mapped from a file
-    (an embedding table, of which a decode reads the rows of its tokens: read ahead, a few
-    hundred random tokens would bring in the whole table); ``undo``: read ahead again."""
-    span = _mapped_span(tensor, file_mappings() if mappings is None else mappings)
-    advice = _MADV_NORMAL if undo else _MADV_RANDOM
-    return span is not None and _madvise(span[0], span[1], advice) > 0
-
-
-def release_library_pages(directory: Path) -> int:
-    """Hand back this process's pages of the shared libraries in ``directory`` (a package's
-    ``lib``: their code and read-only data), and return how many resident bytes went back.
-
-    Loading a model runs much code that decoding never runs again (unpickling, the checks of
-    a checkpoint, making the packs); its pages stay counted in the process's RSS although they
-    are the kernel's page cache, shared and clean. Only a mapping nobody may write and that
-    holds no page of its own (``Anonymous`` and ``Swap`` 0 in ``/proc/self/smaps``: a
-    relocated table's copy would be lost) is advised ``MADV_DONTNEED``: a page run again is
-    mapped again from the page cache (figures: docs/performance.md). What goes down is the
-    process's RSS; the pages stay in the page cache, clean. Linux has no advice for "clean
-    pages only", so a page written between the reading of smaps and the advice (through a
-    debugger, ``/proc/self/mem``) would be lost: nothing in a decoding process writes
-    PyTorch's code."""
-    try:
-        text = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return 0
-    prefix = str(directory).rstrip("/") + "/"
-    # (start, end, its fields in kB) of each private, unwritable mapping of a file there
-    found: list[tuple[int, int, dict[str, int]]] = []
-    candidate = False  # whether the mapping whose fields follow is one
-    for line in text.splitlines():
-        head, _, rest = line.partition(" ")
-        if head.endswith(":"):  # a field of the mapping above
-            if candidate and rest.endswith("kB"):
-                found[-1][2][head[:-1]] = int(rest.split()[0])
-            continue
-        parts = line.split(maxsplit=5)  # a mapping: "start-end perms offset dev inode path"
-        candidate = len(parts) == 6 and parts[5].startswith(prefix)
-        candidate = candidate and "w" not in parts[1] and parts[1].endswith("p")
-        if candidate:
-            start, end = (int(a, 16) for a in parts[0].split("-"))
-            found.append((start, end, {}))
-    released = 0
-    for start, end, fields in found:
-        resident = fields.get("Rss", 0) << 10
-        if fields.get("Anonymous", 1) or fields.get("Swap", 1) or not resident:
-            continue
-        if _madvise(start, end, _MADV_DONTNEED):
-            released += resident
-    return released
-
-
-def release_file_pages(path: Path, *, cached: bool = False) -> int:
-    """Hand back the pages this process holds of ``path``'s non-executable mappings over
-    1 MiB, and return how many bytes of mappings were advised (a compiled library's
-    weights: mapped by AOTInductor's loader, which copies them, and by
-    :mod:`aiayn.accel.library_constants`, from which its steps then read them). ``cached``:
-    the pages stay in the kernel's page cache, to be read again soon without the disk."""
-    advised = 0
-    advice = _MADV_DONTNEED if cached else _MADV_PAGEOUT
-    for start, end, name in file_mappings():
-        if name == str(path) and end - start > 1 << 20 and (cached or _pages_can_go(name)):
-            advised += _madvise(start, end, advice)
-    return advised

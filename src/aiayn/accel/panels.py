@@ -17,7 +17,7 @@ a while by a busy host does less of it; the results do not depend on who took wh
 Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
-step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
+step and at the same moment (:func:`aiayn.accel.decoding.use_compiled_step`: ``translate
 --compiled-step``), into the same cache directory, named after a digest of its source,
 PyTorch's version and the compiler's flags (:func:`library_path`), and only loaded from a
 file and directory that are the user's alone. Once loaded into a process, float32 weights that
@@ -30,7 +30,6 @@ Limits), so they are not used there.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import platform
@@ -44,6 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from aiayn import native as native_kernels
+from aiayn.accel.cpu import cpu_flags
+from aiayn.accel.store import compiled_dir, require_trusted
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -55,18 +56,13 @@ _loaded: Path | None = None
 
 @cache
 def cpu_suits() -> bool:
-    """Whether this CPU is one the product is for: x86-64 with AVX2 and FMA, without AVX-512."""
+    """Whether this CPU is one the product is for: x86-64 with AVX2 and FMA, without AVX-512
+    (PyTorch's kernels for it are AVX2's: ``torch.backends.cpu.get_cpu_capability``)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    if not torch.cpu._is_avx2_supported() or torch.cpu._is_avx512_supported():
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
         return False
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                flags = set(line.partition(":")[2].split())
-                break
-    return "fma" in flags
+    return {"avx2", "fma"} <= cpu_flags() and not any(f.startswith("avx512") for f in cpu_flags())
 
 
 def compiler() -> str | None:
@@ -77,7 +73,7 @@ def compiler() -> str | None:
 def _command(compiler: str, output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = int(torch.compiled_with_cxx11_abi())
     command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     for folder in cpp_extension.include_paths():
         command += ["-I", folder]
@@ -90,8 +86,6 @@ def _command(compiler: str, output: Path) -> list[str]:
 def library_path(directory: Path | None = None) -> Path:
     """Where the built product is kept: the compiled steps' directory, named after a digest
     of its source, PyTorch's version and the flags it is built with."""
-    from aiayn.accel.compiled import compiled_dir
-
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update("\n".join([torch.__version__, *FLAGS]).encode())
     return (directory or compiled_dir()) / f"panel-gemm-{digest.hexdigest()[:32]}.so"
@@ -123,8 +117,6 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         if not build:
             return False
         _build(path)
-    from aiayn.accel.compiled import require_trusted
-
     require_trusted(path)
     if not _registered():  # the operators of a copy loaded before serve (one set a process)
         torch.ops.load_library(str(path))

@@ -57,7 +57,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from aiayn.accel import memory
 from aiayn.config import RunConfig, config_from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import ConfigError, UserError
@@ -314,7 +313,6 @@ def assign_weights(model: nn.Module, state: Mapping[str, Tensor]) -> None:
         for name in shared[1:]:
             owner, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(owner), attribute, first)
-    memory.trim()  # the weights the model was built with, freed
 
 
 @dataclass

@@ -33,7 +33,7 @@ from aiayn.accel import (
     accelerate,
     cpu_has_bfloat16,
 )
-from aiayn.accel.compiled import use_compiled_step
+from aiayn.accel.decoding import use_compiled_step
 from aiayn.config import (
     MAX_ALPHA,
     DecodeConfig,
@@ -319,7 +319,7 @@ class Translator(TextTranslator):
     three libraries, one to two minutes for a small model), False never.
 
     ``process_settings``: also the process-wide settings of :func:`aiayn.accel.accelerate`
-    (malloc thresholds, PyTorch's code pages handed back), for a program that owns its process
+    (malloc thresholds), for a program that owns its process
     (``aiayn translate``, ``serve`` and ``demo`` pass it); by default nothing outside the model
     changes.
     """
