@@ -35,10 +35,10 @@ from aiayn.accel.compiled import (
     load_compiled_step,
     step_key,
     step_path,
-    trusted,
     unsupported,
 )
 from aiayn.accel.decoding import use_compiled_step
+from aiayn.accel.store import trusted
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.attention import MultiHeadAttention

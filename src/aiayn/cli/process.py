@@ -6,7 +6,6 @@ a command owns its process and asks for these settings explicitly."""
 from __future__ import annotations
 
 PROCESS_SETTINGS = (
-    "On the CPU this command tunes its own process's glibc malloc thresholds (and, when "
-    "decoding, hands back the pages of PyTorch's code that loading ran); the library "
-    "(Translator, Trainer) does neither unless asked (process_settings=True)."
+    "On the CPU this command tunes its own process's glibc malloc thresholds; the library "
+    "(Translator, Trainer) leaves them alone unless asked (process_settings=True)."
 )

@@ -30,8 +30,7 @@ key                 value
 
 For inference (:func:`load_model`) the checkpoint is mapped, not read
 (``torch.load(mmap=True)``, privately): the model's parameters are the file's pages, read
-when used, and where a oneDNN pack replaces a weight (:func:`aiayn.accel.accelerate`) its
-pages are handed back. aiayn writes checkpoints to a new file renamed over the old one,
+when used. aiayn writes checkpoints to a new file renamed over the old one,
 which leaves a mapped file as it was; a checkpoint that a running process translates with is
 not to be written over in place (``mmap=False`` reads it instead).
 
