@@ -15,7 +15,7 @@ from aiayn.cli import _parse as parse_command_line
 from aiayn.cli import build_parser, main
 from aiayn.devices import pick_device
 from aiayn.errors import UserError
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, cli_env
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -223,3 +223,27 @@ def test_advice_that_works_when_followed(data_dir, tmp_path, capsys):
         ["train", "--out", str(tmp_path / "b"), "--data", str(tmp_path / "lm")],
         capsys, f"holds text data for the lm task; resume the run in {tmp_path / 'b'} with the",
     )  # fmt: skip
+
+
+def test_arguments_that_are_not_utf8(tmp_path, capsys):
+    """Python hands an argument's invalid bytes on as lone surrogates: each command refuses
+    them in one line that names the argument, before any work (and before a traceback from
+    sentencepiece or the manifest's writer)."""
+    bad = "bad \udcff"  # what Python makes of the bytes b"bad \xff"
+    _fails(["generate", str(tmp_path), bad], capsys, "argument 3 ('bad \\xff') is not valid UTF-8")
+    _fails(["attention", str(tmp_path), bad], capsys, "(byte 5: b'\\xff')")
+    corpus = ["--src", "en", "--tgt", "de", "--vocab-size", "500"]
+    out = str(tmp_path / "d\udcff")
+    _fails(["prepare", "--train", "a", "--valid", "b", *corpus, "--out", out], capsys, "UTF-8")
+    assert list(tmp_path.iterdir()) == []
+    # The bytes as a shell passes them, through the real entry point.
+    argv = [b"prepare", b"--train", b"\xe9t\xe9/train", b"--valid", b"\xe9t\xe9/dev"]
+    argv += [item.encode() for item in corpus] + [b"--out", b"OUT"]
+    done = subprocess.run(
+        [sys.executable, "-m", "aiayn", *argv], capture_output=True, cwd=tmp_path, env=cli_env()
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode() == (
+        "aiayn prepare: error: argument 3 ('\\xe9t\\xe9/train') is not valid UTF-8 "
+        "(byte 1: b'\\xe9'); give text and file names in UTF-8\n"
+    )

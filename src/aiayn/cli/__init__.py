@@ -73,10 +73,33 @@ def _is_override(item: str) -> bool:
     return "=" in item and not item.startswith("-")
 
 
+def _check_utf8(argv: Sequence[str]) -> None:
+    """Every argument is valid UTF-8. Python hands an argument's invalid bytes on as lone
+    surrogates, which fail later, far from the argument: in sentencepiece, or when a path is
+    written into a manifest. Refused here, once for every command, naming the argument."""
+    for number, item in enumerate(argv, start=1):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = os.fsencode(item)
+            try:
+                raw.decode("utf-8")
+                start = 0
+            except UnicodeDecodeError as err:
+                start = err.start
+            shown = raw.decode("utf-8", errors="backslashreplace")
+            raise CLIError(
+                f"argument {number} ('{shown}') is not valid UTF-8 (byte {start + 1}: "
+                f"{raw[start : start + 1]!r}); give text and file names in UTF-8"
+            ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(parser, argv)
     try:
+        _check_utf8(argv)
         code = int(args.run(args))
         sys.stdout.flush()  # here, where a closed pipe is caught below, not at exit
         return code
