@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(parser, argv)
+    args.argv = argv  # as given: a command that says how to go on repeats it
     try:
         _check_utf8(argv)
         code = int(args.run(args))
