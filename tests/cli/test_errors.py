@@ -247,3 +247,51 @@ def test_arguments_that_are_not_utf8(tmp_path, capsys):
         "aiayn prepare: error: argument 3 ('\\xe9t\\xe9/train') is not valid UTF-8 "
         "(byte 1: b'\\xe9'); give text and file names in UTF-8\n"
     )
+
+
+def test_a_recipe_path_outside_the_repository(data_dir, tmp_path, capsys):
+    """``--config configs/base.toml`` where there is no configs/: the hint names the recipe
+    that ships with aiayn."""
+    argv = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    missing = tmp_path / "configs" / "base.toml"
+    _fails(
+        [*argv, "--config", str(missing)],
+        capsys,
+        f"config file {missing} does not exist; the recipe base ships with aiayn, from any "
+        "directory: --config base",
+    )
+    _fails([*argv, "--config", str(tmp_path / "mine.toml")], capsys, "mine.toml does not exist")
+    assert "ships with aiayn" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # 25 s: a subprocess trains one update of the base model
+def test_the_readme_steps_from_an_empty_directory(tmp_path):
+    """The README's "Your own data", run where there is no repository: prepare, then train
+    with --config base (shrunk to one small update by overrides, nothing else changed)."""
+    import shlex
+
+    from tests.helpers import write_reverse_text
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Your own data", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    steps = [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    prepare = next(s for s in steps if s.startswith("aiayn prepare"))
+    train = next(s for s in steps if s.startswith("aiayn train"))
+    assert "--config base" in train
+    work = tmp_path / "empty"
+    (work / "corpus").mkdir(parents=True)
+    for split, seed in (("train", 1), ("dev", 2), ("test", 3)):
+        write_reverse_text(work / "corpus", split, 200, seed=seed)
+        for side, lang in (("src", "en"), ("tgt", "de")):
+            (work / "corpus" / f"{split}.{side}").rename(work / "corpus" / f"{split}.{lang}")
+    shrink = ["--vocab-size", "40"]
+    small = ["train.max_steps=1", "train.update_tokens=64", "data.max_tokens=64"]
+    small += ["train.valid_interval=0", "train.average_last=0", "train.compile_step=false"]
+    for command, extra in ((prepare, shrink), (train, [*small, "--no-progress"])):
+        argv = shlex.split(command)[1:] + extra
+        done = subprocess.run(
+            [sys.executable, "-m", "aiayn", *argv],
+            capture_output=True, text=True, cwd=work, env=cli_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    assert (work / "runs" / "en-de" / "checkpoints").is_dir()
