@@ -295,3 +295,12 @@ def test_the_readme_steps_from_an_empty_directory(tmp_path):
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
     assert (work / "runs" / "en-de" / "checkpoints").is_dir()
+
+
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    (tmp_path / "a.en").write_text("one line\n")
+    (tmp_path / "a.de").write_text("eine zeile\nzwei\n")
+    argv = ["prepare", "--train", str(tmp_path / "a"), "--valid", str(tmp_path / "a")]
+    argv += ["--src", "en", "--tgt", "de", "--out", str(tmp_path / "d")]
+    _fails(argv, capsys, f"{tmp_path / 'a.en'} has 1 line but {tmp_path / 'a.de'} has 2:")
+    _fails(["bleu", str(tmp_path / "a.de"), str(tmp_path / "a.en")], capsys, "a.en has 1 line but")

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         name = "interrupted" if stop.signum == signal.SIGINT else "stopped by SIGTERM"
         report.write(
             f"aiayn translate: {name}: the translations of the first {written[0]:,} of "
-            f"{len(lines):,} lines are written, in order; to translate the rest: "
+            f"{counted(len(lines), 'line')} are written, in order; to translate the rest: "
             f"{_rest_command(args, written[0])}"
         )
         return 128 + stop.signum

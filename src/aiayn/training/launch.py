@@ -63,7 +63,8 @@ def _valid_set(data_dir: Path, tokenizer: Any) -> ValidSet:
     references = corpus.tgt_texts()
     if len(references) != len(corpus):
         raise ConfigError(
-            f"{corpus.tgt_text_path()} has {len(references)} lines for {len(corpus)} pairs; "
+            f"{corpus.tgt_text_path()} has {counted(len(references), 'line')} for "
+            f"{counted(len(corpus), 'pair')}; "
             "prepare the data again"
         )
     return ValidSet(corpus, corpus.src_lengths, references, tokenizer.decode)
