@@ -304,3 +304,37 @@ def test_counts_of_one_are_singular(tmp_path, capsys):
     argv += ["--src", "en", "--tgt", "de", "--out", str(tmp_path / "d")]
     _fails(argv, capsys, f"{tmp_path / 'a.en'} has 1 line but {tmp_path / 'a.de'} has 2:")
     _fails(["bleu", str(tmp_path / "a.de"), str(tmp_path / "a.en")], capsys, "a.en has 1 line but")
+
+
+def test_a_full_disk_while_preparing_says_what_it_takes(tmp_path, capsys, monkeypatch):
+    """A full disk under DATA_DIR: one line that says so, with the room free and the input's
+    size (exit status 2), whether the write reported ENOSPC or, as numpy's and
+    sentencepiece's do, a short write without an error number."""
+    import errno
+
+    import aiayn.data.prepare as prepare
+    from aiayn.data import staging
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name in ("train.en", "train.de"):
+        (folder / name).write_text("a b c\n" * 50)
+    argv = ["prepare", "--train", str(folder / "train"), "--valid", str(folder / "train")]
+    argv += ["--src", "en", "--tgt", "de", "--vocab-size", "20", "--out", str(tmp_path / "d")]
+
+    def no_room(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare, "_clean_split", no_room)
+    _fails(argv, capsys, f"no space left on the device of {tmp_path / 'd'} (")
+    message = f"the prepared data takes about twice the input text ({1.2:.1f} kB"
+    monkeypatch.setattr(staging, "_mb", lambda n: f"{n / 1e3:.1f} kB")
+    _fails(argv, capsys, message)
+
+    def short_write(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError("434353 requested and 90112 written")
+
+    monkeypatch.setattr(prepare, "_clean_split", short_write)
+    _fails(argv, capsys, "434353 requested")  # room enough: the error as it came
+    monkeypatch.setattr(staging, "_free", lambda folder: 4096)
+    _fails(argv, capsys, "(4.1 kB free) to prepare the data; the prepared data takes about")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from aiayn.cli import main
 from aiayn.cli import translate as translate_command
 from aiayn.inference.translator import TextTranslator
-from tests.helpers import TINY, WORDS
+from tests.helpers import TINY, WORDS, cli_env
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -131,3 +133,54 @@ def test_most_translations_empty_says_what_helps(run, source, capsys):
     ) in err and "--beam 1" in err
     done, out, err = _translate([*argv, "--beam", "1"], capsys)
     assert done == 0 and "" not in out.splitlines() and "empty translation" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_the_output_is_one_line(run, source):
+    command = f"{sys.executable} -m aiayn translate {run} --input {source} > /dev/full"
+    done = subprocess.run(
+        ["bash", "-c", command + " " + " ".join(OPTIONS)],
+        capture_output=True, text=True, env=cli_env(),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(
+        "aiayn translate: error: no space left on the device of stdout: the translations of "
+        "the first 0 of 30 lines are written (and perhaps part of the next: keep the first "
+        "lines only); free some space, then translate the rest: tail -n +1 "
+    ), done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_a_full_disk_keeps_whole_lines(run, source, tmp_path, capsys, monkeypatch):
+    """The window whose write failed is cut from the output file: it ends with the lines said."""
+    import errno
+
+    monkeypatch.setattr(translate_command, "WINDOW_BATCHES", 1)
+    argv = ["translate", str(run), "--input", str(source), *OPTIONS]
+    whole = _translate(argv, capsys)[1].splitlines(keepends=True)
+    output = tmp_path / "out.txt"
+    calls = [0]
+
+    def writing(out, lines):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            out.write(lines[0][:3])
+            out.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        out.write("".join(line + "\n" for line in lines))
+        out.flush()
+
+    silenced = []
+    monkeypatch.setattr(translate_command, "_write", writing)
+    monkeypatch.setattr(translate_command, "_stdout_file", lambda: output)
+    monkeypatch.setattr("aiayn.cli.silence_stdout", lambda: silenced.append(True))
+    with output.open("w") as handle:
+        monkeypatch.setattr(sys, "stdout", handle)
+        code = main(argv)
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    kept = output.read_text().splitlines(keepends=True)
+    assert code == 2 and silenced and 0 < len(kept) < 30 and kept == whole[: len(kept)]
+    assert f"no space left on the device of stdout ({output}): the translations of the " in err
+    assert f"{len(kept)} of 30 lines are written; free some space, then translate the rest: " in err

@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (`aiayn params | head -1`): stop quietly, as other tools do.
-        _silence_stdout()
+        silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
     except OSError as err:
         if err.errno not in _WRITE_FAILURES:
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 _WRITE_FAILURES = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """Point stdout at /dev/null, so that flushing what it still holds at exit raises
     nothing (where stdout is a file descriptor at all)."""
     try:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
+import os
 import shlex
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.cli.process import PROCESS_SETTINGS
-from aiayn.errors import CLIError
+from aiayn.errors import CLIError, UserError
 from aiayn.progress import counted, stderr_report
 
 if TYPE_CHECKING:
@@ -250,6 +253,35 @@ def _translate_file(
     return asked, empty
 
 
+_FULL = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _stdout_file() -> Path | None:
+    """The regular file stdout writes to, where the system says (Linux's /proc)."""
+    try:
+        fd = sys.stdout.fileno()
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+    return path if path.is_file() else None
+
+
+def _cut_to_lines(path: Path, count: int) -> bool:
+    """Cut the file ``path`` after its first ``count`` lines; whether that could be done."""
+    try:
+        with path.open("rb") as handle:
+            end = 0
+            for _ in range(count):
+                line = handle.readline()
+                if not line.endswith(b"\n"):
+                    return False
+                end += len(line)
+        os.truncate(path, end)
+    except OSError:
+        return False
+    return True
+
+
 def _rest_command(args: argparse.Namespace, written: int) -> str:
     """The command that translates the input lines after the first ``written`` and appends
     their translations: the same options, the lines from ``tail``."""
@@ -297,6 +329,22 @@ def run(args: argparse.Namespace) -> int:
             f"{_rest_command(args, written[0])}"
         )
         return 128 + stop.signum
+    except OSError as err:
+        if err.errno not in _FULL:
+            raise
+        # Part of the window that failed may be written: a file is cut back to the lines said.
+        from aiayn.cli import silence_stdout
+
+        target = _stdout_file()
+        kept = target is not None and _cut_to_lines(target, written[0] * args.nbest)
+        silence_stdout()  # what stdout still buffers cannot be written: dropped at exit
+        output = f"stdout ({target})" if target is not None else "stdout"
+        extra = "" if kept else " (and perhaps part of the next: keep the first lines only)"
+        raise UserError(
+            f"no space left on the device of {output}: the translations of the first "
+            f"{written[0]:,} of {counted(len(lines), 'line')} are written{extra}; free some "
+            f"space, then translate the rest: {_rest_command(args, written[0])}"
+        ) from None
     seconds = meter.seconds
     meter.finish(
         f"translated {counted(len(lines), 'line')} in {seconds:.1f} s "

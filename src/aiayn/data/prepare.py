@@ -188,7 +188,7 @@ def prepare_data(
                     f"warning: the {split} split reads the training files: its scores will "
                     "not tell how the model does on text it has not seen"
                 )
-        with staging_dir(out) as staging:
+        with staging_dir(out, [p for paths in inputs.values() for p in paths]) as staging:
             stats: dict[str, _SplitStats] = {}
             for split, (src_path, tgt_path) in inputs.items():
                 say(f"reading {split}: {src_path}, {tgt_path}")
