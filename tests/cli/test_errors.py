@@ -338,3 +338,25 @@ def test_a_full_disk_while_preparing_says_what_it_takes(tmp_path, capsys, monkey
     _fails(argv, capsys, "434353 requested")  # room enough: the error as it came
     monkeypatch.setattr(staging, "_free", lambda folder: 4096)
     _fails(argv, capsys, "(4.1 kB free) to prepare the data; the prepared data takes about")
+
+
+def test_resuming_with_the_data_of_another_directory(data_dir, tmp_path, capsys):
+    """Another --data with a tokenizer of the same size: the refusal names the directory the
+    run was trained on, not "the data was prepared again since"."""
+    from aiayn.data.prepare import prepare_data
+    from tests.helpers import WORDS, write_reverse_text
+
+    run = tmp_path / "run"
+    argv = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run)]
+    assert main([*argv, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0
+    write_reverse_text(tmp_path, "t", 300, seed=5)
+    other = tmp_path / "other"
+    prepare_data(tmp_path / "t", tmp_path / "t", None, "src", "tgt", len(WORDS) + 4, other,
+                 model_type="word")  # fmt: skip
+    capsys.readouterr()
+    _fails(
+        ["train", "--out", str(run), "--data", str(other), "train.max_steps=2"],
+        capsys,
+        f"the run in {run} was trained on {Path(data_dir).resolve()}, and {other} has another "
+        f"tokenizer; resume it with --data {Path(data_dir).resolve()}, or train into a new",
+    )
