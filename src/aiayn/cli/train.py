@@ -130,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if result.rank != 0:  # under torchrun, rank 0 reports
         return 0
     if result.interrupted:
+        # The trainer has said the stop, the update and the checkpoint: only how to go on here.
         again = ["aiayn", "train", "--out", str(run_dir), "--resume"]
         print(
-            f"{result.reason} at update {result.step}; checkpoint saved to {result.checkpoint}.\n"
             f"Resume with: {shlex.join(again)} (under torchrun: the same torchrun command)",
             file=sys.stderr,
         )
