@@ -22,6 +22,7 @@ from aiayn.cli import (
     attention,
     average,
     bleu,
+    cache,
     classify,
     demo,
     export_ct2,
@@ -38,7 +39,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, bleu, attention),
-    *(generate, classify, serve, import_marian, export_ct2),
+    *(generate, classify, serve, import_marian, export_ct2, cache),
 ]
 
 
