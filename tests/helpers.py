@@ -177,6 +177,13 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository
 TINY = str(ROOT / "configs" / "tiny.toml")
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of an ``aiayn`` subprocess: this checkout's sources first on the path,
+    from whatever directory it runs in."""
+    paths = [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def small_reverse_trainer(config: RunConfig, run_dir: Path) -> Any:
     """A Trainer over 32 reversal pairs of 4 tokens (ids < 64) in 8 fixed batches of 4, quiet."""
     pairs = reverse_pairs(32, 4, 64, seed=0)

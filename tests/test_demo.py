@@ -138,3 +138,21 @@ def test_recipe_is_sized_for_the_device_and_minutes(tmp_path, bible_cache):
     assert gpu.preset == "base" and gpu.model.d_model == 512 and gpu.train.precision == "bf16"
     with pytest.raises(Exception, match="--minutes must be positive"):
         demo_config(options.data_dir, 0, "cpu")
+
+
+def test_a_demo_of_empty_translations_says_what_helps(tmp_path, bible_cache, capsys, monkeypatch):
+    """A model trained too briefly ends most beam-4 translations at once (the model of a
+    0.5-minute demo did): BLEU 0 and blank lines, with a note that says why and what helps."""
+    import aiayn.demo as demo
+
+    translate = demo._translate_with_progress
+
+    def mostly_empty(translator, lines, log):  # type: ignore[no-untyped-def]
+        return ["" if i % 4 else text for i, text in enumerate(translate(translator, lines, log))]
+
+    monkeypatch.setattr(demo, "_translate_with_progress", mostly_empty)
+    assert main([*_demo(tmp_path, bible_cache), "train.max_steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^note: 9 of 12 non-empty lines have an empty translation: ", out, re.M)
+    assert "train longer; beam search (beam 4) prefers ending at once" in out, out
+    assert "--beam 1 (or decode.beam_size=1)" in out and "here: a larger --minutes" in out

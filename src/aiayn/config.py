@@ -633,6 +633,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {path} does not exist, nor is there a recipe of that name "
                 f"({', '.join(recipe_names())})"
             )
+        name = path.name.removesuffix(".toml")
+        if not path.exists() and name in recipe_names():
+            # configs/NAME.toml of the repository, given outside it: the recipe ships too.
+            raise ConfigError(
+                f"config file {path} does not exist; the recipe {name} ships with aiayn, "
+                f"from any directory: --config {name}"
+            )
         raw = read_toml(path)
     try:
         return config_from_dict(_merge(raw, parse_overrides(overrides or [])))

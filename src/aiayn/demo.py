@@ -35,6 +35,7 @@ from aiayn.errors import ResumeMismatch, UserError
 from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
 from aiayn.inference import loading
 from aiayn.inference.attention_maps import token_labeler, write_cross_attention_picture
+from aiayn.inference.textio import empty_translation_advice
 from aiayn.inference.translator import Translator
 from aiayn.progress import Log
 from aiayn.training.launch import train_run
@@ -375,6 +376,11 @@ def run_demo(
     say(f"test {bleu.line}")
     say(f"test {chrf.line}")
     say(f"baseline (copying the English source): BLEU {baseline.score:.1f}")
+    asked = [(s, h) for s, h in zip(sources, hypotheses, strict=True) if s.strip()]
+    empty = sum(1 for _, h in asked if not h.strip())
+    advice = empty_translation_advice(len(asked), empty, config.decode.beam_size)
+    if advice is not None:
+        say(f"note: {advice}; here: a larger --minutes")
     say()
     say(f"run directory      {run_dir}")
     say(f"model              {model_path}")

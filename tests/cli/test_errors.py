@@ -15,7 +15,7 @@ from aiayn.cli import _parse as parse_command_line
 from aiayn.cli import build_parser, main
 from aiayn.devices import pick_device
 from aiayn.errors import UserError
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, cli_env
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -223,3 +223,140 @@ def test_advice_that_works_when_followed(data_dir, tmp_path, capsys):
         ["train", "--out", str(tmp_path / "b"), "--data", str(tmp_path / "lm")],
         capsys, f"holds text data for the lm task; resume the run in {tmp_path / 'b'} with the",
     )  # fmt: skip
+
+
+def test_arguments_that_are_not_utf8(tmp_path, capsys):
+    """Python hands an argument's invalid bytes on as lone surrogates: each command refuses
+    them in one line that names the argument, before any work (and before a traceback from
+    sentencepiece or the manifest's writer)."""
+    bad = "bad \udcff"  # what Python makes of the bytes b"bad \xff"
+    _fails(["generate", str(tmp_path), bad], capsys, "argument 3 ('bad \\xff') is not valid UTF-8")
+    _fails(["attention", str(tmp_path), bad], capsys, "(byte 5: b'\\xff')")
+    corpus = ["--src", "en", "--tgt", "de", "--vocab-size", "500"]
+    out = str(tmp_path / "d\udcff")
+    _fails(["prepare", "--train", "a", "--valid", "b", *corpus, "--out", out], capsys, "UTF-8")
+    assert list(tmp_path.iterdir()) == []
+    # The bytes as a shell passes them, through the real entry point.
+    argv = [b"prepare", b"--train", b"\xe9t\xe9/train", b"--valid", b"\xe9t\xe9/dev"]
+    argv += [item.encode() for item in corpus] + [b"--out", b"OUT"]
+    done = subprocess.run(
+        [sys.executable, "-m", "aiayn", *argv], capture_output=True, cwd=tmp_path, env=cli_env()
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode() == (
+        "aiayn prepare: error: argument 3 ('\\xe9t\\xe9/train') is not valid UTF-8 "
+        "(byte 1: b'\\xe9'); give text and file names in UTF-8\n"
+    )
+
+
+def test_a_recipe_path_outside_the_repository(data_dir, tmp_path, capsys):
+    """``--config configs/base.toml`` where there is no configs/: the hint names the recipe
+    that ships with aiayn."""
+    argv = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    missing = tmp_path / "configs" / "base.toml"
+    _fails(
+        [*argv, "--config", str(missing)],
+        capsys,
+        f"config file {missing} does not exist; the recipe base ships with aiayn, from any "
+        "directory: --config base",
+    )
+    _fails([*argv, "--config", str(tmp_path / "mine.toml")], capsys, "mine.toml does not exist")
+    assert "ships with aiayn" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # 25 s: a subprocess trains one update of the base model
+def test_the_readme_steps_from_an_empty_directory(tmp_path):
+    """The README's "Your own data", run where there is no repository: prepare, then train
+    with --config base (shrunk to one small update by overrides, nothing else changed)."""
+    import shlex
+
+    from tests.helpers import write_reverse_text
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Your own data", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    steps = [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    prepare = next(s for s in steps if s.startswith("aiayn prepare"))
+    train = next(s for s in steps if s.startswith("aiayn train"))
+    assert "--config base" in train
+    work = tmp_path / "empty"
+    (work / "corpus").mkdir(parents=True)
+    for split, seed in (("train", 1), ("dev", 2), ("test", 3)):
+        write_reverse_text(work / "corpus", split, 200, seed=seed)
+        for side, lang in (("src", "en"), ("tgt", "de")):
+            (work / "corpus" / f"{split}.{side}").rename(work / "corpus" / f"{split}.{lang}")
+    shrink = ["--vocab-size", "40"]
+    small = ["train.max_steps=1", "train.update_tokens=64", "data.max_tokens=64"]
+    small += ["train.valid_interval=0", "train.average_last=0", "train.compile_step=false"]
+    for command, extra in ((prepare, shrink), (train, [*small, "--no-progress"])):
+        argv = shlex.split(command)[1:] + extra
+        done = subprocess.run(
+            [sys.executable, "-m", "aiayn", *argv],
+            capture_output=True, text=True, cwd=work, env=cli_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    assert (work / "runs" / "en-de" / "checkpoints").is_dir()
+
+
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    (tmp_path / "a.en").write_text("one line\n")
+    (tmp_path / "a.de").write_text("eine zeile\nzwei\n")
+    argv = ["prepare", "--train", str(tmp_path / "a"), "--valid", str(tmp_path / "a")]
+    argv += ["--src", "en", "--tgt", "de", "--out", str(tmp_path / "d")]
+    _fails(argv, capsys, f"{tmp_path / 'a.en'} has 1 line but {tmp_path / 'a.de'} has 2:")
+    _fails(["bleu", str(tmp_path / "a.de"), str(tmp_path / "a.en")], capsys, "a.en has 1 line but")
+
+
+def test_a_full_disk_while_preparing_says_what_it_takes(tmp_path, capsys, monkeypatch):
+    """A full disk under DATA_DIR: one line that says so, with the room free and the input's
+    size (exit status 2), whether the write reported ENOSPC or, as numpy's and
+    sentencepiece's do, a short write without an error number."""
+    import errno
+
+    import aiayn.data.prepare as prepare
+    from aiayn.data import staging
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name in ("train.en", "train.de"):
+        (folder / name).write_text("a b c\n" * 50)
+    argv = ["prepare", "--train", str(folder / "train"), "--valid", str(folder / "train")]
+    argv += ["--src", "en", "--tgt", "de", "--vocab-size", "20", "--out", str(tmp_path / "d")]
+
+    def no_room(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare, "_clean_split", no_room)
+    _fails(argv, capsys, f"no space left on the device of {tmp_path / 'd'} (")
+    message = f"the prepared data takes about twice the input text ({1.2:.1f} kB"
+    monkeypatch.setattr(staging, "_mb", lambda n: f"{n / 1e3:.1f} kB")
+    _fails(argv, capsys, message)
+
+    def short_write(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError("434353 requested and 90112 written")
+
+    monkeypatch.setattr(prepare, "_clean_split", short_write)
+    _fails(argv, capsys, "434353 requested")  # room enough: the error as it came
+    monkeypatch.setattr(staging, "_free", lambda folder: 4096)
+    _fails(argv, capsys, "(4.1 kB free) to prepare the data; the prepared data takes about")
+
+
+def test_resuming_with_the_data_of_another_directory(data_dir, tmp_path, capsys):
+    """Another --data with a tokenizer of the same size: the refusal names the directory the
+    run was trained on, not "the data was prepared again since"."""
+    from aiayn.data.prepare import prepare_data
+    from tests.helpers import WORDS, write_reverse_text
+
+    run = tmp_path / "run"
+    argv = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run)]
+    assert main([*argv, "train.max_steps=1", "train.valid_interval=0", "--no-progress"]) == 0
+    write_reverse_text(tmp_path, "t", 300, seed=5)
+    other = tmp_path / "other"
+    prepare_data(tmp_path / "t", tmp_path / "t", None, "src", "tgt", len(WORDS) + 4, other,
+                 model_type="word")  # fmt: skip
+    capsys.readouterr()
+    _fails(
+        ["train", "--out", str(run), "--data", str(other), "train.max_steps=2"],
+        capsys,
+        f"the run in {run} was trained on {Path(data_dir).resolve()}, and {other} has another "
+        f"tokenizer; resume it with --data {Path(data_dir).resolve()}, or train into a new",
+    )

@@ -13,6 +13,7 @@ import torch
 from aiayn.cli import main
 from aiayn.errors import UserError
 from aiayn.inference import loading
+from aiayn.inference.classifier import TextClassifier
 from aiayn.training.tasks import score_split
 from tests.helpers import TINY
 
@@ -205,6 +206,21 @@ def test_classifier_fine_tunes_from_a_pretrained_encoder(data, tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and all(lines[i].count(":") == 2 for i in (0, 2))
     assert lines[1] == lines[3] == ""  # empty texts: empty lines, as translate gives
+    # A text longer than the model's 64 positions is cut, with a warning naming its line (as
+    # translate's); a corpus's long texts beyond the first few are counted.
+    texts.write_text("sun\n\n" + " ".join(["fire"] * 80) + "\n")
+    assert main(["classify", str(clf), "--input", str(texts)]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^warning: line 3: \d+ tokens \(\+ BOS, EOS\) exceed the model's 64 ", err)
+    assert "classifying the first 62" in err and len(err.splitlines()) == 1, err
+    classifier = TextClassifier.from_checkpoint(clf)
+    said: list[str] = []
+    classifier.warn = said.append
+    classifier.probabilities([" ".join(["sun"] * (70 + i)) for i in range(5)])
+    assert said[0].startswith("text 1: ") and said[2].startswith("text 3: ") and len(said) == 4
+    assert said[3] == (
+        "2 more texts exceed the model's 64 positions; each is classified by its first 62 tokens"
+    )
 
 
 def test_init_from_refuses_another_tokenizer_or_task(data, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,6 +221,11 @@ def test_sigterm_saves_and_the_run_resumes(data_dir, tmp_path, capsys):
             proc.kill()
     assert proc.returncode == 0, err
     assert "SIGTERM received" in err and "Resume with: aiayn train --out" in err
+    # The stop is said once: the update and the checkpoint, then how to resume.
+    assert err.count("SIGTERM at update") == 1 and "checkpoint saved to" not in err, err
+    assert re.search(
+        r"^stopped by SIGTERM at update \d+, epoch \d+; checkpoint \S+\nResume", err, re.M
+    )
     saved = loading.latest_valid_checkpoint(run)
     assert saved is not None
     step = saved[1]["step"]

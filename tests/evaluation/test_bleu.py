@@ -66,7 +66,7 @@ def test_tokenized_bleu_by_hand() -> None:
 
 
 def test_mismatched_lengths() -> None:
-    with pytest.raises(ValueError, match="2 hypotheses but 1 lines"):
+    with pytest.raises(ValueError, match="2 hypotheses but 1 line in"):
         sacrebleu_bleu(["a", "b"], [["a"]])
 
 
@@ -99,7 +99,7 @@ def test_bleu_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     short = tmp_path / "short.txt"
     short.write_text("one line\n", encoding="utf-8")
     assert main(["bleu", str(hyp), str(short)]) == 2
-    assert "short.txt has 1 lines but" in capsys.readouterr().err
+    assert "short.txt has 1 line but" in capsys.readouterr().err
 
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"fine\n\xff\xfe broken\n")

@@ -337,3 +337,50 @@ def test_import_refuses_what_is_not_a_marian_model(tmp_path, capsys):
     (directory / "model.safetensors").unlink()
     with pytest.raises(UserError, match=r"neither model\.safetensors nor pytorch_model\.bin"):
         import_marian(directory)
+
+
+def test_import_names_the_file_of_a_directory_that_is_not_whole(tmp_path, capsys):
+    """What an interrupted download or a hand-edited file leaves: one line naming the file
+    (exit status 2), never a traceback."""
+    directory = _marian_dir(tmp_path, "relu", False, False)
+    out = ["--out", str(tmp_path / "x.pt")]
+    capsys.readouterr()  # transformers' progress while saving it
+
+    def refused(name: str, message: str) -> None:
+        assert main(["import-marian", str(directory), *out]) == 2
+        err = capsys.readouterr().err
+        assert f"{directory / name}: {message}" in err and "Traceback" not in err, err
+        assert name != "model.safetensors" or "download it again" in err, err
+        assert len(err.splitlines()) == 1, err
+        assert not (tmp_path / "x.pt").exists()
+
+    config_file, vocab_file = directory / "config.json", directory / "vocab.json"
+    config, vocab = config_file.read_text(), vocab_file.read_text()
+    for text, message in [
+        ("{}", "lacks d_model, encoder_layers"),
+        (json.dumps({k: v for k, v in json.loads(config).items() if k != "d_model"}), "lacks d_"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        (json.dumps({**json.loads(config), "d_model": "32"}), "d_model is '32', not a positive"),
+        (json.dumps({**json.loads(config), "encoder_layers": 0}), "encoder_layers is 0, not a"),
+        (json.dumps({**json.loads(config), "pad_token_id": -1}), "pad_token_id is -1, not an"),
+    ]:
+        config_file.write_text(text)
+        refused("config.json", message)
+    config_file.write_text(json.dumps({**json.loads(config), "d_model": 64}))
+    assert main(["import-marian", str(directory), *out]) == 2
+    err = capsys.readouterr().err
+    assert f"{directory}: the weights do not fit config.json and the vocabularies (" in err, err
+    config_file.write_text(config)
+    vocab_file.write_text(json.dumps({**json.loads(vocab), "▁the": "seven"}))
+    refused("vocab.json", "the id of '▁the' is 'seven', not an integer")
+    vocab_file.write_text(json.dumps({**json.loads(vocab), "▁zz": 999}))
+    refused("vocab.json", "vocabulary ids are not 0 .. N-1 without gaps")
+    vocab_file.write_text(vocab)
+    weights = directory / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # a download cut short
+    refused("model.safetensors", "not a readable weights file (")
+    weights.write_bytes(whole)
+    source = directory / "source.spm"
+    source.write_bytes(source.read_bytes()[:100])
+    refused("source.spm", "not a sentencepiece model")

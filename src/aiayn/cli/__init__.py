@@ -22,6 +22,7 @@ from aiayn.cli import (
     attention,
     average,
     bleu,
+    cache,
     classify,
     demo,
     export_ct2,
@@ -38,7 +39,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, bleu, attention),
-    *(generate, classify, serve, import_marian, export_ct2),
+    *(generate, classify, serve, import_marian, export_ct2, cache),
 ]
 
 
@@ -73,10 +74,34 @@ def _is_override(item: str) -> bool:
     return "=" in item and not item.startswith("-")
 
 
+def _check_utf8(argv: Sequence[str]) -> None:
+    """Every argument is valid UTF-8. Python hands an argument's invalid bytes on as lone
+    surrogates, which fail later, far from the argument: in sentencepiece, or when a path is
+    written into a manifest. Refused here, once for every command, naming the argument."""
+    for number, item in enumerate(argv, start=1):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = os.fsencode(item)
+            try:
+                raw.decode("utf-8")
+                start = 0
+            except UnicodeDecodeError as err:
+                start = err.start
+            shown = raw.decode("utf-8", errors="backslashreplace")
+            raise CLIError(
+                f"argument {number} ('{shown}') is not valid UTF-8 (byte {start + 1}: "
+                f"{raw[start : start + 1]!r}); give text and file names in UTF-8"
+            ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(parser, argv)
+    args.argv = argv  # as given: a command that says how to go on repeats it
     try:
+        _check_utf8(argv)
         code = int(args.run(args))
         sys.stdout.flush()  # here, where a closed pipe is caught below, not at exit
         return code
@@ -88,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (`aiayn params | head -1`): stop quietly, as other tools do.
-        _silence_stdout()
+        silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a process killed by it
     except OSError as err:
         if err.errno not in _WRITE_FAILURES:
@@ -102,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 _WRITE_FAILURES = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """Point stdout at /dev/null, so that flushing what it still holds at exit raises
     nothing (where stdout is a file descriptor at all)."""
     try:

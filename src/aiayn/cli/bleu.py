@@ -34,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from aiayn.evaluation.bleu import score_corpus
     from aiayn.inference.textio import read_input, read_lines
+    from aiayn.progress import counted
 
     if "-" in args.references:
         raise CLIError("the references are files; only HYPOTHESES may be - (stdin)")
@@ -45,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     for path in args.references:
         lines = read_lines(path)
         if len(lines) != len(hypotheses):
-            raise UserError(f"{path} has {len(lines)} lines but {name} has {len(hypotheses)}")
+            raise UserError(
+                f"{path} has {counted(len(lines), 'line')} but {name} has {len(hypotheses):,}"
+            )
         references.append(lines)
     for score in score_corpus(hypotheses, references, tokenized=args.tokenized):
         print(score.line)

@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return _score(classifier, Path(args.data), args.split or "test", args.confusion)
     lines = read_input(args.input)
     # Empty lines (white space only) give empty output lines, as translate's do.
-    texts = [line for line in lines if line.strip()]
-    rows = iter(classifier.probabilities(texts)) if texts else iter(())
+    numbers = [number for number, line in enumerate(lines, start=1) if line.strip()]
+    texts = [lines[number - 1] for number in numbers]
+    rows = iter(classifier.probabilities(texts, numbers)) if texts else iter(())
     k = min(top, len(classifier.labels))
     for line in lines:
         if not line.strip():

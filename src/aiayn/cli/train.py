@@ -130,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if result.rank != 0:  # under torchrun, rank 0 reports
         return 0
     if result.interrupted:
+        # The trainer has said the stop, the update and the checkpoint: only how to go on here.
         again = ["aiayn", "train", "--out", str(run_dir), "--resume"]
         print(
-            f"{result.reason} at update {result.step}; checkpoint saved to {result.checkpoint}.\n"
             f"Resume with: {shlex.join(again)} (under torchrun: the same torchrun command)",
             file=sys.stderr,
         )
@@ -193,6 +193,19 @@ def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -
     if reason is not None:
         print(f"train.compile_step: {reason}; translate decodes without it", file=sys.stderr)
         return
+    from aiayn.accel.compiled import compiled_dir
+    from aiayn.cli.cache import inductor_cache_dir
+
+    folder = compiled_dir()
+    print(
+        f"compiling the decoder step that translate decodes with on this machine ({threads} "
+        f"threads): a minute or more, and tens to hundreds of MB of libraries in {folder} "
+        f"besides PyTorch's files in {inductor_cache_dir()} (train.compile_step = false skips "
+        "this; aiayn cache shows and clears both)",
+        file=sys.stderr,
+        flush=True,
+    )
+    held = _folder_bytes(folder)
     start = time.perf_counter()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -207,7 +220,20 @@ def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -
         translator.acceleration.levers
     ):
         seconds = time.perf_counter() - start
+        added = max(_folder_bytes(folder) - held, 0)
         print(
             f"decoder step compiled for translate on this machine ({threads} threads, "
-            f"{seconds:.0f} s; train.compile_step = false skips this)"
+            f"{seconds:.0f} s, {added / 1e6:,.0f} MB in {folder}; train.compile_step = false "
+            "skips this, aiayn cache --clear compiled removes it)"
         )
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 where there is none)."""
+    total = 0
+    for path in folder.rglob("*") if folder.is_dir() else ():
+        try:
+            total += path.lstat().st_size if path.is_file() else 0
+        except OSError:
+            pass
+    return total

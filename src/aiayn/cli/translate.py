@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import io
+import os
+import shlex
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
 from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.cli.process import PROCESS_SETTINGS
-from aiayn.errors import CLIError
+from aiayn.errors import CLIError, UserError
 from aiayn.progress import counted, stderr_report
 
 if TYPE_CHECKING:
     from aiayn.inference.translator import TextTranslator, Translation
 
-# Lines translated (and written) at a time: bounds memory, keeps output flowing.
-CHUNK_LINES = 10000
+# Lines are translated a window at a time, in input order, and each window's translations are
+# written as it finishes: an interrupted run keeps them. A window holds about this many batches
+# of source tokens (decode.batch_tokens): length-sorted batches within a window pad a little
+# more than over the whole file, and an interrupt loses at most one window's work.
+WINDOW_BATCHES = 8
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -161,9 +171,137 @@ def _ct2_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
     return translator, f"{device} (CTranslate2, {translator.compute_type})"
 
 
+class _Stop(Exception):
+    """SIGINT or SIGTERM while a file is translated (:class:`_Signals`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM end the translation of a file with :class:`_Stop`, but not in the
+    middle of writing a window: a signal that comes then ends it right after the write, so
+    that the output holds whole windows and the count of lines written is exact."""
+
+    def __init__(self) -> None:
+        self.writing = False
+        self.received: int | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        if not self.writing:
+            raise _Stop(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def write_section(self) -> Iterator[None]:
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        if self.received is not None:
+            raise _Stop(self.received)
+
+
+def _windows(
+    translator: TextTranslator, lines: Sequence[str]
+) -> Iterator[tuple[int, list[list[int]]]]:
+    """Consecutive windows of ``lines`` as ``(first index, token ids of each line)``, each of
+    about :data:`WINDOW_BATCHES` batches of source tokens (EOS included)."""
+    budget = WINDOW_BATCHES * translator.decode.batch_tokens
+    start = 0
+    while start < len(lines):
+        sources: list[list[int]] = []
+        size = 0
+        while start + len(sources) < len(lines) and (not sources or size < budget):
+            number = start + len(sources) + 1
+            sources.append(translator.encode_source(lines[number - 1], number))
+            size += len(sources[-1]) + 1
+        yield start, sources
+        start += len(sources)
+
+
+def _translate_file(
+    translator: TextTranslator, lines: Sequence[str], nbest: int, written: list[int]
+) -> tuple[int, int]:
+    """Translate ``lines`` window by window, writing each window's translations to stdout in
+    input order as it finishes; ``written[0]`` counts the input lines written. Returns the
+    counts of non-empty input lines and of those whose (best) translation is empty."""
+    signals = _Signals()
+    asked = empty = 0
+    with signals.installed():
+        for start, sources in _windows(translator, lines):
+            results = translator.translations(translator.search_ids(sources))
+            with signals.write_section():
+                _write(sys.stdout, format_translations(results, nbest))
+                written[0] = start + len(sources)
+            for source, hyps in zip(sources, results, strict=True):
+                if source:
+                    asked += 1
+                    empty += not (hyps and hyps[0].text.strip())
+    return asked, empty
+
+
+_FULL = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _stdout_file() -> Path | None:
+    """The regular file stdout writes to, where the system says (Linux's /proc)."""
+    try:
+        fd = sys.stdout.fileno()
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+    return path if path.is_file() else None
+
+
+def _cut_to_lines(path: Path, count: int) -> bool:
+    """Cut the file ``path`` after its first ``count`` lines; whether that could be done."""
+    try:
+        with path.open("rb") as handle:
+            end = 0
+            for _ in range(count):
+                line = handle.readline()
+                if not line.endswith(b"\n"):
+                    return False
+                end += len(line)
+        os.truncate(path, end)
+    except OSError:
+        return False
+    return True
+
+
+def _rest_command(args: argparse.Namespace, written: int) -> str:
+    """The command that translates the input lines after the first ``written`` and appends
+    their translations: the same options, the lines from ``tail``."""
+    argv = list(getattr(args, "argv", None) or ["translate", args.checkpoint])
+    kept: list[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in ("--input", "-i"):
+            skip = True
+        elif not item.startswith(("--input=", "-i")) or item == "-i":
+            kept.append(item)
+    source = "INPUT" if args.input in (None, "-") else shlex.quote(args.input)
+    return f"tail -n +{written + 1} {source} | aiayn {shlex.join(kept)} >> OUTPUT"
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here: `aiayn --help` stays fast (aiayn.cli).
-    from aiayn.inference.textio import read_input
+    from aiayn.inference.textio import empty_translation_advice, read_input
 
     check_engine_options(args)  # before anything is read or exported
     try:
@@ -177,15 +315,42 @@ def run(args: argparse.Namespace) -> int:
         _interactive(translator, args.nbest)
         return 0
     lines = read_input(args.input)
-    meter = stderr_report().meter("translating", len(lines))
+    report = stderr_report()
+    meter = report.meter("translating", len(lines))
     translator.on_batch = meter.advance
-    for first in range(0, len(lines), CHUNK_LINES):
-        chunk = lines[first : first + CHUNK_LINES]
-        results = translator.translate_nbest(chunk, first_line=first + 1)
-        _write(sys.stdout, format_translations(results, args.nbest))
+    written = [0]
+    try:
+        asked, empty = _translate_file(translator, lines, args.nbest, written)
+    except _Stop as stop:
+        name = "interrupted" if stop.signum == signal.SIGINT else "stopped by SIGTERM"
+        report.write(
+            f"aiayn translate: {name}: the translations of the first {written[0]:,} of "
+            f"{counted(len(lines), 'line')} are written, in order; to translate the rest: "
+            f"{_rest_command(args, written[0])}"
+        )
+        return 128 + stop.signum
+    except OSError as err:
+        if err.errno not in _FULL:
+            raise
+        # Part of the window that failed may be written: a file is cut back to the lines said.
+        from aiayn.cli import silence_stdout
+
+        target = _stdout_file()
+        kept = target is not None and _cut_to_lines(target, written[0] * args.nbest)
+        silence_stdout()  # what stdout still buffers cannot be written: dropped at exit
+        output = f"stdout ({target})" if target is not None else "stdout"
+        extra = "" if kept else " (and perhaps part of the next: keep the first lines only)"
+        raise UserError(
+            f"no space left on the device of {output}: the translations of the first "
+            f"{written[0]:,} of {counted(len(lines), 'line')} are written{extra}; free some "
+            f"space, then translate the rest: {_rest_command(args, written[0])}"
+        ) from None
     seconds = meter.seconds
     meter.finish(
         f"translated {counted(len(lines), 'line')} in {seconds:.1f} s "
         f"({len(lines) / max(seconds, 1e-9):,.1f} lines/s) with {translator.checkpoint} on {where}"
     )
+    advice = empty_translation_advice(asked, empty, translator.decode.beam_size)
+    if advice is not None:
+        report.write(f"warning: {advice}")
     return 0

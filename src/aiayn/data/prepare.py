@@ -58,7 +58,7 @@ from aiayn.data.tokenizer import (
     train_tokenizer,
 )
 from aiayn.errors import UserError
-from aiayn.progress import Log, Meter, Report, as_report
+from aiayn.progress import Log, Meter, Report, as_report, counted
 
 
 @dataclass
@@ -144,7 +144,8 @@ def prepare_data(
         n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
         if n_src != n_tgt:
             raise UserError(
-                f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}: the two sides of "
+                f"{src_path} has {counted(n_src, 'line')} but {tgt_path} has {n_tgt:,}: the two "
+                f"sides of "
                 f"the {split} split must have one sentence per line, line for line"
             )
         line_counts[split] = n_src
@@ -187,7 +188,7 @@ def prepare_data(
                     f"warning: the {split} split reads the training files: its scores will "
                     "not tell how the model does on text it has not seen"
                 )
-        with staging_dir(out) as staging:
+        with staging_dir(out, [p for paths in inputs.values() for p in paths]) as staging:
             stats: dict[str, _SplitStats] = {}
             for split, (src_path, tgt_path) in inputs.items():
                 say(f"reading {split}: {src_path}, {tgt_path}")

@@ -9,6 +9,7 @@ and a tokenizer trained on the same text with the same options is reused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -116,24 +117,76 @@ def _held(out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def staging_dir(out: Path) -> Iterator[Path]:
+def staging_dir(out: Path, inputs: list[Path] | None = None) -> Iterator[Path]:
     """A fresh staging directory inside ``out``, removed afterwards.
 
-    Stale ones of killed runs go first; an ``OSError`` inside (disk full, permissions changed
-    under us, ...) becomes a :class:`UserError` naming the file.
+    Stale ones of killed runs go first; an ``OSError`` inside (permissions changed under us,
+    ...) becomes a :class:`UserError` naming the file. A full disk is named as such, with the
+    room free and the size of the ``inputs`` (text files), whatever failed of it: numpy and
+    sentencepiece report a short write without the system's error number, or not at all (a
+    model file cut short).
     """
     _remove_stale_staging(out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
     except OSError as err:
+        if err.errno in _FULL:
+            raise _disk_full(out, inputs, err) from None
         raise UserError(f"{out}: output directory is not writable ({err.strerror})") from None
     try:
         yield staging
-    except OSError as err:
+    except (OSError, UserError, RuntimeError) as err:
+        full = isinstance(err, OSError) and err.errno in _FULL
+        if full or _nearly_full(out):
+            shutil.rmtree(staging, ignore_errors=True)  # first: the room free is then said
+            raise _disk_full(out, inputs, err) from None
+        if not isinstance(err, OSError):
+            raise
         where = err.filename or out
         raise UserError(f"{where}: {err.strerror or err} while preparing {out}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# Free bytes below which a failure while writing is read as a full disk (a write that fails
+# for want of room leaves less than one of its buffers free).
+_NEARLY_FULL = 1 << 20
+
+
+def _free(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _nearly_full(folder: Path) -> bool:
+    free = _free(folder)
+    return free is not None and free < _NEARLY_FULL
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{n / 1e3:,.0f} kB"
+
+
+def _disk_full(out: Path, inputs: list[Path] | None, err: BaseException) -> UserError:
+    """The message of a full disk under ``out``: where, what was free, what it takes."""
+    where = getattr(err, "filename", None)
+    writing = f" (writing {Path(where).name})" if where else ""
+    free = _free(out)
+    have = f" ({_mb(free)} free)" if free is not None else ""
+    size = sum(p.stat().st_size for p in inputs or () if p.is_file())
+    takes = (
+        f"; the prepared data takes about twice the input text ({_mb(size)}), and more while "
+        "it is written"
+        if size
+        else ""
+    )
+    return UserError(
+        f"no space left on the device of {out}{have} to prepare the data{writing}{takes}: "
+        "free some space there, or give another --out"
+    )
 
 
 def reusable_tokenizer(out: Path, old: dict[str, Any] | None, key: str) -> Path | None:

@@ -19,6 +19,8 @@ from sacrebleu.metrics.bleu import BLEU
 from sacrebleu.metrics.chrf import CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
+from aiayn.progress import counted
+
 TOKENIZED_NOTE = "paper-style tokenised BLEU, not comparable with sacreBLEU"
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -58,7 +60,8 @@ def _check(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> No
             raise TypeError(f"reference set {i}: a list of lines, not one string")
         if len(refs) != len(hypotheses):
             raise ValueError(
-                f"{len(hypotheses)} hypotheses but {len(refs)} lines in reference set {i}"
+                f"{counted(len(hypotheses), 'hypothesis', 'hypotheses')} but "
+                f"{counted(len(refs), 'line')} in reference set {i}"
             )
 
 

@@ -1,13 +1,14 @@
 """Texts in, class probabilities out, from an encoder-only classifier (task ``classify``).
 
-Each text becomes ``BOS + tokens + EOS`` (cut to the model's positions, as in training),
-texts are sorted by length and batched by a token budget, and the softmax of the class logits
-comes back in input order.
+Each text becomes ``BOS + tokens + EOS`` (cut to the model's positions, as in training, with a
+warning, as ``translate`` warns of a line it cuts), texts are sorted by length and batched by a
+token budget, and the softmax of the class logits comes back in input order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +32,17 @@ class Prediction:
     probabilities: list[float]  # in the order of TextClassifier.labels
 
 
+# Texts cut to the model's positions named one by one in a warning; more are counted.
+_NAMED_CUTS = 3
+
+
+def _print_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 class TextClassifier:
-    """An encoder-only classifier with its tokenizer and class names."""
+    """An encoder-only classifier with its tokenizer and class names. ``warn`` receives the
+    warnings (default: stderr), e.g. of a text cut to the model's positions."""
 
     def __init__(
         self,
@@ -53,6 +63,7 @@ class TextClassifier:
         self.labels = list(labels)
         self.device = torch.device(device)
         self.batch_tokens = batch_tokens
+        self.warn: Callable[[str], None] = _print_warning
 
     @classmethod
     def from_checkpoint(
@@ -67,14 +78,43 @@ class TextClassifier:
         room = self.model.config.max_positions - 2
         return [BOS_ID, *self.tokenizer.encode(text)[:room], EOS_ID]
 
-    def probabilities(self, texts: Iterable[str]) -> torch.Tensor:
-        """(len(texts), n_classes) class probabilities, float32, in input order."""
-        return self._probabilities(checked_lines(texts, "probabilities"))
+    def probabilities(
+        self, texts: Iterable[str], line_numbers: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """(len(texts), n_classes) class probabilities, float32, in input order. A text cut
+        to the model's positions is warned of, by its number in ``line_numbers`` (default:
+        its position among ``texts``, from 1)."""
+        return self._probabilities(checked_lines(texts, "probabilities"), line_numbers)
+
+    def _encoded(self, texts: list[str], line_numbers: Sequence[int] | None) -> list[list[int]]:
+        """:meth:`inputs` of each text, with a warning for those cut."""
+        room = self.model.config.max_positions - 2
+        encoded, cut = [], []
+        for i, text in enumerate(texts):
+            tokens = self.tokenizer.encode(text)
+            if len(tokens) > room:
+                where = f"line {line_numbers[i]}" if line_numbers is not None else f"text {i + 1}"
+                cut.append((where, len(tokens)))
+            encoded.append([BOS_ID, *tokens[:room], EOS_ID])
+        positions = self.model.config.max_positions
+        for where, count in cut[:_NAMED_CUTS]:
+            self.warn(
+                f"{where}: {count} tokens (+ BOS, EOS) exceed the model's {positions} "
+                f"positions; classifying the first {room}"
+            )
+        if len(cut) > _NAMED_CUTS:
+            self.warn(
+                f"{len(cut) - _NAMED_CUTS:,} more texts exceed the model's {positions} "
+                f"positions; each is classified by its first {room} tokens"
+            )
+        return encoded
 
     @torch.no_grad()
-    def _probabilities(self, texts: list[str]) -> torch.Tensor:
+    def _probabilities(
+        self, texts: list[str], line_numbers: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """:meth:`probabilities` of texts already checked."""
-        encoded = [self.inputs(text) for text in texts]
+        encoded = self._encoded(texts, line_numbers)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out = torch.zeros(len(encoded), len(self.labels))
         start = 0

@@ -73,3 +73,25 @@ def checked_lines(lines: Iterable[object], call: str) -> list[str]:
 def one_line(text: str) -> str:
     """``text`` with line breaks turned into spaces, so that one output stays one line."""
     return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
+# The share of non-empty source lines whose translation is empty above which a command says so:
+# a trained model almost never ends a translation at once; a briefly trained one often does.
+EMPTY_SHARE = 0.2
+
+
+def empty_translation_advice(asked: int, empty: int, beam_size: int) -> str | None:
+    """What to say when ``empty`` of ``asked`` non-empty source lines got an empty translation
+    and that is more than :data:`EMPTY_SHARE` of them (None otherwise)."""
+    if asked == 0 or empty <= EMPTY_SHARE * asked:
+        return None
+    beam = (
+        f"; beam search (beam {beam_size}) prefers ending at once to a long uncertain "
+        "translation: --beam 1 (or decode.beam_size=1) shows what the model emits"
+        if beam_size > 1
+        else ""
+    )
+    return (
+        f"{empty:,} of {asked:,} non-empty lines have an empty translation: the model ends "
+        f"them at once, as one trained too briefly does; train longer{beam}"
+    )

@@ -238,7 +238,10 @@ class TextTranslator:
     def _translations(self, lines: list[str], first_line: int) -> list[list[Translation]]:
         """:meth:`translate_nbest` of lines already checked."""
         sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
-        results = self.search_ids(sources)
+        return self.translations(self.search_ids(sources))
+
+    def translations(self, results: Sequence[list[Hypothesis]]) -> list[list[Translation]]:
+        """The detokenised :class:`Translation` of each of :meth:`search_ids`' hypotheses."""
         return [
             [
                 Translation(

@@ -72,6 +72,61 @@ def _read_json(path: Path) -> Any:
         raise UserError(f"{path}: not readable JSON ({err})") from None
 
 
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (``config.json``)."""
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: holds a JSON {_json_kind(data)}, not an object")
+    return data
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+    """A Marian ``vocab.json``: an object of piece → integer id."""
+    data = _read_object(path)
+    for piece, i in data.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise UserError(
+                f"{path}: the id of {piece!r} is {i!r}, not an integer of 0 or more; "
+                "is the file whole?"
+            )
+    return data
+
+
+def _json_kind(data: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number"}.get(
+        type(data), "null" if data is None else type(data).__name__
+    )
+
+
+# The config.json keys the import reads without a default: positive integers.
+_REQUIRED = (
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+)
+
+
+def _check_config(hf: dict[str, Any], path: Path) -> None:
+    """The keys the import needs are there and hold positive integers (token ids: 0 or
+    more), so that a config.json cut short is named, not a KeyError."""
+    missing = [key for key in _REQUIRED if key not in hf]
+    if missing:
+        raise UserError(f"{path}: lacks {', '.join(missing)}; is the file whole?")
+    ids = ("pad_token_id", "eos_token_id", "decoder_start_token_id")
+    for key in (*_REQUIRED, "max_position_embeddings", *ids):
+        value = hf.get(key)
+        if value is None and key not in _REQUIRED:
+            continue
+        least = 0 if key in ids else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            kind = "an integer of 0 or more" if least == 0 else "a positive integer"
+            raise UserError(f"{path}: {key} is {value!r}, not {kind}")
+
+
 def _read_weights(directory: Path) -> dict[str, Tensor]:
     """``model.safetensors`` or ``pytorch_model.bin`` (read without executing code)."""
     safetensors_file = directory / "model.safetensors"
@@ -82,7 +137,13 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
             raise UserError(
                 f"{safetensors_file}: reading it needs safetensors: pip install 'aiayn[interop]'"
             ) from None
-        return dict(load_file(str(safetensors_file)))
+        try:
+            return dict(load_file(str(safetensors_file)))
+        except Exception as err:  # SafetensorError and the like: one line
+            raise UserError(
+                f"{safetensors_file}: not a readable weights file ({err}); an interrupted "
+                "download leaves it cut short: download it again"
+            ) from None
     bin_file = directory / "pytorch_model.bin"
     if bin_file.is_file():
         try:
@@ -177,27 +238,57 @@ def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceV
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: not a directory (a Hugging Face Marian model directory)")
-    hf = _read_json(directory / "config.json")
+    hf = _read_object(directory / "config.json")
     if hf.get("model_type") not in (None, "marian"):  # before any other file is looked for
         raise UserError(
             f"{directory / 'config.json'}: model_type is {hf.get('model_type')!r}; only Marian "
             "models are imported"
         )
+    _check_config(hf, directory / "config.json")
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
-    src_ids = _read_json(directory / "vocab.json")
-    tgt_ids = src_ids if shared else _read_json(directory / "target_vocab.json")
+    src_ids = _read_vocab(directory / "vocab.json")
+    tgt_file = directory / ("vocab.json" if shared else "target_vocab.json")
+    tgt_ids = src_ids if shared else _read_vocab(tgt_file)
+    if "<pad>" not in tgt_ids and "pad_token_id" not in hf:
+        raise UserError(f"{tgt_file} has no <pad> and {directory / 'config.json'} no pad_token_id")
     # Each side's special pieces by name (the config's ids are the target side's).
     pad = int(tgt_ids.get("<pad>", hf["pad_token_id"]))
     eos = int(tgt_ids.get("</s>", hf.get("eos_token_id", 0)))
     start = int(hf.get("decoder_start_token_id", pad))
-    tgt = renumber(tgt_ids, pad, int(tgt_ids.get("<unk>", 1)), eos, start)
+    try:
+        tgt = renumber(tgt_ids, pad, int(tgt_ids.get("<unk>", 1)), eos, start)
+    except UserError as err:
+        raise UserError(f"{tgt_file}: {err}") from None
     src_pad = int(src_ids.get("<pad>", pad))
-    src = renumber(
-        src_ids, src_pad, int(src_ids.get("<unk>", 1)), int(src_ids.get("</s>", eos)), src_pad
-    )
+    try:
+        src = renumber(
+            src_ids, src_pad, int(src_ids.get("<unk>", 1)), int(src_ids.get("</s>", eos)), src_pad
+        )
+    except UserError as err:
+        raise UserError(f"{directory / 'vocab.json'}: {err}") from None
     config = _config(hf, src, tgt, shared)
     w = _Weights(_read_weights(directory), directory)
+    try:
+        model = _model(w, config, src, tgt, shared)
+    except (IndexError, RuntimeError) as err:  # a row past the end, a shape that differs
+        first = str(err).strip().splitlines()[0]
+        raise UserError(
+            f"{directory}: the weights do not fit config.json and the vocabularies ({first})"
+        ) from None
+    tokenizer = PieceVocabTokenizer(
+        _read_spm(directory / "source.spm"),
+        _read_spm(directory / "target.spm"),
+        src.pieces,
+        tgt.pieces,
+    )
+    run = config_from_dict({"preset": "marian", "decode": {"beam_size": hf.get("num_beams") or 4}})
+    return model, dataclasses.replace(run, model=config), tokenizer
 
+
+def _model(
+    w: _Weights, config: ModelConfig, src: MarianVocab, tgt: MarianVocab, shared: bool
+) -> Transformer:
+    """The aiayn model (eval mode) of Marian's weights, renamed and renumbered."""
     state: dict[str, Tensor] = {}
     src_rows, tgt_rows = torch.tensor(src.rows), torch.tensor(tgt.rows)
     if shared:
@@ -221,24 +312,25 @@ def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceV
         state[name] = state[source]
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise UserError(f"{directory}: weights do not fit (missing {missing}, extra {unexpected})")
-    model.eval()
-
-    tokenizer = PieceVocabTokenizer(
-        _read_bytes(directory / "source.spm"),
-        _read_bytes(directory / "target.spm"),
-        src.pieces,
-        tgt.pieces,
-    )
-    run = config_from_dict({"preset": "marian", "decode": {"beam_size": hf.get("num_beams") or 4}})
-    return model, dataclasses.replace(run, model=config), tokenizer
+        raise UserError(
+            f"{w.directory}: weights do not fit (missing {missing}, extra {unexpected})"
+        )
+    return model.eval()
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_spm(path: Path) -> bytes:
+    """A sentencepiece model's bytes, checked by loading them (a file cut short is named)."""
+    import sentencepiece as spm
+
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: not found (the sentencepiece model of a Marian model)") from None
+    try:
+        spm.SentencePieceProcessor().LoadFromSerializedProto(data)
+    except RuntimeError:
+        raise UserError(f"{path}: not a sentencepiece model; is the file whole?") from None
+    return data
 
 
 def write_checkpoint(

@@ -45,7 +45,13 @@ from aiayn.training.distributed import (
 from aiayn.training.pretrained import load_pretrained_encoder, pretrained_weights
 from aiayn.training.run_config import check_fits_data
 from aiayn.training.tasks import TextValidSet, text_examples
-from aiayn.training.trainer import ExampleSource, Trainer, TrainingError, TrainResult
+from aiayn.training.trainer import (
+    ExampleSource,
+    TokenizerMismatch,
+    Trainer,
+    TrainingError,
+    TrainResult,
+)
 from aiayn.training.validation import ValidSet
 
 CONFIG_NAME = "config.toml"
@@ -63,7 +69,8 @@ def _valid_set(data_dir: Path, tokenizer: Any) -> ValidSet:
     references = corpus.tgt_texts()
     if len(references) != len(corpus):
         raise ConfigError(
-            f"{corpus.tgt_text_path()} has {len(references)} lines for {len(corpus)} pairs; "
+            f"{corpus.tgt_text_path()} has {counted(len(references), 'line')} for "
+            f"{counted(len(corpus), 'pair')}; "
             "prepare the data again"
         )
     return ValidSet(corpus, corpus.src_lengths, references, tokenizer.decode)
@@ -239,7 +246,11 @@ def train_run(
             state = broadcast_object(state, info)
             if state is not None:
                 # Refuses another [model] section or tokenizer.
-                trainer.load_state_dict(state, found[0] if found is not None else None)
+                try:
+                    trainer.load_state_dict(state, found[0] if found is not None else None)
+                except TokenizerMismatch:
+                    _other_data(run_dir, data_dir)
+                    raise
             elif config.train.init_from:
                 # Rank 0 reads and checks the file; every rank raises its error alike.
                 found_weights: dict[str, torch.Tensor] | str | None = None
@@ -311,6 +322,18 @@ def _average(trainer: Trainer, last: int) -> Path:
     text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
     trainer.log(f"averaged last {count}: {text} -> {averaged}")
     return averaged
+
+
+def _other_data(run_dir: Path, data_dir: Path) -> None:
+    """Where the run's checkpoint has another tokenizer than ``data_dir``'s and the run was
+    trained on another directory, a ResumeMismatch that names it (rather than "the data was
+    prepared again since", which holds where it is the same directory)."""
+    before = saved_run_info(run_dir).get("data")
+    if before and Path(before) != data_dir.resolve():
+        raise TokenizerMismatch(
+            f"the run in {run_dir} was trained on {before}, and {data_dir} has another "
+            f"tokenizer; resume it with --data {before}, or train into a new run directory"
+        ) from None
 
 
 def saved_run_info(run_dir: str | Path) -> dict[str, Any]:

@@ -48,6 +48,11 @@ from aiayn.training.tasks import TextValidSet, batch_loss, evaluate_text
 from aiayn.training.validation import Indices, ValidSet, autocast, evaluate
 
 
+class TokenizerMismatch(ResumeMismatch):
+    """A checkpoint trained with another tokenizer than the data's
+    (:meth:`Trainer.load_state_dict`)."""
+
+
 class TrainingError(UserError):
     """Training cannot go on (e.g. the loss stayed non-finite for ``max_bad_steps`` updates)."""
 
@@ -609,7 +614,7 @@ class Trainer:
         # The tokenizer first: data prepared again is the likelier cause of other differences.
         saved_tokenizer = state.get("tokenizer")
         if saved_tokenizer is not None and not torch.equal(saved_tokenizer, self.tokenizer):
-            raise ResumeMismatch(
+            raise TokenizerMismatch(
                 "the checkpoint was trained with another tokenizer than the data's (the data was "
                 "prepared again since); resuming would scramble the vocabulary. Train into a new "
                 "run directory, or prepare the data as before"

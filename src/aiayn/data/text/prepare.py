@@ -142,7 +142,7 @@ def prepare_text(
     )
 
     def write(old: dict[str, Any] | None) -> dict[str, Any]:
-        with staging_dir(out) as staging:
+        with staging_dir(out, list(files.values())) as staging:
             stats, classes = _read_splits(task, files, staging, names, encoding_errors, say)
             vocab, tokenizer_key = _staged_text_tokenizer(
                 staging,
