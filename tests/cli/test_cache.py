@@ -69,3 +69,59 @@ def test_the_end_of_training_compile_says_its_cost_first(caches, tmp_path, capsy
     out = capsys.readouterr().out
     assert f"(1 threads, 0 s, 3 MB in {root / 'compiled'}; train.compile_step = false" in out
     assert "aiayn cache --clear compiled removes it" in out
+
+
+def test_a_signal_during_the_compile_ends_it_in_one_line(caches, tmp_path, capsys, monkeypatch):
+    """SIGTERM while the step compiles abandons the compile at once, says so in one line and
+    how the step is had later, and gives the signal its handler back."""
+    import os
+    import signal
+    import time
+
+    import aiayn.accel.compiled as compiled
+    from aiayn.cli import train as train_command
+    from aiayn.config import load_config
+    from aiayn.inference.translator import Translator
+    from tests.helpers import TINY
+
+    def compiling(cls, path, **kwargs):  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # a compile: the signal ends it
+        raise AssertionError("the compile went on after SIGTERM")
+
+    monkeypatch.setattr(compiled, "cannot_build", lambda: None)
+    monkeypatch.setattr(Translator, "from_checkpoint", classmethod(compiling))
+    before = signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    train_command._compile_step(tmp_path, load_config(TINY, ["model.vocab_size=20"]), "cpu", 1)
+    assert time.monotonic() - start < 4
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("train.compile_step: stopped by SIGTERM; the run is saved")
+    assert "translate --compiled-step compiles it" in err[-1]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_while_the_run_finished_skips_the_compile(
+    reverse_data_dir, tmp_path, capsys, monkeypatch
+):
+    """A SIGTERM that came after the last update (while the run validated, saved or averaged)
+    does not let a compile of a minute start: the command ends, saying so."""
+    import signal
+
+    from aiayn.cli import train as train_command
+    from aiayn.training import launch
+    from aiayn.training.trainer import TrainResult
+    from tests.helpers import TINY
+
+    def trained(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return TrainResult(step=5, epoch=1, reason="max_steps", signal=signal.SIGTERM)
+
+    def compile_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("compiled after a signal")
+
+    monkeypatch.setattr(launch, "train_run", trained)
+    monkeypatch.setattr(train_command, "_compile_step", compile_step)
+    command = ["train", "--config", TINY, "--data", str(reverse_data_dir)]
+    assert main([*command, "--out", str(tmp_path / "run"), "train.compile_step=true"]) == 0
+    err = capsys.readouterr().err
+    assert "train.compile_step: skipped (SIGTERM received); the run is saved" in err

@@ -452,9 +452,9 @@ def test_a_busy_cpu_is_measured_and_said(data_dir, tmp_path, monkeypatch, capsys
 def test_a_machine_that_cannot_compile_the_step_is_told_in_one_line(
     data_dir, tmp_path, monkeypatch, capsys
 ):
-    from aiayn.accel import compiled
+    from aiayn.accel import panels
 
-    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    monkeypatch.setattr(panels.shutil, "which", lambda name: None)
     args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "run")]
     over = ["--no-progress", "--device", "cpu", "train.max_steps=2", "train.valid_interval=0"]
     assert main([*args, *over, "train.compile_step=true"]) == 0

@@ -7,10 +7,14 @@ checkpoints resumes from the newest readable one (``--resume`` says so explicitl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from aiayn.cli.paths import check_output_dir
@@ -147,8 +151,48 @@ def run(args: argparse.Namespace) -> int:
     if config.train.compile_step:
         from aiayn.devices import pick_device
 
+        if result.signal is not None:  # asked to stop while the run finished: not a minute more
+            print(
+                f"train.compile_step: skipped ({signal.Signals(result.signal).name} received); "
+                f"{_COMPILED_LATER}",
+                file=sys.stderr,
+            )
+            return 0
         _compile_step(run_dir, config, pick_device(args.device).type, threads)
     return 0
+
+
+# What becomes of the compiled step that a stop skips.
+_COMPILED_LATER = (
+    "the run is saved; translate decodes without the compiled step until one is compiled "
+    "(translate --compiled-step compiles it)"
+)
+
+
+class _CompileStopped(BaseException):
+    """SIGINT or SIGTERM while the decoder step compiles (a BaseException, as
+    KeyboardInterrupt is: what catches a failed compile lets it through)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM end the block with :class:`_CompileStopped` (the defaults again
+    after it)."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise _CompileStopped(signum)
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, stop) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _saved_data(run_dir: Path) -> Path:
@@ -193,7 +237,7 @@ def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -
     if reason is not None:
         print(f"train.compile_step: {reason}; translate decodes without it", file=sys.stderr)
         return
-    from aiayn.accel.compiled import compiled_dir
+    from aiayn.accel.store import compiled_dir
     from aiayn.cli.cache import inductor_cache_dir
 
     folder = compiled_dir()
@@ -210,7 +254,13 @@ def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        translator, _ = Translator.from_checkpoint(run_dir, compiled_step=True, pack_weights=False)
+        with _stopped_by_signals():
+            translator, _ = Translator.from_checkpoint(
+                run_dir, compiled_step=True, pack_weights=False
+            )
+    except _CompileStopped as stop:  # the compile is abandoned (its file never in place)
+        print(f"train.compile_step: stopped by {stop}; {_COMPILED_LATER}", file=sys.stderr)
+        return
     except Exception as error:  # the run is done and saved: a failure here only says so
         print(f"train.compile_step: {error}; translate decodes without it", file=sys.stderr)
         return

@@ -295,6 +295,7 @@ def train_and_average(trainer: Trainer) -> TrainResult:
             cfg = trainer.config.train
             if not result.interrupted and cfg.average_last > 0 and result.step > 0:
                 result.averaged = _average(trainer, cfg.average_last)
+        result.signal = trainer.signal_received
         return result
     finally:
         trainer.close()

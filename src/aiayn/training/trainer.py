@@ -84,6 +84,9 @@ class TrainResult:
     epoch: int
     reason: str
     interrupted: bool = False
+    # The SIGINT or SIGTERM received while the run trained or finished (its last validation,
+    # save and average), whether or not it interrupted the updates; None: none.
+    signal: int | None = None
     checkpoint: Path | None = None
     averaged: Path | None = None
     best_value: float | None = None
@@ -682,6 +685,11 @@ class Trainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    @property
+    def signal_received(self) -> int | None:
+        """The SIGINT or SIGTERM received while :meth:`signals_handled` was in force, or None."""
+        return self._signal
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._signal is not None:  # a second signal: stop now
