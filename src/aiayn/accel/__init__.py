@@ -78,6 +78,10 @@ PRECISION_DTYPES: dict[str, torch.dtype] = {
 }
 
 # Each swap: the plain class (matched exactly, not its subclasses) and its faster subclass.
+# A swap changes a module's class in place (Acceleration._swap, and back in undo): the model
+# the caller holds, its submodules, their hooks and an optimizer's parameters stay the same
+# objects, which a module built anew in its place would not be. (The compiled step's copy of
+# the model, which nobody else holds, is built anew: accel.compiled._rebuild.)
 _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Dropout: GridDropout,
     Residual: GridResidual,

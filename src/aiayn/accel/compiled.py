@@ -893,6 +893,41 @@ def _decoder_products(model: Transformer) -> list[nn.Module]:
     return products
 
 
+def _rebuild(root: nn.Module, build: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Put in place of each module under ``root`` the one ``build`` makes of it, where it
+    makes one (the modules it is made of are looked at too)."""
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            new = build(child)
+            if new is not None:
+                setattr(parent, name, new)
+
+
+def _one_query(attention: MultiHeadAttention, through_kernel: bool) -> OneQueryAttention:
+    """A :class:`OneQueryAttention` of ``attention``'s own projections."""
+    new = OneQueryAttention(
+        attention.out_proj.out_features,
+        attention.n_heads,
+        attention.d_k,
+        attention.d_v,
+        self_attention=attention.self_attention,
+        dropout=attention.dropout,
+        bias=attention.out_proj.bias is not None,
+    )
+    for name, child in attention.named_children():
+        setattr(new, name, child)
+    new.pattern = attention.pattern
+    new.through_kernel = through_kernel
+    return new
+
+
+def _relu_in_product(ffn: PositionwiseFeedForward) -> ReluInProduct:
+    """A :class:`~aiayn.accel.linear.ReluInProduct` of ``ffn``'s own products."""
+    new = ReluInProduct(ffn.w1.in_features, ffn.w1.out_features)
+    new.w1, new.w2, new.dropout, new.activation = ffn.w1, ffn.w2, ffn.dropout, ffn.activation
+    return new
+
+
 # Without autograd: freezing packs a product's weight for oneDNN only where the weight needs
 # no gradient (with it, every product of the 64-row library is an unpacked addmm that packs
 # its weight again at every call, and slower: docs/performance.md).
@@ -909,18 +944,20 @@ def _export(model: Transformer, rows: int) -> torch.export.ExportedProgram:
     # The panels' attention kernel for the libraries of many rows. At a few rows (one
     # sentence) each call out of the library costs more than Inductor's loops take.
     kernel = panels.loaded() and major
-    for module in plain.modules():  # not the accelerated attention: it is not traced
-        if isinstance(module, MultiHeadAttention):
-            module.__class__ = OneQueryAttention
-            assert isinstance(module, OneQueryAttention)
-            module.through_kernel = kernel
-    if panels.loaded():  # the step's products through the panels' operator (accel.panels)
-        for module in _decoder_products(plain):
-            if isinstance(module, nn.Linear):
-                panels.to_panels(module)
-        for layer in plain.decoder.layers:  # and the feed-forward's ReLU in its first
-            if type(layer.ffn) is PositionwiseFeedForward:
-                layer.ffn.__class__ = ReluInProduct
+    products = {id(m) for m in _decoder_products(plain) if isinstance(m, nn.Linear)}
+    use_panels = panels.loaded()  # the step's products through the panels' operator
+
+    def compiled_form(module: nn.Module) -> nn.Module | None:
+        if isinstance(module, MultiHeadAttention):  # not the accelerated one: not traced
+            return _one_query(module, kernel)
+        if use_panels and type(module) is PositionwiseFeedForward:  # ReLU in the product
+            return _relu_in_product(module)
+        if use_panels and id(module) in products:
+            assert isinstance(module, nn.Linear)
+            return panels.to_panels(module)
+        return None
+
+    _rebuild(plain, compiled_form)
     step = (BeamDecoderStep(plain, beam) if major else DecoderStep(plain)).eval()
     positions = plain.config.max_positions
     rows, src, slots = (min(n, positions) for n in (rows, *_EXAMPLE_LENGTHS))

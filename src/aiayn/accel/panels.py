@@ -222,7 +222,9 @@ class PanelLinear(nn.Linear):
         return linear(x, self.panels, self.out_features, self.bias, relu)
 
 
-def to_panels(layer: nn.Linear) -> None:
-    """Make ``layer`` (float32) a :class:`PanelLinear` of its own weight."""
-    layer.register_buffer("panels", pack(layer.weight.detach()))
-    layer.__class__ = PanelLinear
+def to_panels(layer: nn.Linear) -> PanelLinear:
+    """A :class:`PanelLinear` of ``layer``'s (float32) own weight and bias."""
+    new = PanelLinear(layer.in_features, layer.out_features, layer.bias is not None, "meta")
+    new.weight, new.bias = layer.weight, layer.bias
+    new.register_buffer("panels", pack(layer.weight.detach()))
+    return new
