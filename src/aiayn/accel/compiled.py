@@ -61,6 +61,7 @@ from torch import Tensor, nn
 
 import aiayn
 from aiayn.accel import panels
+from aiayn.accel.cpu import torch_release
 from aiayn.accel.linear import LogitsBuffer, ReluInProduct, logits_into
 from aiayn.accel.store import compiled_dir, require_trusted
 from aiayn.config import ModelConfig
@@ -164,7 +165,7 @@ def config_unsupported(config: ModelConfig) -> str | None:
 
 def _runtime_missing() -> str | None:
     """Why this PyTorch cannot run a compiled step, or None."""
-    if _torch_release() < MIN_TORCH:
+    if torch_release() < MIN_TORCH:
         return (
             f"the compiled step needs PyTorch {'.'.join(map(str, MIN_TORCH))} or later "
             f"(this is {torch.__version__})"
@@ -177,11 +178,6 @@ def cannot_build() -> str | None:
     if panels.compiler() is None:
         return "no C++ compiler here (apt-get install g++)"
     return _runtime_missing()
-
-
-def _torch_release() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 class StaticLayerCache:
@@ -895,12 +891,12 @@ def _decoder_products(model: Transformer) -> list[nn.Module]:
 
 def _rebuild(root: nn.Module, build: Callable[[nn.Module], nn.Module | None]) -> None:
     """Put in place of each module under ``root`` the one ``build`` makes of it, where it
-    makes one (the modules it is made of are looked at too)."""
-    for parent in list(root.modules()):
-        for name, child in list(parent.named_children()):
-            new = build(child)
-            if new is not None:
-                setattr(parent, name, new)
+    makes one: a module's own modules first, so that what is built of it holds theirs."""
+    for name, child in list(root.named_children()):
+        _rebuild(child, build)
+        new = build(child)
+        if new is not None:
+            setattr(root, name, new)
 
 
 def _one_query(attention: MultiHeadAttention, through_kernel: bool) -> OneQueryAttention:

@@ -39,9 +39,14 @@ def inductor_cache_dir() -> Path:
     else its default in the temporary directory)."""
     if env := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return Path(env)
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # PyTorch's documented default: torchinductor_<user> in the temporary directory (read here
+    # without importing Inductor, which takes seconds).
+    import getpass
+    import re
+    import tempfile
 
-    return Path(default_cache_dir())
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
 
 
 def _size(path: Path) -> int:
