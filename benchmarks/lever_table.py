@@ -229,6 +229,8 @@ def lever_rows(runs: dict[str, Any], wanted: Sequence[str]) -> dict[str, list[di
     """For each workload, one row per lever: each figure's ratios over rounds (None where the
     lever does not apply to it here) and whether it earns its place (None: it applies to
     no figure measured here)."""
+    from aiayn.accel.levers import BY_NAME
+
     table: dict[str, list[dict[str, Any]]] = {}
     for workload, kinds in runs.items():
         rows = []
@@ -244,7 +246,8 @@ def lever_rows(runs: dict[str, Any], wanted: Sequence[str]) -> dict[str, list[di
                 if key in DECODE_MODES:
                     applied = in_decode
                 cells[key] = _ratios(kinds[what]["on"], kinds[what][name], key) if applied else None
-            rows.append({"lever": name, "cells": cells, "earns": earns(cells)})
+            mode = BY_NAME[name].mode
+            rows.append({"lever": name, "mode": mode, "cells": cells, "earns": earns(cells)})
         table[workload] = rows
     return table
 
@@ -298,8 +301,11 @@ def render(report: dict[str, Any]) -> str:
         for row in rows:
             figures = " | ".join(cell(row["cells"][key]) for key, _, _ in FIGURES)
             verdict = {True: "yes", False: "no", None: NOT_APPLIED}[row["earns"]]
-            lever = BY_NAME[row["lever"]]
-            lines.append(f"| {lever.name} | {lever.mode} | {figures} | {verdict} |")
+            # A table keeps the levers of its run: the mode as it was recorded then.
+            mode = row.get("mode") or (
+                BY_NAME[row["lever"]].mode if row["lever"] in BY_NAME else ""
+            )
+            lines.append(f"| {row['lever']} | {mode} | {figures} | {verdict} |")
         base = report.get("baseline", {}).get(workload)
         if base:
             lines += ["", "With every lever on: " + base + "."]
