@@ -21,10 +21,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=ENGINES,
         help="what decodes: 'torch' (the model in PyTorch, the default) or 'ctranslate2' "
-        "(the checkpoint exported to CTranslate2 once, cached beside it as NAME.ct2-float32 "
-        "or NAME.ct2-int8, and decoded with aiayn's tokenisation, batching, output limit and "
-        "length penalty; beam search by the fairseq rule, which is CTranslate2's; needs "
-        "pip install 'aiayn[interop]'); the default with --quantize int8",
+        "(the default with --quantize int8: the checkpoint exported to CTranslate2 once, "
+        "cached beside it as NAME.ct2-float32 or NAME.ct2-int8, and decoded with aiayn's "
+        "tokenisation, batching, output limit and length penalty; beam search by the fairseq "
+        "rule, which is CTranslate2's; needs pip install 'aiayn[interop]')",
     )
     parser.add_argument(
         "--threads",
