@@ -111,7 +111,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
             flag = "--" + ("" if value else "no-") + name.replace("_", "-")
             raise CLIError(f"{flag} is an option of --engine torch{chosen}")
     if getattr(args, "beam_rule", None) == "paper" and getattr(args, "beam", None) != 1:
-        other = "leave out --quantize int8" if int8 else "use --engine torch"
+        other = "leave out --quantize int8" if int8 else "--engine torch"
         raise CLIError(
             "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "
             f"no CTranslate2 equivalent): use --beam-rule fairseq, or {other}"
