@@ -48,7 +48,6 @@ from benchmarks.peers import available
 SYSTEMS = (
     "aiayn",
     "aiayn-eager",
-    "aiayn-int8",
     "aiayn-packed",
     "aiayn-bf16",
     "torch",
@@ -108,7 +107,6 @@ def use_compiled_step(model: Any, acceleration: Any) -> None:
 
 def aiayn_decoder(
     dw: DecodeWorkload,
-    int8: bool,
     packed: bool = False,
     bf16: bool = False,
     compiled: bool = False,
@@ -131,10 +129,6 @@ def aiayn_decoder(
         if not weights.is_file():  # the first process writes it (on disk, then renamed)
             save_atomic(model.state_dict(), weights)
         assign_weights(model, torch.load(weights, mmap=True, weights_only=True))
-    if int8:
-        from aiayn.inference.translator import quantize_int8
-
-        model = quantize_int8(model)
     if bf16:  # Translator(precision="bf16") / translate --precision bf16
         model.to(torch.bfloat16)
     # What aiayn's Translator does on the CPU: float32 weights packed where the CPU's library
@@ -258,7 +252,6 @@ def build(system: str, dw: DecodeWorkload, ct2_dir: Path | None) -> Decode:
     if system.startswith("aiayn"):
         return aiayn_decoder(
             dw,
-            int8=system == "aiayn-int8",
             packed=system == "aiayn-packed",
             bf16=system == "aiayn-bf16",
             compiled=system in ("aiayn", "aiayn-packed"),
@@ -322,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.ct2_dir is not None:
             args.ct2_dir.mkdir(parents=True, exist_ok=True)
             weights = args.ct2_dir / AIAYN_WEIGHTS
-        aiayn_decoder(DECODE_WORKLOADS[args.workload], int8=False, compiled=True, weights=weights)
+        aiayn_decoder(DECODE_WORKLOADS[args.workload], compiled=True, weights=weights)
         emit(
             {
                 "kind": "compile",

@@ -97,7 +97,7 @@ def _child_decode(workload: str, repeats: int, single: int, weights: Path) -> di
 
     dw = DECODE_WORKLOADS[workload]
     src = decode_sources(dw)
-    decode = aiayn_decoder(dw, int8=False, compiled=True, weights=weights)
+    decode = aiayn_decoder(dw, compiled=True, weights=weights)
     figures: dict[str, Any] = {}
     for mode in DECODE_MODES:
         beam = dw.beam_size if mode.startswith("beam") else 1

@@ -150,7 +150,7 @@ def serve(system: str, workload: str, models: Path) -> None:
     dw = DECODE_WORKLOADS[workload]
     src = decode_sources(dw)
     if system == AIAYN:
-        decode = aiayn_decoder(dw, int8=False, compiled=True, weights=models / AIAYN_WEIGHTS)
+        decode = aiayn_decoder(dw, compiled=True, weights=models / AIAYN_WEIGHTS)
     else:
         decode = ct2_decoder(dw, "float32", models, ALL_PEERS[system])
     warm: set[str] = set()

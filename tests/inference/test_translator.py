@@ -20,7 +20,7 @@ from aiayn.config import DecodeConfig, load_config, replace
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs
 from aiayn.inference.attention_maps import attention_weights
 from aiayn.inference.search import beam_search, max_output_lengths
-from aiayn.inference.translator import Translator, quantize_int8
+from aiayn.inference.translator import Translator
 from aiayn.model.transformer import Transformer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz "
@@ -304,8 +304,6 @@ def test_precision_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         Translator(tiny_model(), CharTokenizer(), precision="fp8")
     with pytest.raises(ValueError, match="fp16 decoding needs a CUDA device"):
         Translator(tiny_model(), CharTokenizer(), precision="fp16")
-    with pytest.raises(ValueError, match="int8 quantization is a precision of its own"):
-        Translator(quantize_int8(tiny_model()), CharTokenizer(), precision="bf16")
     warnings: list[str] = []
     monkeypatch.setattr(translator_module, "cpu_has_bfloat16", lambda: False)
     model = tiny_model()
@@ -352,7 +350,6 @@ def fake_checkpoint(monkeypatch: pytest.MonkeyPatch, copy_model: Transformer) ->
         device: str = "cpu",
         decode_overrides: dict | None = None,
         nbest: int = 1,
-        quantize: str | None = None,
         warn: object = None,
         pack_weights: bool | None = None,
         precision: str = "fp32",
@@ -489,12 +486,11 @@ def test_end_to_end_with_a_real_checkpoint(tmp_path: Path, capsys: pytest.Captur
     assert capsys.readouterr().out == captured.out  # the same translations
     assert main([*args, "--device", "cpu", "--no-pack-weights"]) == 0
     assert capsys.readouterr().out == captured.out
-    assert main([*args, "--device", "cpu", "--quantize", "int8"]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 3
     assert main([*args, "--device", "cpu", "--precision", "bf16"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
-    assert main([*args, "--device", "cpu", "--precision", "bf16", "--quantize", "int8"]) == 2
-    assert "not with bf16" in capsys.readouterr().err
+    # int8 is CTranslate2's (tests/serving/test_int8.py): not the PyTorch engine's.
+    assert main([*args, "--device", "cpu", "--engine", "torch", "--quantize", "int8"]) == 2
+    assert "leave out --engine torch" in capsys.readouterr().err
     assert main([*args, "--device", "cpu", "--precision", "fp16"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
 

@@ -18,7 +18,7 @@ import torch
 from aiayn.inference.attention_maps import attention_weights
 from aiayn.inference.translator import Translator
 from aiayn.model.transformer import count_parameters
-from aiayn.serving.engine import DecodeKey, Engine
+from aiayn.serving.engine import Engine
 from tests.serving.conftest import GatedEngine, sentence, served
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -433,23 +433,6 @@ def test_attention_gives_every_layer_and_head(make_app, engine):
     torch.testing.assert_close(
         weights.sum(-1), torch.ones(weights.shape[:-1], dtype=torch.float64), atol=5e-4, rtol=0
     )
-
-
-def test_an_int8_engine_translates_and_shows_the_attention(
-    reverse_checkpoint: Path, engine: Engine
-):
-    """``serve --quantize int8``: the PyTorch engine's dynamic int8 quantization, as in
-    ``translate --quantize int8``."""
-    fp32 = engine
-    engine = Engine.from_checkpoint(reverse_checkpoint, quantize="int8", threads=1)
-    assert "qint8" in engine.describe()["weights_dtype"] and engine.attention_available
-    assert engine.parameters == fp32.parameters
-    translator, _ = Translator.from_checkpoint(reverse_checkpoint, quantize="int8")
-    texts = ["alpha bravo charlie", "delta echo"]
-    [first, second] = engine.translate(DecodeKey(4, 0.6, 1), engine.encode(texts))
-    assert [first[0].text, second[0].text] == translator.translate(texts)
-    found = engine.cross_attention(DecodeKey(4, 0.6, 1), engine.encode(texts[:1])[0])
-    assert found.translation == first[0].text and len(found.weights) == engine.config.model.n_layers
 
 
 def test_attention_refuses_bad_input(make_app):

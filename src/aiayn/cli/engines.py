@@ -20,12 +20,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine",
         choices=ENGINES,
-        default="torch",
         help="what decodes: 'torch' (the model in PyTorch, the default) or 'ctranslate2' "
-        "(the checkpoint exported to CTranslate2 once, cached beside it as NAME.ct2-float32 "
-        "or NAME.ct2-int8, and decoded with aiayn's tokenisation, batching, output limit and "
-        "length penalty; beam search by the fairseq rule, which is CTranslate2's; needs "
-        "pip install 'aiayn[interop]')",
+        "(the default with --quantize int8: the checkpoint exported to CTranslate2 once, "
+        "cached beside it as NAME.ct2-float32 or NAME.ct2-int8, and decoded with aiayn's "
+        "tokenisation, batching, output limit and length penalty; beam search by the fairseq "
+        "rule, which is CTranslate2's; needs pip install 'aiayn[interop]')",
     )
     parser.add_argument(
         "--threads",
@@ -36,8 +35,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantize",
         choices=["int8"],
-        help="dynamic int8 quantization of the linear layers (CPU only; changes outputs a "
-        "little); with --engine ctranslate2, CTranslate2's int8 weights",
+        help="int8 weights (outputs change a little): decoded by CTranslate2 from its int8 "
+        "export of the checkpoint, as --engine ctranslate2 (its options and refusals; needs "
+        "pip install 'aiayn[interop]')",
     )
     parser.add_argument(
         "--pack-weights",
@@ -81,23 +81,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_engine_options(args: argparse.Namespace) -> None:
-    """Refuse, in one line, what the chosen engine does not take: ``--threads`` below 1;
-    with ``--engine ctranslate2``, ``--pack-weights``, ``--compiled-step``, ``--mmap``,
+    """Settle ``args.engine`` (``ctranslate2`` with ``--quantize int8``, else ``torch``, where
+    ``--engine`` is not given) and refuse, in one line, what the engine does not take:
+    ``--threads`` below 1; ``--quantize int8`` with ``--engine torch``, or where CTranslate2 is
+    not installed; with CTranslate2, ``--pack-weights``, ``--compiled-step``, ``--mmap``,
     ``--beam-rule paper`` (where the command has it, and the beam is not 1) and a device
     CTranslate2 does not know."""
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be at least 1, got {args.threads}")
+    # int8 is CTranslate2's (docs/translation.md, "int8"): PyTorch's own int8 path,
+    # torch.ao's dynamic quantization, is deprecated.
+    int8 = args.quantize == "int8"
+    if int8 and args.engine == "torch":
+        raise CLIError(
+            "--quantize int8 decodes with CTranslate2's int8 weights: leave out --engine "
+            "torch (or use --engine ctranslate2)"
+        )
+    if args.engine is None:
+        args.engine = "ctranslate2" if int8 else "torch"
     if args.engine != "ctranslate2":
         return
+    if int8:
+        _require_ctranslate2()
+    # Where only --quantize int8 chose the engine, the refusals say so.
+    chosen = " (--quantize int8 decodes with CTranslate2)" if int8 else ""
     for name in ("pack_weights", "compiled_step", "mmap"):
         value = getattr(args, name, None)
         if value is not None:
             flag = "--" + ("" if value else "no-") + name.replace("_", "-")
-            raise CLIError(f"{flag} is an option of --engine torch")
+            raise CLIError(f"{flag} is an option of --engine torch{chosen}")
     if getattr(args, "beam_rule", None) == "paper" and getattr(args, "beam", None) != 1:
+        other = "leave out --quantize int8" if int8 else "--engine torch"
         raise CLIError(
             "CTranslate2's beam search stops as the fairseq rule does (beam rule 'paper' has "
-            "no CTranslate2 equivalent): use --beam-rule fairseq, or --engine torch"
+            f"no CTranslate2 equivalent): use --beam-rule fairseq, or {other}"
         )
     if args.device not in (None, "auto"):
         kind, _, index = args.device.partition(":")
@@ -114,3 +131,14 @@ def ct2_device(requested: str | None) -> str:
 
     ct2 = import_ctranslate2()
     return "cuda" if ct2.get_cuda_device_count() > 0 else "cpu"
+
+
+def _require_ctranslate2() -> None:
+    """Refuse ``--quantize int8`` in one line where CTranslate2 is not installed."""
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        raise CLIError(
+            "--quantize int8 decodes with CTranslate2's int8 weights, and CTranslate2 is not "
+            "installed: pip install 'aiayn[interop]'"
+        ) from None

@@ -31,7 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "/openapi.json, and a page at / to translate and look at the cross-attention. "
         "Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops "
         "accepting, finishes what is queued and exits 0. --engine ctranslate2 decodes with "
-        "CTranslate2, as translate does (no attention maps then: /v1/attention answers 501).",
+        "CTranslate2, as translate does, and so does --quantize int8 (no attention maps then: "
+        "/v1/attention answers 501).",
         epilog=PROCESS_SETTINGS,
     )
     add_checkpoint_argument(parser)
@@ -124,7 +125,6 @@ def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[
         args.checkpoint,
         device=device,
         decode_overrides=overrides,
-        quantize=args.quantize,
         pack_weights=args.pack_weights,
         precision=args.precision,
         compiled_step=args.compiled_step,

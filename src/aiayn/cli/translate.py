@@ -40,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "'rank<TAB>score<TAB>text'). With a terminal on stdin it translates line by line. "
         "Empty lines give empty lines; lines longer than the model's positions are cut to fit "
         "with a warning on stderr. Defaults come from the run's [decode] settings. "
-        "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md).",
+        "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md), "
+        "as --quantize int8 does with int8 weights (docs/translation.md).",
         epilog=PROCESS_SETTINGS,
     )
     add_checkpoint_argument(parser)
@@ -141,7 +142,6 @@ def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
         device=device,
         decode_overrides=_decode_overrides(args),
         nbest=args.nbest,
-        quantize=args.quantize,
         pack_weights=args.pack_weights,
         precision=args.precision,
         compiled_step=args.compiled_step,

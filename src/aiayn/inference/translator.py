@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,12 +22,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
 from aiayn.accel import (
     PRECISION_DTYPES,
     Acceleration,
-    CpuLinear,
     Precision,
     accelerate,
     cpu_has_bfloat16,
@@ -130,17 +127,6 @@ def shortest_with_output(decode: DecodeConfig) -> int:
 
 def _print_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def quantize_int8(model: TranslationModel) -> TranslationModel:
-    """Dynamic int8 quantization of every Linear layer (CPU only; embeddings stay float).
-    Quantize the plain model: an accelerated one's linear layers are not ``nn.Linear``."""
-    if any(isinstance(m, CpuLinear) for m in model.modules()):
-        raise ValueError("quantize the plain model: this one is accelerated (undo() it first)")
-    with warnings.catch_warnings():
-        # torch.ao.quantization is deprecated in favour of torchao, not a dependency here.
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
 def inference_dtype(
@@ -353,10 +339,6 @@ class Translator(TextTranslator):
         self.model = model.to(self.device).eval()  # as TextGenerator and TextClassifier do
         dtype = inference_dtype(precision, self.device, self.warn)
         if dtype is not torch.float32:
-            if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
-                raise ValueError(
-                    f"int8 quantization is a precision of its own: not with {precision}"
-                )
             self.model.to(dtype)
         self.acceleration: Acceleration | None = None
         weights = _weights_precision(self.model)
@@ -400,7 +382,6 @@ class Translator(TextTranslator):
         device: torch.device | str = "cpu",
         decode_overrides: Mapping[str, Any] | None = None,
         nbest: int = 1,
-        quantize: str | None = None,
         warn: Callable[[str], None] | None = None,
         pack_weights: bool | None = None,
         precision: Precision = "fp32",
@@ -411,19 +392,15 @@ class Translator(TextTranslator):
         """A translator for a checkpoint file or run directory, with the run's decode settings
         updated by ``decode_overrides`` (field names of :class:`DecodeConfig`); and the run's
         config. ``mmap``: the weights mapped from the file, else read
-        (:func:`~aiayn.inference.loading.load_model`)."""
+        (:func:`~aiayn.inference.loading.load_model`). int8 weights are CTranslate2's:
+        ``aiayn.interop.ct2_translator.Ct2Translator.from_checkpoint(path, quantize="int8")``
+        (docs/translation.md, "int8")."""
         loaded = load_model(path, device, tasks=("translation",), mmap=mmap)
         model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
         check_decodable(config.model.decoder_attention, loaded.path)
         if "alpha" not in (decode_overrides or {}):
             check_alpha(config.decode.alpha, stored_in=loaded.path)
         assert isinstance(model, TranslationModel)
-        if quantize is not None:
-            if quantize != "int8":
-                raise ValueError(f"unknown quantization {quantize!r} (only int8)")
-            if torch.device(device).type != "cpu":
-                raise ValueError("int8 dynamic quantization runs on the CPU only")
-            model = quantize_int8(model)
         translator = cls(
             model,
             tokenizer,
@@ -440,11 +417,9 @@ class Translator(TextTranslator):
         return translator, config
 
     def engine_details(self) -> dict[str, Any]:
-        """The engine, the device, the weights' dtypes (``qint8`` for int8-quantized linear
-        layers) and whether the model is accelerated for the CPU."""
+        """The engine, the device, the weights' dtypes and whether the model is accelerated
+        for the CPU."""
         weights = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
-        if any(isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()):
-            weights.add("qint8")
         return {
             "engine": self.engine_name,
             "device": str(self.device),

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
 from aiayn.accel import Precision
 from aiayn.config import ModelConfig, RunConfig
@@ -87,13 +86,8 @@ class Engine:
         self.model: TranslationModel | None = (
             translator.model if isinstance(translator, Translator) else None
         )
-        quantized = self.model is not None and any(
-            isinstance(m, DynamicQuantizedLinear) for m in self.model.modules()
-        )  # its linear layers hold packed int8 weights, no parameters
         self.parameters = (
-            count_parameters(self.model)
-            if self.model is not None and not quantized
-            else parameters_of(config.model)
+            count_parameters(self.model) if self.model is not None else parameters_of(config.model)
         )
         self._label: Callable[[int], str] = token_labeler(translator.tokenizer)
         self._source_label = token_labeler(translator.tokenizer, source=True)
@@ -105,7 +99,6 @@ class Engine:
         *,
         device: torch.device | str = "cpu",
         decode_overrides: Mapping[str, Any] | None = None,
-        quantize: str | None = None,
         pack_weights: bool | None = None,
         precision: Precision = "fp32",
         threads: int | None = None,
@@ -114,12 +107,13 @@ class Engine:
         process_settings: bool = False,
     ) -> Engine:
         """The PyTorch engine for a checkpoint file or run directory (the settings are
-        :meth:`Translator.from_checkpoint`'s)."""
+        :meth:`Translator.from_checkpoint`'s). Another engine's translator, such as the int8
+        one of ``aiayn serve --quantize int8`` (``Ct2Translator.from_checkpoint(path,
+        quantize="int8")``), is served by ``Engine(translator, config)``."""
         translator, config = Translator.from_checkpoint(
             path,
             device=device,
             decode_overrides=decode_overrides,
-            quantize=quantize,
             pack_weights=pack_weights,
             precision=precision,
             compiled_step=compiled_step,
