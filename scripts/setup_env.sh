@@ -14,7 +14,7 @@ fi
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "aiayn: GPU found, installing torch (CUDA build)" >&2
-        "$VENV/bin/pip" install "torch>=2.2"
+        "$VENV/bin/pip" install "torch>=2.5"
     else
         echo "aiayn: no GPU found, installing the CPU build of torch" >&2
         # The +cpu build from PyTorch's CPU index (or a local wheel of it); --retries 0 keeps an

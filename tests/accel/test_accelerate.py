@@ -23,6 +23,7 @@ from aiayn.accel import (
     accelerate,
     cpu_has_bfloat16,
 )
+from aiayn.accel.cpu import private_ops_unverified
 from aiayn.accel.linear import LogitsBuffer, Pack, logits_into, onednn_packing_available
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search
@@ -246,6 +247,13 @@ def test_decoding_in_bf16_is_the_plain_model_to_bf16_rounding() -> None:
     assert_close(got, _steps(plain), **BF16_TOLERANCE)
 
 
+# The packed products' operators are used with the PyTorch they were verified with only.
+PACKS_VERIFIED = pytest.mark.skipif(
+    private_ops_unverified() is not None, reason=str(private_ops_unverified())
+)
+
+
+@PACKS_VERIFIED
 def test_calls_add_up_and_each_undoes_its_own() -> None:
     plain, model = _model().eval(), _model().eval()
     first = accelerate(model, "decode")
@@ -260,6 +268,7 @@ def test_calls_add_up_and_each_undoes_its_own() -> None:
     assert _classes(model) == _classes(plain)
 
 
+@PACKS_VERIFIED
 def test_a_later_call_packs_and_pads_the_layers_an_earlier_one_swapped() -> None:
     model = _model().eval()
     first = accelerate(model, "decode", pack_weights=True)
