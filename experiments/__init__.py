@@ -10,6 +10,8 @@ smoke run never overwrites the committed results.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,3 +42,30 @@ def output_folders(args: argparse.Namespace) -> tuple[Path, Path]:
     results.mkdir(parents=True, exist_ok=True)
     images.mkdir(parents=True, exist_ok=True)
     return results, images
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of a worker process: this checkout's sources first, ``threads`` threads."""
+    out = dict(os.environ)
+    out["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), out.get("PYTHONPATH", "")])
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        out[name] = str(threads)
+    return out
+
+
+def bleu(hypotheses: Path, reference: Path) -> tuple[float, float]:
+    """sacreBLEU and chrF as ``aiayn bleu`` prints them."""
+    done = subprocess.run(
+        [sys.executable, "-m", "aiayn", "bleu", str(hypotheses), str(reference)],
+        capture_output=True, text=True, env=worker_env(1), check=True,
+    )  # fmt: skip
+    # "BLEU|... = 31.05 64.5/39.2/... (BP = ...)", then "chrF2|... = 53.82"
+    scores = [float(line.split(" = ")[1].split()[0]) for line in done.stdout.splitlines()[:2]]
+    return scores[0], scores[1]
+
+
+def head(path: Path, out: Path, lines: int) -> Path:
+    """The first ``lines`` lines of ``path``, written to ``out``."""
+    kept = path.read_text(encoding="utf-8").splitlines()[:lines]
+    out.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    return out

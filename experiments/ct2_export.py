@@ -44,7 +44,7 @@ from benchmarks.common import (  # noqa: E402
     wait_for_quiet,
 )
 
-from experiments import add_output_options, output_folders  # noqa: E402
+from experiments import add_output_options, bleu, head, output_folders, worker_env  # noqa: E402
 
 WARMUP_LINES = 32
 QUICK_LINES = 10
@@ -118,14 +118,6 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def env(threads: int) -> dict[str, str]:
-    out = dict(os.environ)
-    out["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), out.get("PYTHONPATH", "")])
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        out[name] = str(threads)
-    return out
-
-
 def run_worker(
     checkpoint: Path, source: Path, out: Path, engine: str, quantize: str | None, beam: int,
     rule: str, threads: int,
@@ -137,22 +129,11 @@ def run_worker(
     ]  # fmt: skip
     if quantize:
         argv += ["--quantize", quantize]
-    done = subprocess.run(argv, capture_output=True, text=True, env=env(threads), cwd=ROOT)
+    done = subprocess.run(argv, capture_output=True, text=True, env=worker_env(threads), cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr}")
     [result] = parse_results(done.stdout)
     return result
-
-
-def bleu(hypotheses: Path, reference: Path) -> tuple[float, float]:
-    """sacreBLEU and chrF as ``aiayn bleu`` prints them."""
-    done = subprocess.run(
-        [sys.executable, "-m", "aiayn", "bleu", str(hypotheses), str(reference)],
-        capture_output=True, text=True, env=env(1), check=True,
-    )  # fmt: skip
-    # "BLEU|... = 31.05 64.5/39.2/... (BP = ...)", then "chrF2|... = 53.82"
-    scores = [float(line.split(" = ")[1].split()[0]) for line in done.stdout.splitlines()[:2]]
-    return scores[0], scores[1]
 
 
 def export_seconds(checkpoint: Path, scratch: Path, quantize: str | None) -> float:
@@ -161,7 +142,7 @@ def export_seconds(checkpoint: Path, scratch: Path, quantize: str | None) -> flo
     if quantize:
         argv += ["--quantization", quantize]
     start = time.perf_counter()
-    subprocess.run(argv, capture_output=True, env=env(2), check=True, cwd=ROOT)
+    subprocess.run(argv, capture_output=True, env=worker_env(2), check=True, cwd=ROOT)
     return time.perf_counter() - start
 
 
@@ -345,13 +326,6 @@ def main() -> None:
     text = markdown(report)
     (folder / f"{name}.md").write_text(text)
     print(text)
-
-
-def head(path: Path, out: Path, lines: int) -> Path:
-    """The first ``lines`` lines of ``path``, written to ``out``."""
-    kept = path.read_text(encoding="utf-8").splitlines()[:lines]
-    out.write_text("\n".join(kept) + "\n", encoding="utf-8")
-    return out
 
 
 if __name__ == "__main__":
