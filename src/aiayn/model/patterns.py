@@ -382,7 +382,11 @@ class LSHPattern(AttentionPattern):
 
     - *Shared QK*: the keys are the queries normalised to unit length, k_j = q_j / ‖q_j‖;
       the layer's key projection (W^K) is unused (it stays in the fused projection and gets
-      zero gradients). Scores are q_i·k_j / √d_k.
+      zero gradients). Scores are q_i·k_j, with no 1/√d_k: the keys' unit length takes its
+      place, as in trax's and Hugging Face's LSH attention (which normalise k to
+      x / rms(x) / √d_k, of length 1). ``dk_scale`` (``model.lsh_dk_scale``) divides them by
+      √d_k as well: what aiayn computed before it followed the reference, kept for the
+      checkpoints trained so (docs/long-sequences.md).
     - *Hashing*: h(x) = argmax([xR; −xR]) with R a random (d_k, buckets / 2) matrix per round,
       ``rounds`` = ``model.lsh_rounds`` rounds, ``buckets`` = ``model.lsh_buckets`` (even; 1,
       for tests, puts every position in one bucket). In training R is drawn afresh at every
@@ -411,7 +415,9 @@ class LSHPattern(AttentionPattern):
 
     name = "lsh"
 
-    def __init__(self, buckets: int, rounds: int, chunk: int, seed: int = 0) -> None:
+    def __init__(
+        self, buckets: int, rounds: int, chunk: int, seed: int = 0, dk_scale: bool = False
+    ) -> None:
         super().__init__()
         if buckets < 1 or (buckets > 1 and buckets % 2):
             raise ValueError(f"lsh attention needs an even number of buckets (or 1), got {buckets}")
@@ -421,10 +427,16 @@ class LSHPattern(AttentionPattern):
         self.rounds = rounds
         self.chunk = chunk
         self.seed = seed
+        self.dk_scale = dk_scale
         self._fixed: dict[tuple[int, str], Tensor] = {}
 
     def extra_repr(self) -> str:
-        return f"buckets={self.buckets}, rounds={self.rounds}, chunk={self.chunk}"
+        scale = ", dk_scale=True" if self.dk_scale else ""
+        return f"buckets={self.buckets}, rounds={self.rounds}, chunk={self.chunk}{scale}"
+
+    def _scale(self, d: int) -> float:
+        """The factor of the scores q_i·k_j: 1 (Reformer's), or 1/√d_k with ``dk_scale``."""
+        return 1.0 / math.sqrt(d) if self.dk_scale else 1.0
 
     # -- hashing ---------------------------------------------------------------------------
 
@@ -498,7 +510,7 @@ class LSHPattern(AttentionPattern):
         """(B, H, T, T) float32: shared-QK attention over :meth:`seen`, its own key scoring
         −1e5, written out (``k`` is unused)."""
         x = q.float()
-        scores = torch.matmul(x, F.normalize(x, dim=-1).transpose(-2, -1)) / math.sqrt(x.size(-1))
+        scores = torch.matmul(x, F.normalize(x, dim=-1).transpose(-2, -1)) * self._scale(x.size(-1))
         eye = torch.eye(x.size(2), dtype=torch.bool, device=x.device)
         scores = scores.masked_fill(eye, _SELF_SCORE)
         lowest = torch.finfo(torch.float32).min
@@ -541,7 +553,7 @@ class LSHPattern(AttentionPattern):
         # the c + 1 slots o .. o + c (its reach, its own key last), so that every query
         # reduces its scores in the same layout wherever the chunk boundaries fall.
         window = torch.arange(c, device=device)[:, None] + torch.arange(c + 1, device=device)
-        scale = 1.0 / math.sqrt(d)
+        scale = self._scale(d)
         outs, lses = [], []
         for r in range(self.rounds):
             order = perm[r]  # (B, H, tp): the position at each sorted index
@@ -655,6 +667,7 @@ def make_pattern(
     lsh_buckets: int = 32,
     lsh_rounds: int = 2,
     lsh_chunk: int = 64,
+    lsh_dk_scale: bool = False,
 ) -> AttentionPattern | None:
     """The pattern module of ``name`` (None for ``full``: plain scaled dot-product). The
     keyword arguments are the model.* options of the same names (model.attention_window,
@@ -673,5 +686,5 @@ def make_pattern(
     if name == "linformer":
         return LinformerPattern(linformer_k, max_positions)
     if name == "lsh":
-        return LSHPattern(lsh_buckets, lsh_rounds, lsh_chunk, seed=seed)
+        return LSHPattern(lsh_buckets, lsh_rounds, lsh_chunk, seed=seed, dk_scale=lsh_dk_scale)
     raise ValueError(f"unknown attention pattern {name!r}; choose one of {', '.join(PATTERNS)}")
