@@ -22,8 +22,11 @@ the sequence is cut into ``nb`` blocks of ``bs`` positions (padded at the end); 
 random blocks) and against the global keys, the scores are masked at the token level
 (window, causality, padding, keys counted twice), and one softmax runs over them together.
 The score tensor is (B, H, nb, bs, m) with ``m`` the keys a block sees, instead of (B, H, T,
-T). Global queries are computed as full attention rows. These save time and memory alike:
-O(n·m) scores instead of O(n²).
+T). Global queries are computed as full attention rows: O(n·m) scores instead of O(n²), which
+saves time at long lengths. Not memory, against this PyTorch: its fused CPU attention kernel
+never stores the n × n weights, and the patterns keep their gathered key and value blocks
+for the backward pass, so they use more memory than full attention at every length measured
+(docs/long-sequences.md, "Measured").
 
 Two more take another road than a positional pattern:
 
@@ -33,9 +36,11 @@ Two more take another road than a positional pattern:
   cannot run causally (encoder self-attention and cross-attention only).
 - ``lsh`` (Reformer, Kitaev et al., 2020; :class:`LSHPattern`): shared-QK attention in which
   each query sees the keys that hash to its bucket, found by sorting and chunking: O(n·c)
-  scores per hash round (c = ``model.lsh_chunk``) plus a sort. It saves memory; its hashing,
-  sort, gathers and rounds are many passes over the chunk scores, which cost more time than
-  full attention's one fused product unless sequences are very long. Which keys a query sees
+  scores per hash round (c = ``model.lsh_chunk``) plus a sort. Its hashing, sort, gathers
+  and rounds are many passes over the chunk scores, which cost more time than full
+  attention's one fused product below a few thousand positions, and its sorted copies per
+  round more memory than the fused kernel at every length measured (docs/long-sequences.md).
+  Which keys a query sees
   depends on the data, so it has no fixed :meth:`AttentionPattern.allowed` and no
   incremental decoding.
 """
