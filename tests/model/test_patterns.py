@@ -89,6 +89,23 @@ def test_what_each_pattern_sees():
     assert again is not None and torch.equal(again.allowed(40, False, seen.device), seen)
 
 
+def test_longformer_global_projections_and_bigbird_global_blocks_as_documented():
+    """The two tagged departures from the references: Longformer's global attention has no
+    projections of its own (a longformer model has a full-attention model's parameters, name
+    for name); bigbird's global blocks are the first ceil(g/b), which every query sees and
+    which see every key, and the last block is not global."""
+    torch.manual_seed(0)
+    full = Transformer(_config())
+    torch.manual_seed(0)
+    longformer = Transformer(_config(encoder_attention="longformer"))
+    assert [n for n, _ in full.named_parameters()] == [n for n, _ in longformer.named_parameters()]
+    bigbird = make_pattern("bigbird", **SETTINGS)  # blocks of 4, 2 global tokens: block 0
+    assert bigbird is not None
+    seen = bigbird.allowed(40, False, torch.device("cpu"))
+    assert seen[:, :4].all() and seen[:4].all()
+    assert not seen[:, 36:].all() and not seen[36:].all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_pattern_that_covers_every_position_is_full_attention(causal):
     q, k, v = _qkv(t=20)
@@ -487,6 +504,21 @@ def test_lsh_eval_is_deterministic_and_training_draws_new_rotations():
     assert not torch.equal(pattern(q, k, v, None, False, 0.0), first)
     with pytest.raises(ValueError, match="depend on the data"):
         pattern.allowed(10, False, q.device)
+
+
+def test_lsh_hashes_each_head_with_its_own_rotation_and_every_sequence_alike():
+    """One random rotation per head and round, shared by the batch (Hugging Face's
+    LSHSelfAttention): the same queries in every head and every sequence hash differently from
+    head to head and alike from sequence to sequence, in eval and in training."""
+    q = torch.randn(1, 1, 37, 8).expand(2, 3, 37, 8)
+    pattern = LSHPattern(8, 2, 4).eval()
+    seen = pattern.seen(q, None, False)
+    assert torch.equal(seen[0], seen[1])
+    assert not torch.equal(seen[0, 0], seen[0, 1]) and not torch.equal(seen[0, 1], seen[0, 2])
+    pattern.train()
+    buckets, _, _ = pattern._sort(q.float(), None, 40)  # (rounds, B, H, tp)
+    assert torch.equal(buckets[:, 0], buckets[:, 1])
+    assert not torch.equal(buckets[:, :, 0], buckets[:, :, 1])
 
 
 def test_lsh_has_no_incremental_decoding():

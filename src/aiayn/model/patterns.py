@@ -114,7 +114,21 @@ class AttentionPattern(nn.Module):
 
 class BlockPattern(AttentionPattern):
     """A pattern computed in blocks (the module docstring): ``local`` (``window`` > 0,
-    ``n_global`` = 0), ``longformer`` (both) or ``bigbird`` (``n_random`` blocks)."""
+    ``n_global`` = 0), ``longformer`` (both) or ``bigbird`` (``n_random`` blocks).
+
+    Deviation: Longformer (Beltagy et al., 2020, §3.1) scores its global attention with a
+    second set of projections, Q_g, K_g, V_g (initialised as copies of the window's); here the
+    global tokens' rows and columns use the layer's one set, W^Q, W^K, W^V: a pattern replaces
+    the scaled dot-product of already projected queries, keys and values, and owns no
+    projection of its own (docs/long-sequences.md).
+
+    Deviation: BigBird's reference code (``bigbird_block_sparse_attention``, as in Hugging
+    Face's ``BigBirdBlockSparseAttention``) makes the first and the last blocks global; here
+    the global blocks are the first ``ceil(attention_global / attention_block)``: a last
+    block that every query saw would be the future of every causal query, and its position
+    moves with the length, so that a sentence padded into a longer batch would see other
+    global keys than alone (docs/long-sequences.md).
+    """
 
     def __init__(
         self,
@@ -392,12 +406,15 @@ class LSHPattern(AttentionPattern):
       x / rms(x) / √d_k, of length 1). ``dk_scale`` (``model.lsh_dk_scale``) divides them by
       √d_k as well: what aiayn computed before it followed the reference, kept for the
       checkpoints trained so (docs/long-sequences.md).
-    - *Hashing*: h(x) = argmax([xR; −xR]) with R a random (d_k, buckets / 2) matrix per round,
-      ``rounds`` = ``model.lsh_rounds`` rounds, ``buckets`` = ``model.lsh_buckets`` (even; 1,
-      for tests, puts every position in one bucket). In training R is drawn afresh at every
-      call from torch's global generator (the run's seed makes it reproducible); in eval it is
-      fixed, drawn once per head size from a generator seeded with ``seed``, so that
-      evaluation and pictures are deterministic. (Every layer's eval rotations are the same.)
+    - *Hashing*: h(x) = argmax([xR; −xR]) with R a random (d_k, buckets / 2) matrix per round
+      and per head, ``rounds`` = ``model.lsh_rounds`` rounds, ``buckets`` =
+      ``model.lsh_buckets`` (even; 1, for tests, puts every position in one bucket). One R per
+      head and round, the same for every sequence of the batch, as Hugging Face's
+      ``LSHSelfAttention`` draws them: a sequence's buckets do not depend on the others in its
+      batch. In training R is drawn afresh at every call from torch's global generator (the
+      run's seed makes it reproducible); in eval it is fixed, drawn once per head count and
+      head size from a generator seeded with ``seed``, so that evaluation and pictures are
+      deterministic. (Every layer's eval rotations are the same.)
     - *Sort and chunk*: per round, positions are sorted by (bucket, position) and cut into
       chunks of ``chunk`` = ``model.lsh_chunk``. A query sees the keys *of its own bucket*
       within reach: its chunk and the previous one (non-causal), or the ``chunk`` keys before it
@@ -433,7 +450,7 @@ class LSHPattern(AttentionPattern):
         self.chunk = chunk
         self.seed = seed
         self.dk_scale = dk_scale
-        self._fixed: dict[tuple[int, str], Tensor] = {}
+        self._fixed: dict[tuple[int, int, str], Tensor] = {}
 
     def extra_repr(self) -> str:
         scale = ", dk_scale=True" if self.dk_scale else ""
@@ -445,12 +462,12 @@ class LSHPattern(AttentionPattern):
 
     # -- hashing ---------------------------------------------------------------------------
 
-    def _rotations(self, d: int, device: torch.device) -> Tensor:
-        """R of every round: (rounds, d, buckets / 2), float32."""
-        shape = (self.rounds, d, self.buckets // 2)
+    def _rotations(self, h: int, d: int, device: torch.device) -> Tensor:
+        """R of every round and head: (rounds, h, d, buckets / 2), float32."""
+        shape = (self.rounds, h, d, self.buckets // 2)
         if self.training:
             return torch.randn(shape, device=device)
-        key = (d, str(device))
+        key = (h, d, str(device))
         fixed = self._fixed.get(key)
         if fixed is None:
             generator = torch.Generator().manual_seed(self.seed)
@@ -466,7 +483,7 @@ class LSHPattern(AttentionPattern):
         if self.buckets == 1:
             bucket = torch.zeros(self.rounds, b, h, t, dtype=torch.long, device=x.device)
         else:
-            rotated = torch.einsum("bhtd,rdk->rbhtk", x, self._rotations(d, x.device))
+            rotated = torch.einsum("bhtd,rhdk->rbhtk", x, self._rotations(h, d, x.device))
             bucket = torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
         if key_pad is not None:
             bucket = bucket.masked_fill(key_pad[None, :, None, :], self.buckets)
