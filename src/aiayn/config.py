@@ -145,7 +145,7 @@ class ModelConfig:
     lsh_chunk: int = 64
     # lsh scores are q·k with unit-length keys, Reformer's (trax's, Hugging Face's); true also
     # divides them by √d_k, as aiayn did before it followed the reference. A checkpoint saved
-    # before this key existed reads it as true, so that it computes what it was trained with.
+    # before this key existed reads it as true: its scores are scaled as in its training.
     lsh_dk_scale: bool = False
     # What the model is for (docs/families.md): the paper's encoder-decoder ("translation"), a
     # decoder-only language model ("lm"), or the encoder alone with a masked-language-model
@@ -528,7 +528,7 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     raw = dict(raw)
     raw.pop("format_version", None)
     if stored:
-        raw = _as_saved(raw)
+        raw = as_saved(raw)
     preset = raw.pop("preset", "base")
     if not isinstance(preset, str):
         raise ConfigError(f"preset must be a string, got {preset!r}")
@@ -573,9 +573,10 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     return config
 
 
-def _as_saved(raw: dict[str, Any]) -> dict[str, Any]:
+def as_saved(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A stored config with the model keys it was saved without set to what its model
     computed then (not to today's defaults): ``lsh_dk_scale`` (true) for an lsh model."""
+    raw = dict(raw)
     model = raw.get("model")
     if not isinstance(model, Mapping) or "lsh_dk_scale" in model:
         return raw

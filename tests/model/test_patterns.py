@@ -460,6 +460,16 @@ def test_lsh_models_saved_before_lsh_dk_scale_load_with_it(tmp_path):
     assert loaded.config.model.lsh_dk_scale is True
     pattern = loaded.model.encoder.layers[0].self_attn.pattern
     assert isinstance(pattern, LSHPattern) and pattern.dk_scale
+    # a run of such a model resumed with model.lsh_dk_scale = true averages its old and its
+    # new checkpoints; one with the reference's scaling is another model
+    for value, averages in ((True, True), (False, False)):
+        state["config"]["model"]["lsh_dk_scale"] = value
+        ckpt.save_atomic(state, tmp_path / "new.pt")
+        if averages:
+            averaging.average_checkpoints([path, tmp_path / "new.pt"])
+        else:
+            with pytest.raises(Exception, match=r"model configs differ \(lsh_dk_scale\)"):
+                averaging.average_checkpoints([path, tmp_path / "new.pt"])
     # a new checkpoint keeps what it says; a model without lsh gets the default
     state["config"]["model"]["lsh_dk_scale"] = False
     assert config_from_dict(state["config"], stored=True).model.lsh_dk_scale is False
