@@ -21,23 +21,27 @@ process's peak resident set over the calls (activations kept for the backward pa
 temporary). The slopes are least-squares fits of log(time) against log(n) over n ≥ 512 and
 over n ≥ 1,024.
 
-Sequential operations follow from each layer's structure: the LSTM applies its cell once per
-position, each application waiting for the previous one; every other layer is one batched
-computation over all positions. The maximum path length is counted: copies of the layer
-(d = 8, non-negative weights) are stacked on an input that is non-zero only at position 0,
-until the output at position n − 1 is non-zero (``path_length``); for the recurrent layer it
-is the number of cell applications between the two positions, n − 1. Dilated convolutions
-(dilation k^l at layer l, the paper's O(log_k(n)) case) are counted beside the contiguous
-ones.
+Sequential operations are counted: the longest chain of dependent operators (ATen, as
+PyTorch's dispatcher runs them) in one forward pass of the layer (d = 8, float64), each
+operator recorded with the tensors it reads (``sequential_operations``); the LSTM's chain
+holds its cell steps, one after another, and grows with n. The maximum path length is
+counted: copies of the layer (d = 8, non-negative weights) are stacked on an input that is
+non-zero only at position 0, until the output at position n − 1 is non-zero
+(``path_length``); for the recurrent layer it is the number of cell applications between the
+two positions, n − 1. Dilated convolutions (dilation k^l at layer l, the paper's O(log_k(n))
+case) are counted beside the contiguous ones.
 
 Writes ``experiments/results/table1.{json,md}`` and ``docs/images/table1.png``, or the three
 into ``--out``; ``--quick``: n of 64, 512 and 1,024, one call each, no waiting, into a
-temporary folder.
+temporary folder. ``--recount``: count again the sequential operations and path lengths of
+the result already in the output folder (its lengths, r and k), without timing anything, and
+rewrite its JSON and Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,11 +189,67 @@ def path_length(kind: str, n: int, window: int, kernel: int, dilated: bool = Fal
     return layers
 
 
-def sequential_operations(kind: str, n: int) -> int:
-    """Operations of one layer over n positions that must run one after another: the LSTM's
-    cell calls, which ``nn.LSTM`` also makes one position at a time (counted here with the
-    cell); one batched call for the others."""
-    return n if kind == "recurrent" else 1
+def sequential_operations(kind: str, n: int, window: int, kernel: int) -> int:
+    """Operations of one layer over n positions that must run one after another, counted: the
+    longest chain of dependent tensor operations (ATen operators, as PyTorch's dispatcher runs
+    them) in one forward pass of the layer (d = 8, float64) from its input to its output.
+    Every operator is recorded with the tensors it reads and writes; an operator's depth is
+    one more than the deepest tensor it reads (a view, which computes nothing, keeps its
+    input's depth), and the count is the output's depth. In float64 ``nn.LSTM`` runs its cell
+    position by position as separate operators (in float32 oneDNN runs the same recurrence
+    inside one call), so its chain holds every cell step; the other layers are a few batched
+    operators over all positions, however long the sequence."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class Chain(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.depth: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            kwargs = kwargs or {}
+            read = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            depth = max((self.depth.get(t, 0) for t in read), default=0)
+            depth += 0 if func.is_view else 1
+            out = func(*args, **kwargs)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.depth[t] = depth
+            return out
+
+    torch.manual_seed(0)
+    layer, module = build(kind, 8, 1, window, kernel)
+    module.double()
+    x = torch.randn(1, n, 8, dtype=torch.float64)
+    with torch.no_grad(), Chain() as chain:
+        out = layer(x)
+    return int(chain.depth.get(out, 0))
+
+
+def counts(lengths: list[int], window: int, kernel: int) -> dict[str, dict[str, Any]]:
+    """The counted columns of every layer at every length: {layer: {str(n): {"sequential",
+    "path", and "path_dilated" for the convolution}}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in LAYERS:
+        out[kind] = {}
+        for n in lengths:
+            row = {
+                "sequential": sequential_operations(kind, n, window, kernel),
+                "path": path_length(kind, n, window, kernel),
+            }
+            if kind == "convolutional":
+                row["path_dilated"] = path_length(kind, n, window, kernel, dilated=True)
+            out[kind][str(n)] = row
+    return out
 
 
 def fits(rows: list[dict[str, Any]], kind: str, key: str, low: int) -> float | None:
@@ -275,6 +335,16 @@ def report(result: dict[str, Any]) -> str:
             mine = {r["n"]: r for r in rows if r["layer"] == kind}
             cells = [f"{mine[n][key]:,}" if n in mine else "—" for n in lengths]
             lines.append(f"| {labels[kind]} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Sequential operations, counted (the longest chain of dependent operators)",
+        "",
+    ]
+    lines += ["| layer | " + " | ".join(f"{n:,}" for n in lengths) + " |"]
+    lines.append("|---|" + "---:|" * len(lengths))
+    for kind in LAYERS:
+        cells = [f"{result['counts'][kind][str(n)]['sequential']:,}" for n in lengths]
+        lines.append(f"| {labels[kind]} | " + " | ".join(cells) + " |")
     lines += ["", "## Maximum path length, counted", ""]
     lines += ["| layer | " + " | ".join(f"{n:,}" for n in lengths) + " |"]
     lines.append("|---|" + "---:|" * len(lengths))
@@ -299,6 +369,9 @@ def main() -> None:
     parser.add_argument("--kernel", type=int, default=3, help="k of the convolutions")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--wait-quiet", type=float, default=60.0)
+    parser.add_argument(
+        "--recount", action="store_true", help="count the existing result again, no timing"
+    )
     add_output_options(parser, f"--lengths {' '.join(map(str, QUICK_LENGTHS))} --repeats 1")
     args = parser.parse_args()
     if args.quick:
@@ -316,6 +389,14 @@ def main() -> None:
         time_worker(kind, n, repeats, args.window, args.kernel)
         return
     results, images = output_folders(args)
+    if args.recount:
+        result = json.loads((results / "table1.json").read_text(encoding="utf-8"))
+        lengths = sorted({int(n) for n in result["counts"]["self-attention"]})
+        result["counts"] = counts(lengths, result["window"], result["kernel"])
+        (results / "table1.json").write_text(json_text(result))
+        (results / "table1.md").write_text(report(result))
+        print(report(result))
+        return
     waited = wait_for_quiet(args.wait_quiet)
     labels = {
         "self-attention": "self-attention",
@@ -347,18 +428,7 @@ def main() -> None:
         result["rows"] += rows
         if failure:
             result["failures"].append(failure)
-    for kind in LAYERS:
-        result["counts"][kind] = {}
-        for n in sorted(args.lengths):
-            counts = {
-                "sequential": sequential_operations(kind, n),
-                "path": path_length(kind, n, args.window, args.kernel),
-            }
-            if kind == "convolutional":
-                counts["path_dilated"] = path_length(
-                    kind, n, args.window, args.kernel, dilated=True
-                )
-            result["counts"][kind][str(n)] = counts
+    result["counts"] = counts(sorted(args.lengths), args.window, args.kernel)
     result["load_after"] = load_average()
     (results / "table1.json").write_text(json_text(result))
     (results / "table1.md").write_text(report(result))

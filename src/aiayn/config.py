@@ -143,6 +143,10 @@ class ModelConfig:
     lsh_buckets: int = 32
     lsh_rounds: int = 2
     lsh_chunk: int = 64
+    # lsh scores are q·k with unit-length keys, Reformer's (trax's, Hugging Face's); true also
+    # divides them by √d_k, as aiayn did before it followed the reference. A checkpoint saved
+    # before this key existed reads it as true: its scores are scaled as in its training.
+    lsh_dk_scale: bool = False
     # What the model is for (docs/families.md): the paper's encoder-decoder ("translation"), a
     # decoder-only language model ("lm"), or the encoder alone with a masked-language-model
     # head ("mlm") or a classification head ("classify").
@@ -523,6 +527,8 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
     and an older aiayn may have accepted values that this one refuses."""
     raw = dict(raw)
     raw.pop("format_version", None)
+    if stored:
+        raw = as_saved(raw)
     preset = raw.pop("preset", "base")
     if not isinstance(preset, str):
         raise ConfigError(f"preset must be a string, got {preset!r}")
@@ -565,6 +571,19 @@ def config_from_dict(raw: Mapping[str, Any], *, stored: bool = False) -> RunConf
                 "BLEU needs: set train.valid_bleu = false"
             )
     return config
+
+
+def as_saved(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored config with the model keys it was saved without set to what its model
+    computed then (not to today's defaults): ``lsh_dk_scale`` (true) for an lsh model."""
+    raw = dict(raw)
+    model = raw.get("model")
+    if not isinstance(model, Mapping) or "lsh_dk_scale" in model:
+        return raw
+    patterns = (model.get("encoder_attention"), model.get("decoder_attention"))
+    if "lsh" not in patterns:
+        return raw
+    return {**raw, "model": {**model, "lsh_dk_scale": True}}
 
 
 def _refuse_unread_baseline_keys(model: ModelConfig, given: Mapping[str, Any], preset: str) -> None:

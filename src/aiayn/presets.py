@@ -78,6 +78,11 @@ PRESETS: dict[str, Preset] = {
     # The other two families (docs/families.md), without label smoothing. "*_small": the
     # "small" shape; "gpt_base": GPT's 12 × 768 (Radford et al., 2018); "bert_base": BERT-base
     # (Devlin et al., 2019); both with learned positions over 512, as those models have.
+    # Deviation: GPT's and BERT's shapes, not their layers: the paper's ReLU FFN (they use
+    # GELU: model.activation=gelu), embeddings scaled by √d_model with no LayerNorm, and for
+    # mlm the bare tied projection as the head (BERT's has a dense + GELU + LayerNorm
+    # transform and an output bias): one set of layers for the three families
+    # (docs/families.md, "The paper's layers in GPT's and BERT's shapes").
     "gpt_small": {
         "model": {"task": "lm", "d_model": 256, "d_ff": 1024, "n_heads": 4, "n_layers": 4},
         "train": {"label_smoothing": 0.0, "average_last": 5},

@@ -22,6 +22,27 @@ def test_sinusoid_table_equals_the_formula_elementwise():
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_halves_table_is_hugging_face_marians_not_tensor2tensors():
+    """``layout="halves"``: Hugging Face's MarianSinusoidalPositionalEmbedding written out
+    (angle pos / 10000^(2·(j // 2) / d), sines of the even j first, then cosines of the odd
+    j). tensor2tensor's get_timing_signal_1d (and fairseq's, Marian C++'s) has the same
+    layout with the frequencies 10000^(−i / (d/2 − 1)): another table."""
+    n_positions, d_model = 50, 16
+    table = sinusoid_table(n_positions, d_model, layout="halves").double()
+    angle = torch.tensor(
+        [[pos / 10000 ** (2 * (j // 2) / d_model) for j in range(d_model)] for pos in range(50)],
+        dtype=torch.float64,
+    )
+    marian = torch.cat([angle[:, 0::2].sin(), angle[:, 1::2].cos()], dim=1)
+    assert_close(table, marian, atol=1e-6, rtol=0)
+    half = d_model // 2
+    increment = math.log(10000.0) / (half - 1)
+    timescales = torch.exp(torch.arange(half, dtype=torch.float64) * -increment)
+    scaled = torch.arange(n_positions, dtype=torch.float64)[:, None] * timescales[None, :]
+    t2t = torch.cat([scaled.sin(), scaled.cos()], dim=1)
+    assert (table - t2t).abs().max() > 0.1
+
+
 def test_three_embedding_uses_are_one_tensor_scaled_by_sqrt_d_model():
     model = Transformer(load_config(overrides=["preset=tiny", "model.dropout=0"]).model).eval()
     weight = model.out_proj.weight

@@ -149,3 +149,35 @@ def test_build_model_by_task():
     assert build_model(_config(task="classify", n_classes=4)).classifier is not None
     with pytest.raises(ValueError, match="mlm and classify"):
         EncoderOnly(_config(task="lm"))
+
+
+@pytest.mark.parametrize("preset", ["gpt_small", "gpt_base", "bert_small", "bert_base"])
+def test_gpt_and_bert_presets_are_the_papers_layers_in_their_shapes(preset):
+    """What docs/families.md says of the presets: the paper's ReLU FFN, its embedding scaled
+    by √d_model with no LayerNorm, post-norm, and (mlm) the bare tied projection as the head,
+    with no dense + GELU + LayerNorm transform and no output bias; GPT's and BERT's GELU is
+    model.activation = "gelu", the exact form 0.5·x·(1 + erf(x/√2)), written out here."""
+    import math
+
+    from aiayn.config import config_from_dict
+
+    small = {"d_model": 32, "d_ff": 64, "n_heads": 4, "n_layers": 1, "vocab_size": 50}
+    config = config_from_dict({"preset": preset, "model": small}).model
+    assert (config.activation, config.pre_norm, config.final_logits_bias) == ("relu", False, False)
+    torch.manual_seed(0)
+    model = build_model(config)
+    assert isinstance(model, (DecoderOnlyLM, EncoderOnly))
+    assert model.embed.scale == math.sqrt(32)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.embed.modules())
+    assert model.out_proj is not None
+    assert model.out_proj.weight is model.embed.token.weight and model.out_proj.bias is None
+    names = {name.split(".")[0] for name, _ in model.named_parameters()}
+    assert names == {"embed", "decoder" if config.task == "lm" else "encoder"}
+    gelu = build_model(
+        config_from_dict({"preset": preset, "model": {**small, "activation": "gelu"}}).model
+    )
+    ffn = (gelu.decoder if isinstance(gelu, DecoderOnlyLM) else gelu.encoder).layers[0].ffn
+    x = torch.randn(3, 32)
+    hidden = ffn.w1(x)
+    expected = ffn.w2(0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2))))
+    assert_close(ffn(x), expected)

@@ -89,6 +89,23 @@ def test_what_each_pattern_sees():
     assert again is not None and torch.equal(again.allowed(40, False, seen.device), seen)
 
 
+def test_longformer_global_projections_and_bigbird_global_blocks_as_documented():
+    """The two tagged departures from the references: Longformer's global attention has no
+    projections of its own (a longformer model has a full-attention model's parameters, name
+    for name); bigbird's global blocks are the first ceil(g/b), which every query sees and
+    which see every key, and the last block is not global."""
+    torch.manual_seed(0)
+    full = Transformer(_config())
+    torch.manual_seed(0)
+    longformer = Transformer(_config(encoder_attention="longformer"))
+    assert [n for n, _ in full.named_parameters()] == [n for n, _ in longformer.named_parameters()]
+    bigbird = make_pattern("bigbird", **SETTINGS)  # blocks of 4, 2 global tokens: block 0
+    assert bigbird is not None
+    seen = bigbird.allowed(40, False, torch.device("cpu"))
+    assert seen[:, :4].all() and seen[:4].all()
+    assert not seen[:, 36:].all() and not seen[36:].all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_pattern_that_covers_every_position_is_full_attention(causal):
     q, k, v = _qkv(t=20)
@@ -353,11 +370,23 @@ def test_cached_decoding_with_linformer_cross_attention_equals_the_full_forward(
 # -- LSH ---------------------------------------------------------------------------------------
 
 
-def _shared_qk(q: torch.Tensor, key_pad: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """Full shared-QK attention weights written out: keys = q / |q|; a query attends to
-    itself only when it has no other key."""
+def _reformer_scores(q: torch.Tensor) -> torch.Tensor:
+    """Shared-QK scores as the reference defines them, written out: trax's ``attend`` (and
+    Hugging Face's ``LSHSelfAttention._len_and_dim_norm``) takes the keys as
+    ``length_normalized(q) / sqrt(d)``, with ``length_normalized(x) = x / sqrt(mean(x**2) +
+    1e-6)``, and scores ``q @ k.T`` with no further scaling."""
+    d = q.size(-1)
+    keys = q / torch.sqrt((q**2).mean(dim=-1, keepdim=True) + 1e-6) / d**0.5
+    return q @ keys.transpose(-2, -1)
+
+
+def _shared_qk(
+    q: torch.Tensor, key_pad: torch.Tensor | None, causal: bool, divide: float = 1.0
+) -> torch.Tensor:
+    """Full shared-QK attention weights written out: Reformer's scores (divided by
+    ``divide``); a query attends to itself only when it has no other key."""
     t = q.size(2)
-    scores = q @ F.normalize(q, dim=-1).transpose(-2, -1) / q.size(-1) ** 0.5
+    scores = _reformer_scores(q) / divide
     others = ~torch.eye(t, dtype=torch.bool)
     if causal:
         others = others & torch.ones(t, t, dtype=torch.bool).tril()
@@ -381,6 +410,72 @@ def test_lsh_with_one_bucket_and_one_chunk_is_full_shared_qk_attention(causal):
     assert_close(ours[1][:, real], expected[1][:, real], atol=1e-5, rtol=1e-5)
     # k is not used (shared QK)
     assert torch.equal(pattern(q, torch.zeros_like(k), v, pad, causal, 0.0), ours)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lsh_scores_are_reformers_and_dk_scale_divides_them_by_sqrt_dk(causal):
+    """Unit-length keys and no 1/√d_k (trax, Hugging Face): the default. ``dk_scale`` (what
+    aiayn computed before, kept for its checkpoints) is that divided by √d_k, and differs."""
+    q, k, v = _qkv()
+    q = q * 3.0  # queries longer than 1, so that the scale shows in the weights
+    pad = _pad(37)
+    real = ~pad[1]
+    scaled = LSHPattern(buckets=1, rounds=1, chunk=40, dk_scale=True).eval()
+    ours = scaled(q, k, v, pad, causal, 0.0)
+    expected = _shared_qk(q, pad, causal, divide=q.size(-1) ** 0.5) @ v
+    assert_close(ours[0], expected[0], atol=1e-5, rtol=1e-5)
+    assert_close(ours[1][:, real], expected[1][:, real], atol=1e-5, rtol=1e-5)
+    reformer = LSHPattern(buckets=1, rounds=1, chunk=40).eval()(q, k, v, pad, causal, 0.0)
+    assert (reformer[0] - ours[0]).abs().max() > 0.1
+    # the pictures' weights follow the same scale
+    for pattern, divide in ((LSHPattern(4, 2, 5).eval(), 1.0), (scaled, q.size(-1) ** 0.5)):
+        weights = pattern.weights(q, k, None, causal)
+        seen = pattern.seen(q, None, causal)
+        scores = _reformer_scores(q) / divide
+        scores = scores.masked_fill(torch.eye(37, dtype=torch.bool), -1e5)
+        expected = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
+        assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_lsh_models_saved_before_lsh_dk_scale_load_with_it(tmp_path):
+    """A checkpoint whose stored config lacks model.lsh_dk_scale was trained with the scores
+    divided by √d_k: it loads with lsh_dk_scale = true and computes what it computed then; a
+    model without lsh, or one saved with the key, keeps its value."""
+    from aiayn.data.corpus import tokenizer_path
+    from aiayn.inference.loading import load_model
+    from tests.helpers import make_reverse_data
+
+    data = make_reverse_data(tmp_path / "text", n_train=200, n_valid=10)
+    spm = ckpt.bytes_to_tensor(tokenizer_path(data).read_bytes())
+    overrides = ["preset=tiny", "model.vocab_size=13", "model.encoder_attention=lsh"]
+    config = load_config(overrides=overrides)
+    assert config.model.lsh_dk_scale is False  # the reference's scaling by default
+    torch.manual_seed(0)
+    model = Transformer(config.model)
+    state = ckpt.model_checkpoint(config, ckpt.model_state(model), spm, 1, 0)
+    del state["config"]["model"]["lsh_dk_scale"]  # as saved before the key existed
+    path = tmp_path / "old.pt"
+    ckpt.save_atomic(state, path)
+    loaded = load_model(path, mmap=False)
+    assert loaded.config.model.lsh_dk_scale is True
+    pattern = loaded.model.encoder.layers[0].self_attn.pattern
+    assert isinstance(pattern, LSHPattern) and pattern.dk_scale
+    # a run of such a model resumed with model.lsh_dk_scale = true averages its old and its
+    # new checkpoints; one with the reference's scaling is another model
+    for value, averages in ((True, True), (False, False)):
+        state["config"]["model"]["lsh_dk_scale"] = value
+        ckpt.save_atomic(state, tmp_path / "new.pt")
+        if averages:
+            averaging.average_checkpoints([path, tmp_path / "new.pt"])
+        else:
+            with pytest.raises(Exception, match=r"model configs differ \(lsh_dk_scale\)"):
+                averaging.average_checkpoints([path, tmp_path / "new.pt"])
+    # a new checkpoint keeps what it says; a model without lsh gets the default
+    state["config"]["model"]["lsh_dk_scale"] = False
+    assert config_from_dict(state["config"], stored=True).model.lsh_dk_scale is False
+    plain = load_config(overrides=["preset=tiny"]).to_dict()
+    del plain["model"]["lsh_dk_scale"]
+    assert config_from_dict(plain, stored=True).model.lsh_dk_scale is False
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -419,6 +514,21 @@ def test_lsh_eval_is_deterministic_and_training_draws_new_rotations():
     assert not torch.equal(pattern(q, k, v, None, False, 0.0), first)
     with pytest.raises(ValueError, match="depend on the data"):
         pattern.allowed(10, False, q.device)
+
+
+def test_lsh_hashes_each_head_with_its_own_rotation_and_every_sequence_alike():
+    """One random rotation per head and round, shared by the batch (Hugging Face's
+    LSHSelfAttention): the same queries in every head and every sequence hash differently from
+    head to head and alike from sequence to sequence, in eval and in training."""
+    q = torch.randn(1, 1, 37, 8).expand(2, 3, 37, 8)
+    pattern = LSHPattern(8, 2, 4).eval()
+    seen = pattern.seen(q, None, False)
+    assert torch.equal(seen[0], seen[1])
+    assert not torch.equal(seen[0, 0], seen[0, 1]) and not torch.equal(seen[0, 1], seen[0, 2])
+    pattern.train()
+    buckets, _, _ = pattern._sort(q.float(), None, 40)  # (rounds, B, H, tp)
+    assert torch.equal(buckets[:, 0], buckets[:, 1])
+    assert not torch.equal(buckets[:, :, 0], buckets[:, :, 1])
 
 
 def test_lsh_has_no_incremental_decoding():

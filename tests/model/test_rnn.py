@@ -263,3 +263,31 @@ def test_luong_equals_the_papers_equations_written_out(score, feeding):
             feed = tilde.view(1, 1, -1)
             expected.append(model.out_proj.weight @ tilde)
         assert_close(model(src, None, tgt_in)[0], torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_rnnsearch_deviations_start_at_the_paper_and_dropout_0_is_its_model():
+    """The tagged deviations of RNNsearch: the biases of s_0 and of the deep output, which
+    appendix A's equations do not have, are 0 in a fresh model, so that it computes
+    s_0 = tanh(W_s h←_1) and t̃_i = U_o s_i + V_o E y_{i-1} + C_o c_i exactly; the preset's
+    dropout is the run's 0.1, and model.dropout = 0 (the paper's: none) makes training
+    compute what evaluation does."""
+    torch.manual_seed(0)
+    config = config_from_dict({"preset": "rnnsearch", "model": {"vocab_size": VOCAB}}).model
+    assert config.dropout == 0.1
+    fresh = build_model(config)
+    assert isinstance(fresh, RNNSearch)
+    assert not fresh.init_state.bias.any() and not fresh.deep_output.bias.any()
+    src = torch.randint(4, VOCAB, (1, 6))
+    tgt_in = torch.randint(4, VOCAB, (1, 4))
+    with torch.no_grad():
+        encoded = fresh.encode(src, None)
+        n = fresh.hidden_size
+        s0 = torch.tanh(fresh.init_state.weight @ encoded.memory[0, 0, n:])  # no bias
+        assert_close(fresh._start(encoded, None, 4, 1).states[0][0], s0)
+    for dropout, same in ((0.0, True), (0.1, False)):
+        model = _model("bahdanau", dropout=dropout)
+        with torch.no_grad():
+            evaluated = model.eval()(src, None, tgt_in)
+            torch.manual_seed(2)
+            trained = model.train()(src, None, tgt_in)
+        assert torch.equal(trained, evaluated) is same

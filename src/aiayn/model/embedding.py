@@ -12,8 +12,13 @@ def sinusoid_table(n_positions: int, d_model: int, layout: str = "interleaved") 
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
 
     Interleaved: even dimensions hold sines, odd dimensions cosines, as §3.5 writes it. With
-    ``layout="halves"`` the same sines fill the first half and the cosines the second
-    (tensor2tensor, fairseq and Marian). Computed in float64.
+    ``layout="halves"`` the same sines fill the first half and the cosines the second: Hugging
+    Face's ``MarianSinusoidalPositionalEmbedding``, which ``aiayn import-marian`` reads models
+    of. Both keep §3.5's frequencies 10000^(−2i/d_model), i = 0 … d_model/2 − 1.
+    tensor2tensor's ``get_timing_signal_1d``, fairseq's ``SinusoidalPositionalEmbedding`` and
+    Marian's C++ (``sinusoidalPositionEmbeddings``) also put the sines before the cosines, but
+    with the frequencies 10000^(−i/(d_model/2 − 1)): their table is neither of these.
+    Computed in float64.
     """
     if d_model % 2 != 0:
         raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")

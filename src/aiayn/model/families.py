@@ -16,6 +16,13 @@
 
 Neither has a copy of attention, feed-forward or normalisation code: the layers are
 :class:`~aiayn.model.layers.EncoderLayer` and :class:`~aiayn.model.layers.DecoderLayer`.
+
+Deviation: these are the paper's layers in GPT's and BERT's shapes, not GPT's and BERT's
+layers: the FFN's ReLU (GPT and BERT use GELU, ``model.activation = "gelu"``), the embedding
+scaled by √d_model with no LayerNorm after it (BERT normalises its embeddings; neither scales
+them), no segment embeddings, and the MLM head is the tied projection alone (BERT's first
+applies a dense layer, GELU and LayerNorm, and adds an output bias). docs/families.md lists
+them.
 """
 
 from __future__ import annotations

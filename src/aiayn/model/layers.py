@@ -69,6 +69,7 @@ def _attention(
             lsh_buckets=config.lsh_buckets,
             lsh_rounds=config.lsh_rounds,
             lsh_chunk=config.lsh_chunk,
+            lsh_dk_scale=config.lsh_dk_scale,
         ),
     )
 

@@ -22,8 +22,11 @@ the sequence is cut into ``nb`` blocks of ``bs`` positions (padded at the end); 
 random blocks) and against the global keys, the scores are masked at the token level
 (window, causality, padding, keys counted twice), and one softmax runs over them together.
 The score tensor is (B, H, nb, bs, m) with ``m`` the keys a block sees, instead of (B, H, T,
-T). Global queries are computed as full attention rows. These save time and memory alike:
-O(n·m) scores instead of O(n²).
+T). Global queries are computed as full attention rows: O(n·m) scores instead of O(n²), which
+saves time at long lengths. Not memory, against this PyTorch: its fused CPU attention kernel
+never stores the n × n weights, and the patterns keep their gathered key and value blocks
+for the backward pass, so they use more memory than full attention at every length measured
+(docs/long-sequences.md, "Measured").
 
 Two more take another road than a positional pattern:
 
@@ -33,9 +36,11 @@ Two more take another road than a positional pattern:
   cannot run causally (encoder self-attention and cross-attention only).
 - ``lsh`` (Reformer, Kitaev et al., 2020; :class:`LSHPattern`): shared-QK attention in which
   each query sees the keys that hash to its bucket, found by sorting and chunking: O(n·c)
-  scores per hash round (c = ``model.lsh_chunk``) plus a sort. It saves memory; its hashing,
-  sort, gathers and rounds are many passes over the chunk scores, which cost more time than
-  full attention's one fused product unless sequences are very long. Which keys a query sees
+  scores per hash round (c = ``model.lsh_chunk``) plus a sort. Its hashing, sort, gathers
+  and rounds are many passes over the chunk scores, which cost more time than full
+  attention's one fused product below a few thousand positions, and its sorted copies per
+  round more memory than the fused kernel at every length measured (docs/long-sequences.md).
+  Which keys a query sees
   depends on the data, so it has no fixed :meth:`AttentionPattern.allowed` and no
   incremental decoding.
 """
@@ -109,7 +114,21 @@ class AttentionPattern(nn.Module):
 
 class BlockPattern(AttentionPattern):
     """A pattern computed in blocks (the module docstring): ``local`` (``window`` > 0,
-    ``n_global`` = 0), ``longformer`` (both) or ``bigbird`` (``n_random`` blocks)."""
+    ``n_global`` = 0), ``longformer`` (both) or ``bigbird`` (``n_random`` blocks).
+
+    Deviation: Longformer (Beltagy et al., 2020, §3.1) scores its global attention with a
+    second set of projections, Q_g, K_g, V_g (initialised as copies of the window's); here the
+    global tokens' rows and columns use the layer's one set, W^Q, W^K, W^V: a pattern replaces
+    the scaled dot-product of already projected queries, keys and values, and owns no
+    projection of its own (docs/long-sequences.md).
+
+    Deviation: BigBird's reference code (``bigbird_block_sparse_attention``, as in Hugging
+    Face's ``BigBirdBlockSparseAttention``) makes the first and the last blocks global; here
+    the global blocks are the first ``ceil(attention_global / attention_block)``: a last
+    block that every query saw would be the future of every causal query, and its position
+    moves with the length, so that a sentence padded into a longer batch would see other
+    global keys than alone (docs/long-sequences.md).
+    """
 
     def __init__(
         self,
@@ -382,13 +401,20 @@ class LSHPattern(AttentionPattern):
 
     - *Shared QK*: the keys are the queries normalised to unit length, k_j = q_j / ‖q_j‖;
       the layer's key projection (W^K) is unused (it stays in the fused projection and gets
-      zero gradients). Scores are q_i·k_j / √d_k.
-    - *Hashing*: h(x) = argmax([xR; −xR]) with R a random (d_k, buckets / 2) matrix per round,
-      ``rounds`` = ``model.lsh_rounds`` rounds, ``buckets`` = ``model.lsh_buckets`` (even; 1,
-      for tests, puts every position in one bucket). In training R is drawn afresh at every
-      call from torch's global generator (the run's seed makes it reproducible); in eval it is
-      fixed, drawn once per head size from a generator seeded with ``seed``, so that
-      evaluation and pictures are deterministic. (Every layer's eval rotations are the same.)
+      zero gradients). Scores are q_i·k_j, with no 1/√d_k: the keys' unit length takes its
+      place, as in trax's and Hugging Face's LSH attention (which normalise k to
+      x / rms(x) / √d_k, of length 1). ``dk_scale`` (``model.lsh_dk_scale``) divides them by
+      √d_k as well: what aiayn computed before it followed the reference, kept for the
+      checkpoints trained so (docs/long-sequences.md).
+    - *Hashing*: h(x) = argmax([xR; −xR]) with R a random (d_k, buckets / 2) matrix per round
+      and per head, ``rounds`` = ``model.lsh_rounds`` rounds, ``buckets`` =
+      ``model.lsh_buckets`` (even; 1, for tests, puts every position in one bucket). One R per
+      head and round, the same for every sequence of the batch, as Hugging Face's
+      ``LSHSelfAttention`` draws them: a sequence's buckets do not depend on the others in its
+      batch. In training R is drawn afresh at every call from torch's global generator (the
+      run's seed makes it reproducible); in eval it is fixed, drawn once per head count and
+      head size from a generator seeded with ``seed``, so that evaluation and pictures are
+      deterministic. (Every layer's eval rotations are the same.)
     - *Sort and chunk*: per round, positions are sorted by (bucket, position) and cut into
       chunks of ``chunk`` = ``model.lsh_chunk``. A query sees the keys *of its own bucket*
       within reach: its chunk and the previous one (non-causal), or the ``chunk`` keys before it
@@ -411,7 +437,9 @@ class LSHPattern(AttentionPattern):
 
     name = "lsh"
 
-    def __init__(self, buckets: int, rounds: int, chunk: int, seed: int = 0) -> None:
+    def __init__(
+        self, buckets: int, rounds: int, chunk: int, seed: int = 0, dk_scale: bool = False
+    ) -> None:
         super().__init__()
         if buckets < 1 or (buckets > 1 and buckets % 2):
             raise ValueError(f"lsh attention needs an even number of buckets (or 1), got {buckets}")
@@ -421,19 +449,25 @@ class LSHPattern(AttentionPattern):
         self.rounds = rounds
         self.chunk = chunk
         self.seed = seed
-        self._fixed: dict[tuple[int, str], Tensor] = {}
+        self.dk_scale = dk_scale
+        self._fixed: dict[tuple[int, int, str], Tensor] = {}
 
     def extra_repr(self) -> str:
-        return f"buckets={self.buckets}, rounds={self.rounds}, chunk={self.chunk}"
+        scale = ", dk_scale=True" if self.dk_scale else ""
+        return f"buckets={self.buckets}, rounds={self.rounds}, chunk={self.chunk}{scale}"
+
+    def _scale(self, d: int) -> float:
+        """The factor of the scores q_i·k_j: 1 (Reformer's), or 1/√d_k with ``dk_scale``."""
+        return 1.0 / math.sqrt(d) if self.dk_scale else 1.0
 
     # -- hashing ---------------------------------------------------------------------------
 
-    def _rotations(self, d: int, device: torch.device) -> Tensor:
-        """R of every round: (rounds, d, buckets / 2), float32."""
-        shape = (self.rounds, d, self.buckets // 2)
+    def _rotations(self, h: int, d: int, device: torch.device) -> Tensor:
+        """R of every round and head: (rounds, h, d, buckets / 2), float32."""
+        shape = (self.rounds, h, d, self.buckets // 2)
         if self.training:
             return torch.randn(shape, device=device)
-        key = (d, str(device))
+        key = (h, d, str(device))
         fixed = self._fixed.get(key)
         if fixed is None:
             generator = torch.Generator().manual_seed(self.seed)
@@ -449,7 +483,7 @@ class LSHPattern(AttentionPattern):
         if self.buckets == 1:
             bucket = torch.zeros(self.rounds, b, h, t, dtype=torch.long, device=x.device)
         else:
-            rotated = torch.einsum("bhtd,rdk->rbhtk", x, self._rotations(d, x.device))
+            rotated = torch.einsum("bhtd,rhdk->rbhtk", x, self._rotations(h, d, x.device))
             bucket = torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
         if key_pad is not None:
             bucket = bucket.masked_fill(key_pad[None, :, None, :], self.buckets)
@@ -498,7 +532,7 @@ class LSHPattern(AttentionPattern):
         """(B, H, T, T) float32: shared-QK attention over :meth:`seen`, its own key scoring
         −1e5, written out (``k`` is unused)."""
         x = q.float()
-        scores = torch.matmul(x, F.normalize(x, dim=-1).transpose(-2, -1)) / math.sqrt(x.size(-1))
+        scores = torch.matmul(x, F.normalize(x, dim=-1).transpose(-2, -1)) * self._scale(x.size(-1))
         eye = torch.eye(x.size(2), dtype=torch.bool, device=x.device)
         scores = scores.masked_fill(eye, _SELF_SCORE)
         lowest = torch.finfo(torch.float32).min
@@ -541,7 +575,7 @@ class LSHPattern(AttentionPattern):
         # the c + 1 slots o .. o + c (its reach, its own key last), so that every query
         # reduces its scores in the same layout wherever the chunk boundaries fall.
         window = torch.arange(c, device=device)[:, None] + torch.arange(c + 1, device=device)
-        scale = 1.0 / math.sqrt(d)
+        scale = self._scale(d)
         outs, lses = [], []
         for r in range(self.rounds):
             order = perm[r]  # (B, H, tp): the position at each sorted index
@@ -655,6 +689,7 @@ def make_pattern(
     lsh_buckets: int = 32,
     lsh_rounds: int = 2,
     lsh_chunk: int = 64,
+    lsh_dk_scale: bool = False,
 ) -> AttentionPattern | None:
     """The pattern module of ``name`` (None for ``full``: plain scaled dot-product). The
     keyword arguments are the model.* options of the same names (model.attention_window,
@@ -673,5 +708,5 @@ def make_pattern(
     if name == "linformer":
         return LinformerPattern(linformer_k, max_positions)
     if name == "lsh":
-        return LSHPattern(lsh_buckets, lsh_rounds, lsh_chunk, seed=seed)
+        return LSHPattern(lsh_buckets, lsh_rounds, lsh_chunk, seed=seed, dk_scale=lsh_dk_scale)
     raise ValueError(f"unknown attention pattern {name!r}; choose one of {', '.join(PATTERNS)}")

@@ -259,6 +259,10 @@ class RNNSearch(_AttentionRNN):
       max(t̃_{i,2k-1}, t̃_{i,2k})`` (m), ``p(y_i) = softmax(W_o t_i)``; W_o is ``out_proj``.
 
     Dropout (``model.dropout``) on the embeddings, between stacked encoder layers and on t_i.
+    Deviation: Bahdanau et al. describe no dropout; aiayn's preset trains with the run's
+    ``model.dropout`` (0.1, the Transformer's P_drop) because its data is Multi30k's 29,000
+    sentence pairs, not WMT'14's 348M words, and the comparison (docs/comparison.md) gives
+    both models the same regularisation; ``model.dropout=0`` is the paper's model.
     Initialisation as the paper's appendix B.1: recurrent matrices orthogonal, W_a and U_a
     from N(0, 0.001²), v_a and biases 0, every other matrix (embeddings too) from N(0, 0.01²).
     """
@@ -281,6 +285,11 @@ class RNNSearch(_AttentionRNN):
             bidirectional=True,
             dropout=_layer_dropout(config),
         )
+        # Deviation: appendix A's s_0 = tanh(W_s h←_1) and t̃_i = U_o s_i + V_o E y_{i-1} +
+        # C_o c_i have no bias; here both layers carry one (n and 2m parameters), zero at
+        # initialisation (appendix B.1 sets "all the bias vectors" to 0, so its code had
+        # them), so that the model starts at the equations. Kept for the checkpoints that
+        # hold them (docs/rnn.md).
         self.init_state = nn.Linear(n, n)  # W_s
         self.attention = GlobalAttention("concat", n, 2 * n, n)
         # Deviation: nn.GRUCell applies the reset gate after the recurrent product,

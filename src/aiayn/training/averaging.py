@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aiayn.config import config_from_dict
+from aiayn.config import as_saved, config_from_dict
 from aiayn.inference.loading import (
     AVERAGED_NAME,
     CHECKPOINT_DIR,
@@ -41,7 +41,8 @@ class _ModelSum:
         """Add a checkpoint's model, after checking that it was trained with the same model
         config and tokenizer as the first: models of other vocabularies or shapes may have
         tensors of equal shapes, and their mean translates nothing."""
-        config = dict(checkpoint.get("config", {}).get("model", {}))
+        # (read as saved: a key added since reads as what the older checkpoint computed)
+        config = dict(as_saved(checkpoint.get("config", {})).get("model", {}))
         tokenizer = checkpoint.get("tokenizer")
         if self.reference is not None:
             if self.model_config is not None and config != self.model_config:
