@@ -93,9 +93,7 @@ def use_compiled_step(model: Any, acceleration: Any) -> None:
     machine (``translate --compiled-step`` compiles it): compiled here the first time."""
     import sys
 
-    from aiayn.accel.compiled import step_paths, unsupported
-    from aiayn.accel.decoding import use_compiled_step
-    from aiayn.accel.store import compiled_dir
+    from aiayn.accel.compiled import compiled_dir, step_paths, unsupported, use_compiled_step
 
     if unsupported(model) is not None:
         return

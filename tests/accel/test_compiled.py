@@ -5,6 +5,7 @@ and for beam searches over many (AOTInductor, about half a minute each here)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -31,14 +32,15 @@ from aiayn.accel.compiled import (
     _cross_keys_values,
     cannot_build,
     compile_step,
+    extern_calls,
     library_products,
     load_compiled_step,
     step_key,
     step_path,
+    trusted,
     unsupported,
+    use_compiled_step,
 )
-from aiayn.accel.decoding import use_compiled_step
-from aiayn.accel.store import trusted
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.attention import MultiHeadAttention
@@ -478,10 +480,10 @@ def test_found_again_by_key_and_only_for_the_same_weights(
 
 
 @pytest.mark.slow
-def test_the_key_is_the_one_inductors_own_setting_gives(step: CompiledStep) -> None:
-    """Naming a library imports nothing of Inductor (loading one does: its entry point), and
-    the key is the one Inductor's own setting gives, with a compiler target set and without:
-    a library is found for the target it was compiled for only."""
+def test_a_decoding_process_imports_nothing_of_the_compiler(step: CompiledStep) -> None:
+    """Naming, loading and running a library import nothing of Inductor (which costs a
+    decoding process 68 MB), and the key is the one Inductor's own setting gives, with a
+    target set and without."""
     script = (
         "import sys, torch\n"
         "from aiayn.accel import accelerate\n"
@@ -509,9 +511,7 @@ def test_the_key_is_the_one_inductors_own_setting_gives(step: CompiledStep) -> N
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
         ).stdout.split()
         # The library is found for the environment it was compiled in, not for another target.
-        # (Loading a step imports Inductor: aoti_load_package is its entry point.)
-        found = str(march is None)
-        assert out == [found, found, out[2], out[2], str(march)]
+        assert out == ["False", str(march is None), out[2], out[2], str(march)]
         keys.append(out[2])
     assert keys[0] == step_key(packing_model()) != keys[1]
 
@@ -600,12 +600,48 @@ def test_the_model_uses_it_for_small_batches_and_greedy_ones_of_its_own_weights(
     assert type(model) is Transformer
 
 
+@pytest.mark.slow
+def test_a_switch_between_paths_hands_back_what_is_idle(
+    step: CompiledStep,
+    batch_step: CompiledStep,
+    beam_step: CompiledStep,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiayn.accel.decoding as decoding
+
+    released: list[Path] = []
+    monkeypatch.setattr(decoding, "release_file_pages", lambda p, cached: released.append(p) or 0)
+    model = packing_model()
+    acceleration = accelerate(model, "decode", precision="fp32")
+    few = use_compiled_step(model, acceleration, False, print)
+    many, beams = model.compiled_batch_step, model.compiled_beam_step
+    assert few is not None and many is not None and beams is not None
+    assert not few.idle and not many.idle and not beams.idle
+    memory = torch.zeros(MAX_ROWS // 4 + 1, 3, 32)
+    with torch.inference_mode():
+        model.init_cache(memory[:1], None, 5, beam_size=4)  # few rows
+        assert released == [many.path, beams.path]  # the others idle
+        eager = torch.zeros(MAX_ROWS // 3 + 1, 3, 32)  # eager: beam 3 over many rows
+        model.init_cache(eager, None, 5, beam_size=3)
+        model.init_cache(eager, None, 5, beam_size=3)
+        assert few.idle and many.idle and beams.idle
+        assert released[2:] == [few.path]
+        model.init_cache(memory[:1], None, 5, beam_size=4)
+        model.init_cache(memory[:2], None, 5, beam_size=4)
+        assert not few.idle and len(released) == 3
+        model.init_cache(torch.zeros(MAX_ROWS + 1, 3, 32), None, 5)  # greedy, many rows
+        assert not many.idle and released[3:] == [few.path]
+        model.init_cache(memory, None, 5, beam_size=4)  # beam 4 over many rows
+        assert not beams.idle and released[4:] == [many.path]
+    acceleration.undo()
+
+
 def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     base = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=1)
     assert unsupported(packing_model()) is None
     with monkeypatch.context() as patch:
         patch.setattr(torch, "__version__", "2.11.0+cu130")
-        assert "needs PyTorch 2.13 or later (this is 2.11.0+cu130)" in str(
+        assert "verified with PyTorch 2.13 only (this is 2.11.0+cu130)" in str(
             unsupported(packing_model())
         )
     assert "full attention" in str(
@@ -691,6 +727,126 @@ def test_the_command_line_passes_the_setting(
     assert loader_settings(monkeypatch, Translator, [*command, "--no-mmap"])["mmap"] is False
 
 
+def without_index(step: CompiledStep, model: Transformer, folder: Path) -> CompiledStep:
+    """``step``'s library copied into ``folder`` with no index beside it, loaded for ``model``:
+    its runner reads the loader's copy of the weights."""
+    copied = folder / step.path.name
+    shutil.copy(step.path, copied)
+    if extern_calls(step.path).exists():  # the calls of aiayn's own product (accel.panels)
+        shutil.copy(extern_calls(step.path), extern_calls(copied))
+    loaded = CompiledStep(copied, model)
+    assert loaded.constants is None
+    return loaded
+
+
+def five_steps(model: Transformer, compiled: CompiledStep) -> torch.Tensor:
+    """The log-probabilities of five steps of three sentences, beam 2, through ``compiled``."""
+    src, src_pad = sources(3, 9)
+    with torch.inference_mode():
+        memory = model.encode(src, src_pad)
+        cache = compiled.init_cache(model, memory, src_pad, 6, 2)
+        tokens = torch.ones(6, dtype=torch.long)
+        # Each step's copied at once: the cache keeps one buffer for them.
+        return torch.stack([compiled.log_probs_step(tokens, cache).clone() for _ in range(5)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_the_weights_are_read_from_the_librarys_file(
+    model: Transformer, step: CompiledStep, tmp_path: Path
+) -> None:
+    """The runner's constants are views of the library's file (the loader's copy is freed),
+    and the step's log-probabilities with them are those with the copy, to the bit."""
+    from aiayn.accel.library_constants import data_pointer, index_path
+    from aiayn.accel.memory import file_mappings
+
+    assert index_path(step.path).is_file() and trusted(index_path(step.path))
+    assert step.constants  # the decoder layers' weights and more
+    spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
+    in_use = step.runner.extract_constants_map(False)  # what the runner reads now
+    # Autotuning may pick oneDNN's packed product for some weights (it does on CPUs with
+    # AMX): those have no data_ptr(), hence data_pointer.
+    assert in_use and all(
+        any(lo <= data_pointer(t) < hi for lo, hi in spans) for t in in_use.values()
+    )
+    with_copy = without_index(step, model, tmp_path)
+    copied = with_copy.path
+    assert torch.equal(five_steps(model, with_copy), five_steps(model, step))
+    assert decode(model, with_copy, 1, 4) == decode(model, step, 1, 4)
+    # An index that does not fit the library leaves the copy; each case keeps the rest.
+    index = index_path(copied)
+    good = json.loads(index_path(step.path).read_text())
+    first, rest = good["constants"][0], good["constants"][1:]
+    buffer = next(c for c in good["constants"] if c["name"] == "positions_table")
+    # Two constants of one size and other values, each the only one of its original name
+    # (those the loader's copy is compared with when the library loads).
+    fqns = step.runner.get_constant_names_to_original_fqns()
+    alone = {n for n, f in fqns.items() if list(fqns.values()).count(f) == 1}
+    x, y = next(
+        (a, b)
+        for a in good["constants"]
+        for b in good["constants"]
+        if a["name"] in alone
+        and b is not a
+        and a["nbytes"] == b["nbytes"]
+        and not torch.equal(
+            step.constants[a["name"]].flatten(), step.constants[b["name"]].flatten()
+        )
+    )
+    moved = [{**c, "offset": y["offset"]} if c is x else c for c in good["constants"]]
+    for broken in (
+        {**good, "length": good["length"] + 1},
+        {**good, "version": 0},
+        {**good, "constants": rest},  # a parameter missing
+        {**good, "constants": [c for c in good["constants"] if c is not buffer]},  # a buffer
+        {**good, "constants": [{**first, "offset": good["length"]}, *rest]},
+        {**good, "constants": [{**first, "nbytes": 4}, *rest]},  # too few bytes
+        {**good, "constants": [{**first, "storage_offset": -1}, *rest]},
+        {**good, "constants": [{**first, "dtype": "float64"}, *rest]},
+        {**good, "constants": moved},  # another's bytes
+        [],
+    ):
+        index.write_text(json.dumps(broken))
+        index.chmod(0o600)
+        fallback = CompiledStep(copied, model)
+        assert fallback.constants is None
+        assert torch.equal(five_steps(model, fallback), five_steps(model, step))
+    index.write_text("not json")
+    assert CompiledStep(copied, model).constants is None
+    index.write_text(json.dumps(good))
+    assert CompiledStep(copied, model).constants is not None  # the same library
+    index.chmod(0o666)  # others may write it
+    assert CompiledStep(copied, model).constants is None
+
+
+@pytest.mark.slow
+def test_weights_packed_for_onednn_are_read_from_the_file_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where freezing packs a product's weight for oneDNN (blocks that strides do not
+    describe: Inductor's ATen products, as without autotuning), the runner reads those from
+    the library's file too, and the step's log-probabilities are those with the copy."""
+    from aiayn.accel import compiled
+    from aiayn.accel.library_constants import data_pointer
+    from aiayn.accel.memory import file_mappings
+
+    monkeypatch.setenv("AIAYN_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled, "_INDUCTOR", {**compiled._INDUCTOR, "max_autotune": False})
+    monkeypatch.setattr(panels, "cpu_suits", lambda: False)  # products of Inductor's own
+    fresh = packing_model()
+    accelerate(fresh, "decode", precision="fp32")
+    step = compile_step(fresh)
+    assert step.constants is not None
+    in_use = step.runner.extract_constants_map(False)
+    packed = [t for t in in_use.values() if t.is_mkldnn]
+    assert len(packed) == 12  # the two layers' six products each
+    spans = [(lo, hi) for lo, hi, name in file_mappings() if name == str(step.path)]
+    assert all(any(lo <= data_pointer(t) < hi for lo, hi in spans) for t in in_use.values())
+    (tmp_path / "copy").mkdir(mode=0o700)
+    with_copy = without_index(step, fresh, tmp_path / "copy")
+    assert torch.equal(five_steps(fresh, with_copy), five_steps(fresh, step))
+
+
 @pytest.mark.parametrize("pack_weights", [False, True])
 def test_the_products_the_libraries_hold_are_not_packed(pack_weights: bool) -> None:
     """A model given its three libraries: the decoder's products that the libraries hold are
@@ -713,6 +869,27 @@ def test_the_products_the_libraries_hold_are_not_packed(pack_weights: bool) -> N
     assert held and all(getattr(m, "pack", None) is None for m in held)
     if pack_weights:  # the encoder's are
         assert getattr(model.encoder.layers[0].ffn.w1, "pack", None) is not None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_file_pages_are_handed_back_and_read_again(tmp_path: Path) -> None:
+    """What the loader leaves mapped of a library is advised away; nothing is lost."""
+    import mmap
+
+    from aiayn.accel.memory import release_file_pages
+
+    path = tmp_path / "blob.bin"
+    data = bytes(range(256)) * (8 << 12)  # 8 MiB
+    path.write_bytes(data)
+    with path.open("rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    try:
+        assert mapped[:] == data  # every page read in
+        assert release_file_pages(path) == len(data)
+        assert mapped[:] == data
+        assert release_file_pages(tmp_path / "other.bin") == 0
+    finally:
+        mapped.close()
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ left to oneDNN; a build that fails or a file that is not the user's leaves oneDN
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from aiayn.accel.compiled import (
     OneQueryAttention,
     cannot_build,
     compile_step,
+    extern_calls,
     load_compiled_step,
     step_path,
     step_products,
@@ -347,35 +347,32 @@ def test_the_compiled_steps_products_go_through_the_panels(
     model = packing_model()
     accelerate(model, "decode")
     step = compile_step(model, rows=MANY_ROWS)
-    # The library calls the operator (the package holds the description its loader reads) ...
-    assert step.path == step_path(model, rows=MANY_ROWS)
-    with zipfile.ZipFile(step.path) as package:
-        (description,) = [
-            text
-            for name in package.namelist()
-            if name.endswith(".json")
-            and "aiayn_panels::linear" in (text := package.read(name).decode())
-        ]
+    # The library calls the operator (its runner reads the description beside it) ...
+    calls = extern_calls(step.path)
+    assert step.path == step_path(model, rows=MANY_ROWS) and "aiayn_panels::linear" in (
+        calls.read_text()
+    )
     # ... for each product of its decoder layers but the cross-attention keys' and values'
     layers = len(model.decoder.layers)
-    assert description.count('"aiayn_panels::linear"') == 6 * layers
+    assert calls.read_text().count('"aiayn_panels::linear"') == 6 * layers
     # ... the feed-forward's first applying its ReLU as it writes (no pass of its own)
     relu = {
         args["panels"]["as_tensor"]["name"]
-        for node in json.loads(description)["nodes"]
+        for node in json.loads(calls.read_text())["nodes"]
         if node["node"]["target"] == "aiayn_panels::linear"
         for args in [{i["name"]: i["arg"] for i in node["node"]["inputs"]}]
         if args["relu"]["as_bool"]
     }
     assert relu == {f"decoder_layers_{i}_ffn_w1_panels" for i in range(layers)}
     # ... and each attention through the kernel, its own and the memory's
-    assert description.count('"aiayn_panels::attend"') == 2 * layers
+    assert calls.read_text().count('"aiayn_panels::attend"') == 2 * layers
+    assert step.constants is not None  # its panels too read from its file
     same_steps(model, step, 17, 30, 5)
     assert decode(model, step, 40, 1) == decode(model, None, 40, 1)
     # A library built without the operator loaded is another file.
     monkeypatch.setattr(panels, "_loaded", None)
     assert step_path(model, rows=MANY_ROWS) != step.path
     monkeypatch.setattr(panels, "_loaded", panels.library_path(loaded))
-    step.path.chmod(0o620)  # the package is native code: the user's alone
+    calls.chmod(0o620)  # the description is native code's too: the user's alone
     with pytest.raises(PermissionError, match="not this user's alone"):
         load_compiled_step(model, rows=MANY_ROWS)

@@ -9,8 +9,8 @@ the final norm) is exported (``torch.export``) and compiled by AOTInductor into 
 library, with the decoder layers' weights frozen in and each matrix product either generated
 for its weight (Inductor's C++ GEMM template) or ATen's on the weight packed for oneDNN,
 whichever measured faster at compile time (or, where aiayn's own AVX2 product is loaded,
-:mod:`aiayn.accel.panels`, that product, called through AOTInductor's custom-operator
-call), once tuned for a few rows (one sentence, its beams),
+:mod:`aiayn.accel.panels`, that product, called through AOTInductor's custom-operator call:
+:func:`extern_calls`), once tuned for a few rows (one sentence, its beams),
 once for many (a greedy batch) and once for beam searches over many (:class:`BeamDecoderStep`).
 The embedding table is an input and the pre-softmax projection and log-softmax run outside,
 through the model's own modules, so that the library holds no copy of the model's largest
@@ -23,12 +23,13 @@ Compiling is slow (the longer, the larger the model), so a library is kept in th
 cache directory (:func:`compiled_dir`), named after a digest of the weights, the
 configuration, the code that is compiled, the rows it is tuned for, aiayn's and PyTorch's
 versions, the thread count and the CPU (:func:`step_key`), so that it is built once and
-found again by any later process (:func:`load_compiled_step`). It is built and loaded
-through AOTInductor's public entry points (``torch._inductor.aoti_compile_and_package``,
-``aoti_load_package``) as a ``.pt2`` package, with the library and its weights in it. It is
-native code: it is only ever loaded from that cache, and only from a file and directory that
-belong to the user and that nobody else may write (:func:`trusted`). A library that fails
-to load or to compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
+found again by any later process (:func:`load_compiled_step`). It is native code: it is only
+ever loaded from that cache, and only from a file and directory that belong to the user and
+that nobody else may write (:func:`trusted`). It is a bare shared library rather than a
+``.pt2`` package, whose loader holds about twice the weights' size more. Its weights are
+read from the file in place (:mod:`aiayn.accel.library_constants`, through an index of them
+written beside it), not from the copy AOTInductor's loader makes, which is freed. A library
+that fails to load or to compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
 
 :class:`CompiledCache` is the incremental decoder's state for the first, with the
 interface search uses (``reorder``, ``keep``): one row of keys and values per beam, gathered
@@ -48,28 +49,34 @@ import json
 import math
 import os
 import platform
+import shutil
+import stat
 import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 import aiayn
 from aiayn.accel import panels
-from aiayn.accel.cpu import torch_release
+from aiayn.accel.cpu import VERIFIED_TORCH, torch_release
+from aiayn.accel.library_constants import index_path, map_constants, write_index
 from aiayn.accel.linear import LogitsBuffer, ReluInProduct, logits_into
-from aiayn.accel.store import compiled_dir, require_trusted
+from aiayn.accel.memory import release_file_pages
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, keep_rows, row_moves
 from aiayn.model.feedforward import PositionwiseFeedForward
 from aiayn.model.layers import DecoderLayer
 from aiayn.model.transformer import Transformer, check_cache_size
+
+if TYPE_CHECKING:
+    from aiayn.accel import Acceleration
 
 # A model has three libraries, the same step tuned for three row counts (Inductor's GEMM
 # kernels are generated for the rows they are tuned with): FEW_ROWS serves decodes of up to
@@ -122,20 +129,27 @@ _INDUCTOR = {
     "freezing": True,
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
-    # The weights beside the library in the package, not in it: the loader reads them into
-    # memory once, where a library holding them would also keep the file's pages mapped
-    # (20 MB less per library at SMALL on an Intel Xeon).
-    "aot_inductor.package_constants_in_so": False,
-    "aot_inductor.package_constants_on_disk_format": "binary_blob",
+    "aot_inductor.force_mmap_weights": True,
+    "aot_inductor.package": False,
 }
-# The compiled step is built and tested with this release and later. PyTorch 2.11 failed its
-# equality tests and crashed one test process (an Intel Xeon host, 16 threads).
-MIN_TORCH = (2, 13)
+# The compiled step is loaded through AOTInductor's runner (torch._C._aoti) and reads its
+# weights through the library's C interface (library_constants): internals, used with the
+# releases they were verified with (accel.cpu.VERIFIED_TORCH) only. Its worth: one sentence
+# 1.3-1.6x faster (benchmarks/results/levers-<host>.md).
+MIN_TORCH = min(VERIFIED_TORCH)
 # What the library is compiled from: a change to any of these compiles it again.
 _SOURCES = (
     *("accel/compiled.py", "model/attention.py", "model/layers.py", "model/embedding.py"),
     *("model/feedforward.py", "model/transformer.py"),
 )
+
+
+def compiled_dir() -> Path:
+    """Where compiled steps are kept: ``compiled/`` in aiayn's cache directory
+    (``$AIAYN_CACHE``, else ``$XDG_CACHE_HOME/aiayn``, else ``~/.cache/aiayn``)."""
+    from aiayn.data.sources.download import default_cache_dir
+
+    return default_cache_dir() / "compiled"
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -170,9 +184,13 @@ def config_unsupported(config: ModelConfig) -> str | None:
 
 def _runtime_missing() -> str | None:
     """Why this PyTorch cannot run a compiled step, or None."""
-    if torch_release() < MIN_TORCH:
+    aoti = getattr(torch._C, "_aoti", None)
+    if aoti is None or not hasattr(aoti, "AOTIModelContainerRunnerCpu"):
+        return "this PyTorch has no AOTInductor"
+    if torch_release() not in VERIFIED_TORCH:
+        verified = ", ".join(f"{major}.{minor}" for major, minor in VERIFIED_TORCH)
         return (
-            f"the compiled step needs PyTorch {'.'.join(map(str, MIN_TORCH))} or later "
+            f"the compiled step uses PyTorch internals verified with PyTorch {verified} only "
             f"(this is {torch.__version__})"
         )
     return None
@@ -414,14 +432,14 @@ class CompiledCache(LogitsBuffer):
             self.self_k = [grown(t) for t in self.self_k]
             self.self_v = [grown(t) for t in self.self_v]
 
-    def step_inputs(self, tokens: Tensor, token_table: Tensor) -> tuple[Any, ...]:
-        """:class:`DecoderStep`'s arguments for the next step (room made for its position
-        first)."""
+    def step_inputs(self, tokens: Tensor, token_table: Tensor) -> list[Tensor]:
+        """:class:`DecoderStep`'s arguments for the next step, flattened in their order (room
+        made for its position first)."""
         if self.length == self.capacity:
             self.grow()
         position = torch.tensor([self.length])
-        caches = (self.self_k, self.self_v, self.cross_k, self.cross_v)
-        return (tokens.contiguous(), position, token_table, *caches, self.cross_mask)
+        caches = [*self.self_k, *self.self_v, *self.cross_k, *self.cross_v]
+        return [tokens.contiguous(), position, token_table, *caches, self.cross_mask]
 
     def reorder(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beams within their sentence: the memory stays).
@@ -488,23 +506,18 @@ class CompiledBeamCache(DecoderCache, LogitsBuffer):
         """Decoder rows (sentences × beam_size)."""
         return self.layers[0].self_k.size(1) * self.beam_size
 
-    def step_inputs(self, tokens: Tensor, token_table: Tensor) -> tuple[Any, ...]:
-        """:class:`BeamDecoderStep`'s arguments for the next step."""
+    def step_inputs(self, tokens: Tensor, token_table: Tensor) -> list[Tensor]:
+        """:class:`BeamDecoderStep`'s arguments for the next step, flattened in their order."""
         assert self.cross_mask is not None
         filled = self.length + 1
         layers = self.layers
-        inputs = (
-            tokens.contiguous(),
-            torch.tensor([self.length]),
-            token_table,
-            [layer.self_k[:filled] for layer in layers],
-            [layer.self_v[:filled] for layer in layers],
-            [layer.cross_k for layer in layers if layer.cross_k is not None],
-            [layer.cross_v for layer in layers if layer.cross_v is not None],
-            self.cross_mask,
-        )
+        inputs = [tokens.contiguous(), torch.tensor([self.length]), token_table]
+        inputs += [layer.self_k[:filled] for layer in layers]
+        inputs += [layer.self_v[:filled] for layer in layers]
+        inputs += [layer.cross_k for layer in layers if layer.cross_k is not None]
+        inputs += [layer.cross_v for layer in layers if layer.cross_v is not None]
         mask = self.self_attention_mask()  # (sentences, 1, beam, (length + 1) × beam)
-        return inputs if mask is None else (*inputs, mask)
+        return [*inputs, self.cross_mask] if mask is None else [*inputs, self.cross_mask, mask]
 
     def _select(self, sentences: Tensor) -> None:
         """Keep only ``sentences`` (:meth:`keep` checks the rows and moves the lineage). The
@@ -545,18 +558,27 @@ class CompiledStep:
     the model's parameters are the ones it was made from (:meth:`serves`)."""
 
     def __init__(self, path: Path, model: Transformer, rows: int = FEW_ROWS) -> None:
-        from torch._inductor import aoti_load_package
-
-        self.compiled = aoti_load_package(str(path))
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
         # The beams of a sentence it decodes (one: a set of keys and values a row), and
         # whether it is a BeamDecoderStep (position-major) or a DecoderStep.
         self.beam = beam_of(rows)
         self.position_major = position_major(rows)
+        # Whether another path decoded since this step last served, its file's pages handed
+        # back then (BufferedDecoding).
+        self.idle = False
+        # The decoder layers' weights read from the library's file, not the loader's copy
+        # (where the library was indexed when it was built and the index is the user's).
+        index = index_path(path)
+        trusted_index = index.is_file() and trusted(index)
+        self.constants = map_constants(self.runner, path, index) if trusted_index else None
         self._parameters = _identity(model)
         # What the step takes from the model rather than holding a copy (DecoderStep).
         self.token_table = model.tgt_embed.token.weight.detach()  # its storage, once
         self.out_proj = model.out_proj
+        # The file's pages leave the process: the loader's mapping and the views' share them,
+        # and MADV_PAGEOUT skips a page that two mappings hold.
+        release_file_pages(path, cached=True)
 
     def serves(self, model: nn.Module, memory: Tensor) -> bool:
         """Whether this step is ``model``'s as it is now (the same parameter tensors,
@@ -630,7 +652,7 @@ class CompiledStep:
     def log_probs_step(self, tokens: Tensor, cache: CompiledCache | CompiledBeamCache) -> Tensor:
         if cache.length >= cache.max_len:
             raise ValueError(f"cache is full ({cache.max_len} positions)")
-        hidden = self.compiled(*cache.step_inputs(tokens, self.token_table))
+        (hidden,) = self.runner.run(cache.step_inputs(tokens, self.token_table))
         cache.length += 1
         with torch.no_grad():
             logits = logits_into(self.out_proj, hidden, cache)
@@ -745,11 +767,30 @@ def step_paths(
     """Where ``model``'s compiled steps tuned for ``rows`` rows are kept (:func:`step_keys`)."""
     folder = directory or compiled_dir()
     keys = step_keys(model, rows, folder)
-    return {n: folder / f"decoder-step-{key}.pt2" for n, key in keys.items()}
+    return {n: folder / f"decoder-step-{key}.so" for n, key in keys.items()}
 
 
 def step_path(model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS) -> Path:
     return step_paths(model, directory, (rows,))[rows]
+
+
+def trusted(path: Path) -> bool:
+    """Whether ``path`` and its directory belong to this user and nobody else may write them
+    (native code is loaded from it)."""
+    getuid = getattr(os, "getuid", None)
+    for item in (path, path.parent):
+        info = item.stat()
+        if getuid is not None and info.st_uid != getuid():
+            return False
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
+
+
+def require_trusted(path: Path) -> None:
+    """Raise ``PermissionError`` where ``path`` is not :func:`trusted`."""
+    if not trusted(path):
+        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
 
 
 def load_compiled_step(
@@ -767,14 +808,22 @@ def load_compiled_step(
 def _any_compiled(folder: Path) -> bool:
     """Whether any step was ever compiled into ``folder`` (where none was, no digest of the
     weights is made)."""
-    return any(folder.glob("decoder-step-*.pt2"))
+    return any(folder.glob("decoder-step-*.so"))
 
 
 def _load(path: Path, model: Transformer, rows: int = FEW_ROWS) -> CompiledStep | None:
     if not path.is_file():
         return None
     require_trusted(path)
+    if extern_calls(path).exists():  # the runner reads it where it is there
+        require_trusted(extern_calls(path))
     return CompiledStep(path, model, rows)
+
+
+def extern_calls(library: Path) -> Path:
+    """Where AOTInductor's runner looks for the description of the operators ``library``
+    calls outside PyTorch's own: ``<stem>.json`` beside it."""
+    return library.with_suffix(".json")
 
 
 def compile_step(
@@ -821,15 +870,32 @@ def _load_or_compile(
     return step
 
 
-def compiled_steps(
-    model: Transformer, build: bool, warn: Callable[[str], None]
-) -> dict[str, CompiledStep]:
-    """``model``'s compiled steps by the attribute of
-    :class:`~aiayn.accel.decoding.BufferedDecoding` that holds each, tuned for few rows
-    (``compiled_step``), for many (``compiled_batch_step``) and for beam searches over many
-    (``compiled_beam_step``): those compiled on this machine before or (``build``) compiled
-    now. What goes wrong (a library that does not load, a compiler that fails) is told to
-    ``warn``, and the steps found until then are given."""
+def use_compiled_step(
+    model: nn.Module,
+    acceleration: Acceleration,
+    build: bool,
+    warn: Callable[[str], None],
+) -> CompiledStep | None:
+    """Give the accelerated ``model`` (a :class:`~aiayn.accel.BufferedDecoding`) its compiled
+    steps, tuned for few rows (``compiled_step``), for many (``compiled_batch_step``) and for
+    beam searches over many (``compiled_beam_step``), those compiled on this machine before or
+    (``build``) compiled now, and return the first of them it has, or None. What goes wrong
+    is told to ``warn`` (a failed load or compile always; a model the step does not serve with
+    ``build``), and the decodes the step would have served stay eager.
+    :meth:`Acceleration.undo` takes the steps away."""
+    from aiayn.accel.decoding import BufferedDecoding
+
+    if not acceleration.wants("compiled decoder step"):  # left out (accelerate's disable)
+        return None
+    reason = unsupported(model)
+    if reason is None and not isinstance(model, BufferedDecoding):
+        reason = "the compiled step serves the accelerated model (accelerated=False)"
+    if reason is not None:
+        if build:
+            warn(f"compiled step: {reason}; decoding without it")
+        return None
+    assert isinstance(model, BufferedDecoding)
+
     said = False
 
     def say_compiling() -> None:
@@ -840,11 +906,11 @@ def compiled_steps(
 
     folder = compiled_dir()
     if not build and not _any_compiled(folder):
-        return {}
+        return None
     _load_panels(folder, build, warn)  # the packs made after this call take it too
-    steps: dict[str, CompiledStep] = {}
+    steps: list[CompiledStep] = []
     try:
-        paths = step_paths(model, folder)  # the weights' digest, once for all
+        paths = step_paths(model, folder)  # the weights' digest, once for both
         for rows, name in zip(LIBRARIES, _ATTRIBUTES, strict=True):
             path = paths[rows]
             step = (
@@ -853,11 +919,14 @@ def compiled_steps(
                 else _load(path, model, rows)
             )
             if step is not None:
-                steps[name] = step
+                acceleration._set(model, name, step)
+                steps.append(step)
     except Exception as error:  # a library that does not load, a compiler that fails
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warn(f"compiled step: {first[:300]}; decoding without it")
-    return steps
+    if steps:
+        acceleration.use("compiled decoder step")
+    return steps[0] if steps else None
 
 
 def library_products(model: nn.Module) -> list[nn.Module]:
@@ -933,7 +1002,7 @@ def _relu_in_product(ffn: PositionwiseFeedForward) -> ReluInProduct:
 # no gradient (with it, every product of the 64-row library is an unpacked addmm that packs
 # its weight again at every call, and slower: docs/performance.md).
 @torch.no_grad()
-def _export(model: Transformer, rows: int) -> torch.export.ExportedProgram:
+def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     from torch.export import Dim
 
     # A copy: the accelerated model's packed products are not what Inductor should see
@@ -1002,22 +1071,27 @@ def _export(model: Transformer, rows: int) -> torch.export.ExportedProgram:
     if mask_shape is not None:  # the beams' self-attention mask, 0 or -inf
         args += (torch.zeros(n, 1, beam, slots * beam),)
         shapes += (mask_shape,)
-    return torch.export.export(step, args, dynamic_shapes=shapes)
-
-
-@torch.no_grad()
-def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
-    exported = _export(model, rows)
+    exported = torch.export.export(step, args, dynamic_shapes=shapes)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # Packaged beside its final name, then moved into place (atomically): a half-written
-    # package is never found.
-    handle, work = tempfile.mkstemp(prefix=path.stem + ".", suffix=".pt2", dir=path.parent)
-    os.close(handle)
+    # AOTInductor writes its sources beside the library: a directory of its own, then only
+    # the library is moved into place (atomically).
+    work = Path(tempfile.mkdtemp(prefix=path.stem + ".", dir=path.parent))
     try:
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=work, inductor_configs=dict(_INDUCTOR)
-        )
-        os.chmod(work, 0o600)
-        os.replace(work, path)
+        options = dict(_INDUCTOR) | {"aot_inductor.output_path": str(work / path.name)}
+        built = torch._inductor.aot_compile(exported.module(), args, options=options)
+        os.chmod(str(built), 0o700)
+        # An index is only ever of the library beside it. It is made from the library in
+        # place: the library's loader reads the weights from the path it was loaded from.
+        index = index_path(path)
+        index.unlink(missing_ok=True)
+        # The description of the operators the library calls outside PyTorch's own (the
+        # panels'), which its runner reads beside it: in place before the library.
+        calls = extern_calls(path)
+        calls.unlink(missing_ok=True)
+        for description in work.glob("*.wrapper.json"):
+            os.chmod(description, 0o600)
+            os.replace(description, calls)
+        os.replace(str(built), path)
+        write_index(path, index)
     finally:
-        Path(work).unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)

@@ -8,36 +8,24 @@ full row count, as the compiled step's caches are), projects into it with ``mm(o
 allocates a vocabulary-sized matrix (figures: docs/performance.md). The result is valid until
 the next step on that cache, which is how search uses it.
 
-With a compiled step (:mod:`aiayn.accel.compiled`, :func:`use_compiled_step`),
+With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.compiled.use_compiled_step`),
 decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and beam
 searches of :data:`~aiayn.accel.compiled.BEAM` beams over more go through it instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from aiayn.accel import panels
-from aiayn.accel.compiled import (
-    BEAM,
-    MAX_ROWS,
-    CompiledBeamCache,
-    CompiledCache,
-    CompiledStep,
-    compiled_steps,
-    unsupported,
-)
+from aiayn.accel.compiled import BEAM, MAX_ROWS, CompiledBeamCache, CompiledCache, CompiledStep
 from aiayn.accel.linear import LogitsBuffer, logits_into
+from aiayn.accel.memory import release_file_pages
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import Transformer
-
-if TYPE_CHECKING:
-    from aiayn.accel import Acceleration
 
 
 @dataclass
@@ -56,7 +44,7 @@ class BufferedDecoding(Transformer):
     without autograd and while the model's parameters are those they were compiled from,
     decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and
     beam searches of :data:`~aiayn.accel.compiled.BEAM` beams over more
-    (:func:`use_compiled_step` sets them)."""
+    (:func:`aiayn.accel.compiled.use_compiled_step` sets them)."""
 
     compiled_step: CompiledStep | None = None
     compiled_batch_step: CompiledStep | None = None
@@ -75,7 +63,15 @@ class BufferedDecoding(Transformer):
             chosen = beams if beam_size == BEAM else None
         if chosen is not None and (torch.is_grad_enabled() or not chosen.serves(self, memory)):
             chosen = None
+        for step in (few, many, beams):
+            if step is not None and step is not chosen and not step.idle:
+                # The path that serves now reads other weights (the packs, the other
+                # library's): this library's pages go back until it serves again (read from
+                # its file then).
+                step.idle = True
+                release_file_pages(step.path, cached=True)
         if chosen is not None:
+            chosen.idle = False
             return chosen.init_cache(self, memory, src_pad, max_len, beam_size)
         cache = super().init_cache(memory, src_pad, max_len, beam_size)
         return BufferedCache(**{f.name: getattr(cache, f.name) for f in fields(cache)})
@@ -102,33 +98,3 @@ class BufferedDecoding(Transformer):
             return panels.log_softmax_(logits)
         buffer = cache.rows_buffer(logits.size(0), logits.size(1), logits.device)
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=buffer)
-
-
-def use_compiled_step(
-    model: nn.Module,
-    acceleration: Acceleration,
-    build: bool,
-    warn: Callable[[str], None],
-) -> CompiledStep | None:
-    """Give the accelerated ``model`` (a :class:`BufferedDecoding`) its compiled steps
-    (:func:`~aiayn.accel.compiled.compiled_steps`), those compiled on this machine before or
-    (``build``) compiled now, and return the first of them it has, or None. What goes wrong
-    is told to ``warn`` (a failed load or compile always; a model the step does not serve with
-    ``build``), and the decodes the step would have served stay eager.
-    :meth:`Acceleration.undo` takes the steps away."""
-    if not acceleration.wants("compiled decoder step"):  # left out (accelerate's disable)
-        return None
-    reason = unsupported(model)
-    if reason is None and not isinstance(model, BufferedDecoding):
-        reason = "the compiled step serves the accelerated model (accelerated=False)"
-    if reason is not None:
-        if build:
-            warn(f"compiled step: {reason}; decoding without it")
-        return None
-    assert isinstance(model, BufferedDecoding)
-    steps = compiled_steps(model, build, warn)
-    for name, step in steps.items():
-        acceleration._set(model, name, step)
-    if steps:
-        acceleration.use("compiled decoder step")
-    return next(iter(steps.values()), None)

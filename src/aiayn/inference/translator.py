@@ -30,7 +30,7 @@ from aiayn.accel import (
     accelerate,
     cpu_has_bfloat16,
 )
-from aiayn.accel.decoding import use_compiled_step
+from aiayn.accel.compiled import use_compiled_step
 from aiayn.config import (
     MAX_ALPHA,
     DecodeConfig,
