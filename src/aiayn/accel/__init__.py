@@ -36,7 +36,7 @@ from torch import nn
 from aiayn.accel import memory, panels
 from aiayn.accel.attention import Float32Attention, PanelAttention, StepAttention
 from aiayn.accel.compiled import library_products, step_products
-from aiayn.accel.cpu import cpu_has_bfloat16, cpu_vendor, private_ops_unverified
+from aiayn.accel.cpu import cpu_has_bfloat16, private_ops_unverified
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
 from aiayn.accel.levers import LEVERS, disabled_levers
@@ -44,6 +44,7 @@ from aiayn.accel.linear import (
     CpuLinear,
     ReluInProduct,
     fp32_pack_library,
+    onednn_for_float32,
     pack,
     unwatch_optimizer_steps,
     watch_optimizer_steps,
@@ -249,7 +250,7 @@ def accelerate(
                 f"{PRECISION_DTYPES[precision]}, not {sorted(map(str, weights))}"
             )
     bf16 = precision == "bf16"
-    if mode == "decode" and (bf16 or pack_weights or cpu_vendor() not in ("GenuineIntel", "")):
+    if mode == "decode" and (bf16 or pack_weights or onednn_for_float32()):
         _say_once(private_ops_unverified())  # where decoding would pack weights
     if wants("grid dropout"):
         acceleration._swap(model, [nn.Dropout, Residual], "grid dropout")

@@ -42,7 +42,6 @@ sizes over more rows decode eagerly.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -64,7 +63,7 @@ from torch import Tensor, nn
 
 import aiayn
 from aiayn.accel import panels
-from aiayn.accel.cpu import VERIFIED_TORCH, torch_release
+from aiayn.accel.cpu import cpu_flags, unverified
 from aiayn.accel.library_constants import index_path, map_constants, write_index
 from aiayn.accel.linear import LogitsBuffer, ReluInProduct, logits_into
 from aiayn.accel.memory import release_file_pages
@@ -132,11 +131,6 @@ _INDUCTOR = {
     "aot_inductor.force_mmap_weights": True,
     "aot_inductor.package": False,
 }
-# The compiled step is loaded through AOTInductor's runner (torch._C._aoti) and reads its
-# weights through the library's C interface (library_constants): internals, used with the
-# releases they were verified with (accel.cpu.VERIFIED_TORCH) only. Its worth: one sentence
-# 1.3-1.6x faster (benchmarks/results/levers-<host>.md).
-MIN_TORCH = min(VERIFIED_TORCH)
 # What the library is compiled from: a change to any of these compiles it again.
 _SOURCES = (
     *("accel/compiled.py", "model/attention.py", "model/layers.py", "model/embedding.py"),
@@ -187,13 +181,11 @@ def _runtime_missing() -> str | None:
     aoti = getattr(torch._C, "_aoti", None)
     if aoti is None or not hasattr(aoti, "AOTIModelContainerRunnerCpu"):
         return "this PyTorch has no AOTInductor"
-    if torch_release() not in VERIFIED_TORCH:
-        verified = ", ".join(f"{major}.{minor}" for major, minor in VERIFIED_TORCH)
-        return (
-            f"the compiled step uses PyTorch internals verified with PyTorch {verified} only "
-            f"(this is {torch.__version__})"
-        )
-    return None
+    # The step is loaded through AOTInductor's runner (torch._C._aoti) and reads its weights
+    # through the library's C interface (library_constants): internals, used with the
+    # releases they were verified with only. Its worth: one sentence 1.3-1.6x faster
+    # (benchmarks/results/levers-<host>.md).
+    return unverified("the compiled step uses PyTorch internals")
 
 
 def cannot_build() -> str | None:
@@ -726,11 +718,7 @@ def step_keys(
     digest = hashlib.sha256()
     config = {k: str(v) for k, v in vars(model.config).items()}
     cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith(("flags", "Features")):
-                cpu.append(line)
-                break
+    cpu.append("flags " + " ".join(sorted(cpu_flags())))
     # The compiler's target, where it is set (Inductor's cpp.march, TORCHINDUCTOR_CPP_MARCH by
     # default; else the host's own). Read from Inductor's config only where a compile has
     # imported it: the import adds to a decoding process's memory (docs/performance.md), and

@@ -21,16 +21,19 @@ def torch_release() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def private_ops_unverified() -> str | None:
-    """Why the levers that call PyTorch's underscore-prefixed operators are off with this
-    PyTorch, or None where it is one they were verified with."""
+def unverified(what: str) -> str | None:
+    """``what`` (something that uses PyTorch internals) and why it is off with this PyTorch,
+    in one line, or None where this PyTorch is one of :data:`VERIFIED_TORCH`."""
     if torch_release() in VERIFIED_TORCH:
         return None
     verified = ", ".join(f"{major}.{minor}" for major, minor in VERIFIED_TORCH)
-    return (
-        f"packed weights are off: they call PyTorch operators that are not public, verified "
-        f"with PyTorch {verified} only (this is {torch.__version__})"
-    )
+    return f"{what}, verified with PyTorch {verified} only (this is {torch.__version__})"
+
+
+def private_ops_unverified() -> str | None:
+    """Why the levers that call PyTorch's underscore-prefixed operators are off with this
+    PyTorch, or None where it is one they were verified with."""
+    return unverified("packed weights are off: they call PyTorch operators that are not public")
 
 
 @cache

@@ -95,11 +95,16 @@ def fp32_pack_library() -> str | None:
     its step's products into :mod:`aiayn.accel.panels`' panels instead where that product is
     loaded: :func:`aiayn.accel.accelerate`.)"""
     mkl, onednn = packing_available(), onednn_packing_available()
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    vendor = cpu_vendor()
-    if onednn and (not mkl or (x86 and vendor not in ("", "GenuineIntel"))):
+    if onednn and (not mkl or onednn_for_float32()):
         return "onednn"
     return "mkl" if mkl else None
+
+
+def onednn_for_float32() -> bool:
+    """Whether float32 weights are oneDNN's to pack here, where both libraries are there: an
+    x86 CPU whose vendor is known and not Intel (:func:`fp32_pack_library`)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and cpu_vendor() not in ("", "GenuineIntel")
 
 
 # -- optimizer steps make every pack stale ---------------------------------------------------

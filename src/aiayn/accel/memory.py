@@ -133,8 +133,6 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 # -- pages of mapped files ---------------------------------------------------------------------
 
-_MADV_NORMAL = 0
-_MADV_RANDOM = 1  # read only the page that is touched, not the ones around it
 _MADV_DONTNEED = 4  # a file's pages leave this process; the kernel's page cache keeps them
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages; a private page written to stays
 _PAGE = mmap.PAGESIZE
