@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
@@ -69,3 +70,32 @@ def head(path: Path, out: Path, lines: int) -> Path:
     kept = path.read_text(encoding="utf-8").splitlines()[:lines]
     out.write_text("\n".join(kept) + "\n", encoding="utf-8")
     return out
+
+
+def open_engine(
+    checkpoint: str | Path,
+    engine: str,
+    quantize: str | None,
+    threads: int,
+    overrides: dict[str, Any],
+    process_settings: bool = False,
+) -> Any:
+    """A translator of ``checkpoint`` on the CPU: aiayn's own (``engine`` ``"torch"``) on
+    ``threads`` threads, or CTranslate2's (``"ctranslate2"``) with its ``quantize`` weights."""
+    if engine == "torch":
+        import torch
+
+        from aiayn.inference.translator import Translator
+
+        torch.set_num_threads(threads)
+        return Translator.from_checkpoint(
+            checkpoint,
+            device="cpu",
+            decode_overrides=overrides,
+            process_settings=process_settings,
+        )[0]
+    from aiayn.interop.ct2_translator import Ct2Translator
+
+    return Ct2Translator.from_checkpoint(
+        checkpoint, decode_overrides=overrides, quantize=quantize, threads=threads
+    )[0]

@@ -44,7 +44,7 @@ from benchmarks.common import (  # noqa: E402
     wait_for_quiet,
 )
 
-from experiments import add_output_options, bleu, head, output_folders, worker_env  # noqa: E402
+from experiments import add_output_options, bleu, head, open_engine, output_folders, worker_env  # noqa: E402
 
 WARMUP_LINES = 32
 QUICK_LINES = 10
@@ -72,24 +72,7 @@ def worker(args: argparse.Namespace) -> None:
 
     lines = read_lines(args.source)
     overrides = {"beam_size": args.beam, "beam_rule": args.rule}
-    if args.engine == "torch":
-        import torch
-
-        from aiayn.inference.translator import Translator
-
-        torch.set_num_threads(args.threads)
-        translator: Any = Translator.from_checkpoint(
-            args.checkpoint, device="cpu", decode_overrides=overrides
-        )[0]
-    else:
-        from aiayn.interop.ct2_translator import Ct2Translator
-
-        translator = Ct2Translator.from_checkpoint(
-            args.checkpoint,
-            decode_overrides=overrides,
-            quantize=args.quantize,
-            threads=args.threads,
-        )[0]
+    translator = open_engine(args.checkpoint, args.engine, args.quantize, args.threads, overrides)
     translator.translate_nbest(lines[:WARMUP_LINES])
     start = time.perf_counter()
     results = translator.translate_nbest(lines)
@@ -107,15 +90,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def cpu_flags() -> list[str]:
     """The CPU's AVX-512 and AMX flags (from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(("avx512", "amx")))
-    except OSError:
-        pass
-    return []
+    from aiayn.accel.cpu import cpu_flags as all_flags
+
+    return sorted(f for f in all_flags() if f.startswith(("avx512", "amx")))
 
 
 def run_worker(

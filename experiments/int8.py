@@ -48,7 +48,7 @@ from benchmarks.common import (  # noqa: E402
     wait_for_quiet,
 )
 
-from experiments import add_output_options, bleu, head, output_folders, worker_env  # noqa: E402
+from experiments import add_output_options, bleu, head, open_engine, output_folders, worker_env  # noqa: E402
 
 WARMUP_LINES = 32
 BATCH = 64
@@ -74,26 +74,14 @@ def worker(args: argparse.Namespace) -> None:
     lines = read_lines(args.source)
     # Batches of BATCH lines are made here: the token budget never splits one.
     overrides = {"beam_size": BEAM, "batch_tokens": 1 << 20}
-    translator: Any
+    translator = open_engine(
+        args.checkpoint, args.engine, args.quantize, args.threads, overrides, process_settings=True
+    )
     details: dict[str, Any] = {}
     if args.engine == "torch":
-        import torch
-
-        from aiayn.inference.translator import Translator
-
-        torch.set_num_threads(args.threads)
-        translator = Translator.from_checkpoint(
-            args.checkpoint, device="cpu", decode_overrides=overrides, process_settings=True
-        )[0]
         assert translator.acceleration is not None
         details["levers"] = list(translator.acceleration.levers)
     else:
-        from aiayn.interop.ct2_translator import Ct2Translator
-
-        translator = Ct2Translator.from_checkpoint(
-            args.checkpoint, decode_overrides=overrides, quantize=args.quantize,
-            threads=args.threads,
-        )[0]  # fmt: skip
         details["compute_type"] = translator.compute_type
     details["beam_rule"] = translator.decode.beam_rule
     translator.translate(lines[:WARMUP_LINES])
