@@ -93,7 +93,9 @@ def use_compiled_step(model: Any, acceleration: Any) -> None:
     machine (``translate --compiled-step`` compiles it): compiled here the first time."""
     import sys
 
-    from aiayn.accel.compiled import compiled_dir, step_paths, unsupported, use_compiled_step
+    from aiayn.accel import use_compiled_step
+    from aiayn.accel.compiled import step_paths, unsupported
+    from aiayn.accel.store import compiled_dir
 
     if unsupported(model) is not None:
         return

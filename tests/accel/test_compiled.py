@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.accel import Acceleration, BufferedDecoding, CpuLinear, accelerate, panels
+from aiayn.accel import (
+    Acceleration,
+    BufferedDecoding,
+    CpuLinear,
+    accelerate,
+    panels,
+    use_compiled_step,
+)
 from aiayn.accel.compiled import (
     BEAM,
     BEAM_ROWS,
@@ -37,10 +44,9 @@ from aiayn.accel.compiled import (
     load_compiled_step,
     step_key,
     step_path,
-    trusted,
     unsupported,
-    use_compiled_step,
 )
+from aiayn.accel.store import trusted
 from aiayn.config import ModelConfig
 from aiayn.inference.search import beam_search, greedy_search
 from aiayn.model.attention import MultiHeadAttention

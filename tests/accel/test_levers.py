@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16, memory
-from aiayn.accel.compiled import use_compiled_step
+from aiayn.accel import Acceleration, accelerate, cpu_has_bfloat16, memory, use_compiled_step
 from aiayn.accel.levers import BY_NAME, LEVERS, NAMES, disabled_levers, markdown_table
 from aiayn.accel.linear import onednn_packing_available
 from aiayn.config import ModelConfig

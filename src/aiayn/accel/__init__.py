@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aiayn.accel import memory, panels
+from aiayn.accel import compiled, memory, panels
 from aiayn.accel.attention import Float32Attention, PanelAttention, StepAttention
-from aiayn.accel.compiled import library_products, step_products
+from aiayn.accel.compiled import CompiledStep, library_products, step_products
 from aiayn.accel.cpu import cpu_has_bfloat16, private_ops_unverified
 from aiayn.accel.decoding import BufferedDecoding
 from aiayn.accel.dropout import GridDropout, GridResidual
@@ -67,6 +67,7 @@ __all__ = [
     "StepAttention",
     "accelerate",
     "cpu_has_bfloat16",
+    "use_compiled_step",
 ]
 
 Mode = Literal["train", "decode"]
@@ -336,6 +337,32 @@ def accelerate(
 
 
 _said: set[str] = set()
+
+
+def use_compiled_step(
+    model: nn.Module,
+    acceleration: Acceleration,
+    build: bool,
+    warn: Callable[[str], None],
+) -> CompiledStep | None:
+    """Give the accelerated ``model`` (a :class:`BufferedDecoding`) its compiled steps, tuned
+    for few rows (``compiled_step``), for many (``compiled_batch_step``) and for beam searches
+    over many (``compiled_beam_step``), those compiled on this machine before or (``build``)
+    compiled now, and return the first of them it has, or None (:mod:`aiayn.accel.compiled`).
+    What goes wrong is told to ``warn`` (a failed load or compile always; a model the step
+    does not serve with ``build``), and the decodes the step would have served stay eager.
+    :meth:`Acceleration.undo` takes the steps away."""
+    if not acceleration.wants("compiled decoder step"):  # left out (accelerate's disable)
+        return None
+    reason = compiled.unsupported(model)
+    if reason is None and not isinstance(model, BufferedDecoding):
+        reason = "the compiled step serves the accelerated model (accelerated=False)"
+    if reason is not None:
+        if build:
+            warn(f"compiled step: {reason}; decoding without it")
+        return None
+    assert isinstance(model, BufferedDecoding)
+    return compiled.attach_steps(model, acceleration, build, warn)
 
 
 def _say_once(reason: str | None) -> None:

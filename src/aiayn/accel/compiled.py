@@ -20,16 +20,17 @@ Python in it and one graph serves every row count, source length and output leng
 cache's positions grow as the output does: :attr:`CompiledCache.capacity`).
 
 Compiling is slow (the longer, the larger the model), so a library is kept in the user's
-cache directory (:func:`compiled_dir`), named after a digest of the weights, the
+cache directory (:func:`~aiayn.accel.store.compiled_dir`), named after a digest of the weights, the
 configuration, the code that is compiled, the rows it is tuned for, aiayn's and PyTorch's
 versions, the thread count and the CPU (:func:`step_key`), so that it is built once and
 found again by any later process (:func:`load_compiled_step`). It is native code: it is only
 ever loaded from that cache, and only from a file and directory that belong to the user and
-that nobody else may write (:func:`trusted`). It is a bare shared library rather than a
-``.pt2`` package, whose loader holds about twice the weights' size more. Its weights are
-read from the file in place (:mod:`aiayn.accel.library_constants`, through an index of them
-written beside it), not from the copy AOTInductor's loader makes, which is freed. A library
-that fails to load or to compile leaves decoding eager, with a warning (:func:`use_compiled_step`).
+that nobody else may write (:func:`~aiayn.accel.store.trusted`). It is a bare shared
+library rather than a ``.pt2`` package, whose loader holds about twice the weights' size
+more. Its weights are read from the file in place (:mod:`aiayn.accel.library_constants`,
+through an index of them written beside it), not from the copy AOTInductor's loader makes,
+which is freed. A library that fails to load or to compile leaves decoding eager, with a warning
+(:func:`aiayn.accel.use_compiled_step`).
 
 :class:`CompiledCache` is the incremental decoder's state for the first, with the
 interface search uses (``reorder``, ``keep``): one row of keys and values per beam, gathered
@@ -49,7 +50,6 @@ import math
 import os
 import platform
 import shutil
-import stat
 import sys
 import tempfile
 import warnings
@@ -67,6 +67,7 @@ from aiayn.accel.cpu import cpu_flags, unverified
 from aiayn.accel.library_constants import index_path, map_constants, write_index
 from aiayn.accel.linear import LogitsBuffer, ReluInProduct, logits_into
 from aiayn.accel.memory import release_file_pages
+from aiayn.accel.store import compiled_dir, require_trusted, trusted
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, keep_rows, row_moves
@@ -136,14 +137,6 @@ _SOURCES = (
     *("accel/compiled.py", "model/attention.py", "model/layers.py", "model/embedding.py"),
     *("model/feedforward.py", "model/transformer.py"),
 )
-
-
-def compiled_dir() -> Path:
-    """Where compiled steps are kept: ``compiled/`` in aiayn's cache directory
-    (``$AIAYN_CACHE``, else ``$XDG_CACHE_HOME/aiayn``, else ``~/.cache/aiayn``)."""
-    from aiayn.data.sources.download import default_cache_dir
-
-    return default_cache_dir() / "compiled"
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -762,31 +755,12 @@ def step_path(model: Transformer, directory: Path | None = None, rows: int = FEW
     return step_paths(model, directory, (rows,))[rows]
 
 
-def trusted(path: Path) -> bool:
-    """Whether ``path`` and its directory belong to this user and nobody else may write them
-    (native code is loaded from it)."""
-    getuid = getattr(os, "getuid", None)
-    for item in (path, path.parent):
-        info = item.stat()
-        if getuid is not None and info.st_uid != getuid():
-            return False
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return True
-
-
-def require_trusted(path: Path) -> None:
-    """Raise ``PermissionError`` where ``path`` is not :func:`trusted`."""
-    if not trusted(path):
-        raise PermissionError(f"{path}: not loaded: it or its directory is not this user's alone")
-
-
 def load_compiled_step(
     model: Transformer, directory: Path | None = None, rows: int = FEW_ROWS
 ) -> CompiledStep | None:
     """The compiled step of ``model`` tuned for ``rows`` rows if it was compiled on this
     machine, else None. Raises ``PermissionError`` for a library that this user does not
-    alone own (:func:`trusted`)."""
+    alone own (:func:`~aiayn.accel.store.trusted`)."""
     folder = directory or compiled_dir()
     if unsupported(model) is not None or not _any_compiled(folder):
         return None
@@ -858,32 +832,16 @@ def _load_or_compile(
     return step
 
 
-def use_compiled_step(
-    model: nn.Module,
+def attach_steps(
+    model: Transformer,
     acceleration: Acceleration,
     build: bool,
     warn: Callable[[str], None],
 ) -> CompiledStep | None:
-    """Give the accelerated ``model`` (a :class:`~aiayn.accel.BufferedDecoding`) its compiled
-    steps, tuned for few rows (``compiled_step``), for many (``compiled_batch_step``) and for
-    beam searches over many (``compiled_beam_step``), those compiled on this machine before or
-    (``build``) compiled now, and return the first of them it has, or None. What goes wrong
-    is told to ``warn`` (a failed load or compile always; a model the step does not serve with
-    ``build``), and the decodes the step would have served stay eager.
-    :meth:`Acceleration.undo` takes the steps away."""
-    from aiayn.accel.decoding import BufferedDecoding
-
-    if not acceleration.wants("compiled decoder step"):  # left out (accelerate's disable)
-        return None
-    reason = unsupported(model)
-    if reason is None and not isinstance(model, BufferedDecoding):
-        reason = "the compiled step serves the accelerated model (accelerated=False)"
-    if reason is not None:
-        if build:
-            warn(f"compiled step: {reason}; decoding without it")
-        return None
-    assert isinstance(model, BufferedDecoding)
-
+    """Give ``model``, an accelerated model the step serves (:func:`aiayn.accel.use_compiled_step`
+    checks it), its compiled steps: those compiled on this machine before or (``build``)
+    compiled now; return the first of them it has, or None. A library that fails to load or
+    to compile is told to ``warn``, and the decodes it would have served stay eager."""
     said = False
 
     def say_compiling() -> None:

@@ -8,7 +8,7 @@ full row count, as the compiled step's caches are), projects into it with ``mm(o
 allocates a vocabulary-sized matrix (figures: docs/performance.md). The result is valid until
 the next step on that cache, which is how search uses it.
 
-With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.compiled.use_compiled_step`),
+With a compiled step (:mod:`aiayn.accel.compiled`, :func:`~aiayn.accel.use_compiled_step`),
 decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and beam
 searches of :data:`~aiayn.accel.compiled.BEAM` beams over more go through it instead.
 """
@@ -44,7 +44,7 @@ class BufferedDecoding(Transformer):
     without autograd and while the model's parameters are those they were compiled from,
     decodes of up to :data:`~aiayn.accel.compiled.MAX_ROWS` rows, greedy decodes of more and
     beam searches of :data:`~aiayn.accel.compiled.BEAM` beams over more
-    (:func:`aiayn.accel.compiled.use_compiled_step` sets them)."""
+    (:func:`aiayn.accel.use_compiled_step` sets them)."""
 
     compiled_step: CompiledStep | None = None
     compiled_batch_step: CompiledStep | None = None

@@ -77,7 +77,7 @@ LEVERS: tuple[Lever, ...] = (
         "fp32 Transformers, once compiled on the machine (Translator, translate "
         "--compiled-step): up to 16 rows, greedy decodes and beam 4 searches of more",
         "BufferedDecoding.compiled_step, compiled_batch_step, compiled_beam_step "
-        "(accel.compiled.use_compiled_step); the compiled libraries' weights read from their "
+        "(accel.use_compiled_step); the compiled libraries' weights read from their "
         "file; an idle library's pages handed back while other decodes serve",
         "the attributes removed",
         needs=("one buffer per decode",),

@@ -17,7 +17,7 @@ a while by a busy host does less of it; the results do not depend on who took wh
 Figures: docs/performance.md.
 
 It is native code built on the machine (g++, PyTorch's headers), like the compiled decoder
-step and at the same moment (:func:`aiayn.accel.compiled.use_compiled_step`: ``translate
+step and at the same moment (:func:`aiayn.accel.use_compiled_step`: ``translate
 --compiled-step``), into the same cache directory, named after a digest of its source,
 PyTorch's version and the compiler's flags (:func:`library_path`), and only loaded from a
 file and directory that are the user's alone. Once loaded into a process, float32 weights that
@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from aiayn import native as native_kernels
 from aiayn.accel.cpu import cpu_flags
+from aiayn.accel.store import compiled_dir, require_trusted
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -85,8 +86,6 @@ def _command(compiler: str, output: Path) -> list[str]:
 def library_path(directory: Path | None = None) -> Path:
     """Where the built product is kept: the compiled steps' directory, named after a digest
     of its source, PyTorch's version and the flags it is built with."""
-    from aiayn.accel.compiled import compiled_dir
-
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update("\n".join([torch.__version__, *FLAGS]).encode())
     return (directory or compiled_dir()) / f"panel-gemm-{digest.hexdigest()[:32]}.so"
@@ -118,8 +117,6 @@ def load(directory: Path | None = None, build: bool = False) -> bool:
         if not build:
             return False
         _build(path)
-    from aiayn.accel.compiled import require_trusted
-
     require_trusted(path)
     if not _registered():  # the operators of a copy loaded before serve (one set a process)
         torch.ops.load_library(str(path))

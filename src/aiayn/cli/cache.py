@@ -69,7 +69,7 @@ def _mb(n: int) -> str:
 
 def _parts() -> dict[str, list[Path]]:
     """Each part of the cache and the paths it holds (those that exist)."""
-    from aiayn.accel.compiled import compiled_dir
+    from aiayn.accel.store import compiled_dir
     from aiayn.data.sources.download import default_cache_dir
 
     root = default_cache_dir()
@@ -84,7 +84,7 @@ def _parts() -> dict[str, list[Path]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.accel.compiled import compiled_dir
+    from aiayn.accel.store import compiled_dir
     from aiayn.data.sources.download import default_cache_dir
 
     parts = _parts()

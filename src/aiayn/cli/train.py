@@ -237,7 +237,7 @@ def _compile_step(run_dir: Path, config: RunConfig, device: str, threads: int) -
     if reason is not None:
         print(f"train.compile_step: {reason}; translate decodes without it", file=sys.stderr)
         return
-    from aiayn.accel.compiled import compiled_dir
+    from aiayn.accel.store import compiled_dir
     from aiayn.cli.cache import inductor_cache_dir
 
     folder = compiled_dir()

@@ -29,8 +29,8 @@ from aiayn.accel import (
     Precision,
     accelerate,
     cpu_has_bfloat16,
+    use_compiled_step,
 )
-from aiayn.accel.compiled import use_compiled_step
 from aiayn.config import (
     MAX_ALPHA,
     DecodeConfig,
