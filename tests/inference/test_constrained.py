@@ -10,7 +10,10 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from aiayn.config import DecodeConfig, replace
+from aiayn.data.collate import PAD_ID, collate_pairs
 from aiayn.inference.constrained import (
     progress_after,
     remaining,
@@ -20,7 +23,9 @@ from aiayn.inference.constrained import (
 )
 from aiayn.inference.search import BEAM_RULES, Hypothesis, beam_search, greedy_search
 from aiayn.inference.steering import Steering
+from aiayn.inference.translator import Translator
 from tests.inference.test_search import PrefixCache, step_fn
+from tests.inference.test_translator import CharTokenizer, random_words, sentences, tiny_model
 
 BOS, EOS = 2, 3
 V = 12  # tokens 4 .. 11 are words
@@ -200,3 +205,104 @@ def test_one_sentence_does_not_depend_on_its_batch() -> None:
             max_len=torch.tensor([limits[i]]),
         )
         assert [h.tokens for h in alone[0]] == [h.tokens for h in together[i]]
+
+
+# -- the translator: text constraints and prefixes, with a tiny model that copies ------------
+
+
+@pytest.fixture(scope="module")
+def copier() -> Translator:
+    """A tiny model trained a few dozen steps to copy its input (letters and spaces)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = tiny_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.9, 0.98))
+    model.train()
+    for _ in range(80):
+        src = [CharTokenizer().encode(random_words(rng, 1, 6)) for _ in range(32)]
+        batch = collate_pairs(src, src)
+        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    decode = DecodeConfig(max_len_b=6, batch_tokens=60)
+    return Translator(model.eval(), CharTokenizer(), decode, accelerated=False)
+
+
+def with_beam(translator: Translator, beam: int, **decode: object) -> Translator:
+    translator.decode = replace(translator.decode, beam_size=beam, **decode)
+    translator.nbest = 1
+    return translator
+
+
+LINE_CONSTRAINTS = [["z"], ["hz", "gx"], ["ab", "ac"], ["xyz"], ["a"]]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_every_line_meets_its_constraints_and_the_others_are_unchanged(
+    copier: Translator, beam: int
+) -> None:
+    translator = with_beam(copier, beam)
+    lines = sentences(20, seed=beam, longest=10)
+    # Every other line is constrained: phrases of one letter, of several, two phrases, two
+    # that share their first letter; the batches mix them.
+    constraints = [LINE_CONSTRAINTS[i // 2 % 5] if i % 2 else [] for i in range(len(lines))]
+    out = translator.translate(lines, constraints=constraints)
+    for text, phrases in zip(out, constraints, strict=True):
+        assert all(p in text for p in phrases), (text, phrases)
+    plain = translator.translate(lines)
+    assert [o for o, c in zip(out, constraints, strict=True) if not c] == [
+        p for p, c in zip(plain, constraints, strict=True) if not c
+    ]
+    assert any(p != o for p, o in zip(plain, out, strict=True))
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_prefix_is_kept_and_scored(copier: Translator, beam: int) -> None:
+    translator = with_beam(copier, beam, alpha=0.0)
+    lines = ["abc dea", "hgf", "bad cab fed"]
+    prefixes = ["zz", "", "bad x"]
+    results = translator.translate_nbest(lines, prefixes=prefixes, constraints=[[], [], ["e"]])
+    assert results[1] == translator.translate_nbest(lines[1:2])[0]
+    model = translator.model
+    for line, prefix, hyps in zip(lines, prefixes, results, strict=True):
+        (best,) = hyps
+        assert best.text.startswith(prefix)
+        # The score is the model's log-probability of every output token and EOS.
+        batch = collate_pairs([CharTokenizer().encode(line)], [best.tokens])
+        with torch.no_grad():
+            logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
+        logp = logits.log_softmax(-1).gather(2, batch.tgt_out[:, :, None]).sum()
+        assert best.log_prob == pytest.approx(float(logp), abs=1e-4)
+        assert best.score == pytest.approx(best.log_prob)  # alpha 0
+    assert "e" in results[2][0].text
+
+
+def test_constraints_that_cannot_fit_are_dropped_with_a_warning(copier: Translator) -> None:
+    warnings: list[str] = []
+    translator = with_beam(copier, 4, max_len_a=1.0, max_len_b=2)
+    translator.warn = warnings.append
+    lines = ["ab", "cd"]
+    out = translator.translate(lines, first_line=7, constraints=[[], ["abcdefgh"]])
+    assert out == translator.translate(lines)
+    assert warnings == [
+        "line 8: its constraints need 8 output tokens after the prefix, more than its limit "
+        "of 4; translated without them"
+    ]
+
+
+def test_bad_constraints_and_prefixes(copier: Translator) -> None:
+    with pytest.raises(ValueError, match=r"constraints needs one entry per line \(2\), got 1"):
+        copier.translate(["ab", "cd"], constraints=[["a"]])
+    with pytest.raises(ValueError, match="prefixes needs one entry per line"):
+        copier.translate(["ab"], prefixes="a")
+    with pytest.raises(TypeError, match="line 1: constraints are a list of phrases"):
+        copier.translate(["ab"], constraints=["abc"])
+    with pytest.raises(ValueError, match=r"line 2: constraint 2 \(' '\) is empty"):
+        copier.translate(["ab", "cd"], constraints=[[], ["a", " "]])
+    with pytest.raises(ValueError, match="steering needs one entry per source"):
+        copier.search_ids([[4, 5]], [])
