@@ -306,3 +306,31 @@ def test_bad_constraints_and_prefixes(copier: Translator) -> None:
         copier.translate(["ab", "cd"], constraints=[[], ["a", " "]])
     with pytest.raises(ValueError, match="steering needs one entry per source"):
         copier.search_ids([[4, 5]], [])
+
+
+def test_a_hypothesis_that_has_met_everything_may_end_though_others_score_higher() -> None:
+    """The constraint is improbable and ends the sentence at once; the model prefers to go on
+    with one token: the hypothesis that meets it finishes from its bank, whatever the best 2K
+    candidates by score are."""
+    x, a = 7, 4
+
+    def logp(sentence: int, prefix: tuple[int, ...]) -> list[float]:
+        if x in prefix:
+            probs = {EOS: 0.99, a: 0.01}
+        else:  # many better tokens than x (and its EOS), which never ends
+            probs = {a: 0.5, 5: 0.08, 6: 0.08, 8: 0.08, 9: 0.08, 10: 0.08, 11: 0.0999, x: 1e-4}
+        return [math.log(probs[v]) if v in probs else NEG for v in range(V)]
+
+    for k in (1, 4):
+        cache = PrefixCache([0] * k)
+        (hyps,) = steered_search(
+            step_fn(logp),
+            cache,  # type: ignore[arg-type]
+            [Steering(((x,),))],
+            beam_size=k,
+            alpha=0.0,
+            max_len=20,
+            rule="fairseq" if k == 1 else "paper",
+        )
+        assert hyps[0].tokens == [x]
+        assert hyps[0].log_prob == pytest.approx(math.log(1e-4) + math.log(0.99), abs=1e-5)

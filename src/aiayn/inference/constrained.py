@@ -22,14 +22,20 @@ beam allocation", vectorised over sentences as Hu et al. 2019 do):
   A candidate that could no longer meet its phrases within the sentence's length limit (its
   ``r`` above the tokens left) is dropped, so one hypothesis can always meet them; EOS
   extends only a hypothesis whose phrases are all met.
-- The next beam takes the candidates that do not end in EOS bank by bank, round robin from
-  the bank with most met tokens down: the best of each bank, then the second best of each, and
-  so on, until K are taken. A bank without candidates leaves its share to the others.
-- The paper's stop rule as beam search applies it: the EOS candidates among the best 2K
-  (fairseq's rule: the best K) finish, into the n-best list; the sentence is done when no live
-  hypothesis can beat the list's last entry (its log-probability only falls, whatever it still
-  has to meet), or at the length limit. Only hypotheses with every phrase met can finish, so
-  every hypothesis returned meets them.
+- The candidates are put in *bank order*: bank by bank, round robin from the bank with most
+  met tokens down: the best of each bank, then the second best of each, and so on (a bank
+  without candidates leaves its share to the others). EOS candidates count in the bank of
+  their hypothesis, which has met everything.
+- The paper's stop rule as beam search applies it, on the bank order: the EOS candidates
+  among its first 2K (fairseq's rule: its first K) finish, into the n-best list, and its first
+  K candidates that do not end in EOS are the next beam. The sentence is done when no live
+  hypothesis can beat the list's last entry (its log-probability only falls, whatever it
+  still has to meet), or at the length limit. Only hypotheses with every phrase met can
+  finish, so every hypothesis returned meets them. With one bank (nothing to meet) the bank
+  order is the score order, and this is beam search's rule exactly. A hypothesis that has
+  met everything finishes when its EOS comes early in the bank order, though its score is
+  below the best 2K of the unconstrained ones: with one slot per bank and round, the top bank
+  is never crowded out.
 - A prefix: for its first steps a sentence's one live hypothesis is extended by the prefix's
   next token only, scored as any other token; the search continues from there.
 
@@ -125,12 +131,12 @@ def _ban_eos(log_probs: Tensor, rows: Tensor, eos_id: int) -> Tensor:
     return log_probs.masked_fill_(full, float("-inf"))
 
 
-def _bank_order(score: Tensor, bank: Tensor, valid: Tensor, k: int, top_bank: int) -> Tensor:
-    """The ``k`` candidates (indices into (b, M)) the next beam takes: ``valid`` ones bank by
-    bank, round robin from the highest bank, each bank's best first."""
+def _bank_order(score: Tensor, bank: Tensor, top_bank: int) -> Tensor:
+    """The candidates (b, M) in the order the next beam takes them: bank by bank, round robin
+    from the highest bank, each bank's best first; those scored -inf last."""
     m = score.size(1)
     by_score = score.argsort(dim=1, descending=True, stable=True)
-    ranked_bank = torch.where(valid, bank, -1).gather(1, by_score)
+    ranked_bank = torch.where(score > float("-inf"), bank, -1).gather(1, by_score)
     by_bank = ranked_bank.argsort(dim=1, descending=True, stable=True)
     order = by_score.gather(1, by_bank)  # by bank (highest first), then score
     sorted_bank = ranked_bank.gather(1, by_bank)
@@ -139,9 +145,8 @@ def _bank_order(score: Tensor, bank: Tensor, valid: Tensor, k: int, top_bank: in
     starts[:, 1:] = sorted_bank[:, 1:] != sorted_bank[:, :-1]
     rank = position - (position * starts).cummax(dim=1).values  # rank within its bank
     key = rank * (top_bank + 2) + (top_bank - sorted_bank)
-    key = key.masked_fill(sorted_bank < 0, (m + 1) * (top_bank + 2))  # the invalid last
-    pick = key.topk(k, dim=1, largest=False, sorted=True).indices
-    return order.gather(1, pick)
+    key = key.masked_fill(sorted_bank < 0, (m + 1) * (top_bank + 2))  # the -inf last
+    return order.gather(1, key.argsort(dim=1, stable=True))
 
 
 def steered_search(
@@ -291,10 +296,19 @@ def steered_search(
         room = torch.where(eos, 0, (limits - t - 1)[:, None])
         score.masked_fill_(need > room, inf)
 
+        # The candidates in bank order: EOS among the first n_fin finish (2K: paper, K:
+        # fairseq), the first K others are the next beam.
+        order = _bank_order(score, total[:, None] - need, top_bank)  # (b, M)
+        score, token, parent = (
+            score.gather(1, order),
+            token.gather(1, order),
+            parent.gather(1, order),
+        )
+        now = now.gather(1, order[:, :, None].expand(b, m, n_phrases))
+        eos = token == eos_id
         finished = eos[:, :n_fin] & (score[:, :n_fin] > inf)  # (b, n_fin)
-        valid = (score > inf) & ~eos
-        chosen = _bank_order(score, total[:, None] - need, valid, k, top_bank)  # (b, K)
-        live_scores = score.gather(1, chosen).masked_fill(~valid.gather(1, chosen), inf)
+        chosen = torch.sort(eos.to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (b, K)
+        live_scores = score.gather(1, chosen)
         live_tok = token.gather(1, chosen)
         parents = row_base + parent.gather(1, chosen)
         progress = now.gather(1, chosen[:, :, None].expand(b, k, n_phrases))
