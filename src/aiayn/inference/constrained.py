@@ -63,8 +63,10 @@ from aiayn.inference.search import (
     _length_penalties,
     _limits,
     _merge,
+    first_argmax,
     gnmt_length_penalty,
     kept_in_place,
+    native_first_argmax,
     top_candidates,
 )
 from aiayn.inference.steering import Steering
@@ -121,14 +123,12 @@ def _padded(rows: Sequence[Sequence[Sequence[int]]], device: torch.device) -> Te
 
 
 def _ban_eos(log_probs: Tensor, rows: Tensor, eos_id: int) -> Tensor:
-    """``log_probs`` (b, K, V) with EOS at -inf for ``rows`` (b, K), in place where allowed
-    (as :func:`~aiayn.inference.search._force_eos`)."""
-    mask = torch.zeros(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
-    mask[eos_id] = True
-    full = rows[:, :, None] & mask
+    """``log_probs`` (b, K, V) with EOS at -inf for ``rows`` (b, K): its column written in
+    place where PyTorch allows it (as :func:`~aiayn.inference.search._force_eos`)."""
     if log_probs.is_inference() and not torch.is_inference_mode_enabled():
-        return log_probs.masked_fill(full, float("-inf"))
-    return log_probs.masked_fill_(full, float("-inf"))
+        log_probs = log_probs.clone()
+    log_probs[:, :, eos_id].masked_fill_(rows, float("-inf"))
+    return log_probs
 
 
 def _bank_order(score: Tensor, bank: Tensor, top_bank: int) -> Tensor:
@@ -222,6 +222,7 @@ def steered_search(
     nearest_limit = int(limits.min())
     lp_limit = _length_penalties(limits, alpha)
     beams = torch.arange(k, device=dev)
+    native = native_first_argmax() if dev.type == "cpu" else None
     row_base = torch.arange(batch_size, device=dev)[:, None] * k
     t = 0
     while True:
@@ -235,12 +236,14 @@ def steered_search(
             log_probs = _force_eos(log_probs, forced, eos_id)
         plen = lengths[:, None, :]  # (b, 1, P)
         unmet = progress < plen  # (b, K, P)
-        log_probs = _ban_eos(log_probs, unmet.any(-1), eos_id)
+        if top_bank:
+            log_probs = _ban_eos(log_probs, unmet.any(-1), eos_id)
 
         # Candidates: the best 2K; each hypothesis's best token; each unmet phrase's next
         # token of each hypothesis; the prefix's next token (of the one live hypothesis).
         top_score, top_index = top_candidates(log_probs, live_scores, 2 * k)  # (b, 2K)
-        best_logp, best_tok = log_probs.max(dim=-1)  # (b, K)
+        best_tok = first_argmax(log_probs.reshape(b * k, vocab), native).view(b, k)
+        best_logp = log_probs.gather(2, best_tok[:, :, None]).squeeze(2)  # (b, K)
         next_of = phrases[:, None].expand(b, k, -1, -1)
         at = progress.clamp(max=phrases.size(2) - 1)[..., None]
         wanted = next_of.gather(3, at).squeeze(3)  # (b, K, P): each phrase's next token
