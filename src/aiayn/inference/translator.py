@@ -450,6 +450,10 @@ class Translator(TextTranslator):
     has been compiled on this machine before, True compiles it first where it has not (its
     three libraries, one to two minutes for a small model), False never.
 
+    Terminology constraints and a forced prefix per sentence: the ``constraints`` and
+    ``prefixes`` of :meth:`translate` and :meth:`translate_nbest`, searched by
+    :func:`aiayn.inference.constrained.steered_search` (docs/translation.md).
+
     ``process_settings``: also the process-wide settings of :func:`aiayn.accel.accelerate`
     (malloc thresholds), for a program that owns its process
     (``aiayn translate``, ``serve`` and ``demo`` pass it); by default nothing outside the model
