@@ -2,15 +2,17 @@
 them: for each line, one or two words of its reference that the unconstrained translation
 misses become that line's constraints (``aiayn translate --constraints``). Reports the share of
 constraints met, BLEU and chrF with and without them (``aiayn.evaluation.bleu``, sacreBLEU),
-and sentences/s at beam 4 in batches of 64 lines with and without them, in interleaved rounds.
+and sentences/s in batches of 64 lines with and without them, in interleaved rounds, at beam 4
+and greedily (beam 1).
 
     .venv/bin/python -m experiments.constraints --checkpoint CKPT --source val.en \\
         --reference val.de [--rounds 2] [--threads 1] [--wait-quiet 60]
 
 One process: the checkpoint is loaded as ``aiayn translate`` loads it (PyTorch engine, the run's
-decode settings at beam 4, ``--threads`` threads), warmed up on the first 32 lines, then each
-round translates the whole source in batches of 64 lines (one decoding batch each) without
-and then with the constraints; the first round's translations are scored. A word is a
+decode settings, ``--threads`` threads); the terms are drawn from its translations at beam 4.
+Then for beam 4 and beam 1, warmed up on the first 32 lines, each round translates the whole
+source in batches of 64 lines (one decoding batch each) without and then with the
+constraints; the first round's translations are scored. A word is a
 whitespace-separated word of the reference without the punctuation around it, at least two
 letters, not a word of the unconstrained translation; a line whose reference has none gets no
 constraint (and is translated as without the option). Met: the word's tokens appear in the
@@ -50,7 +52,8 @@ from experiments import add_output_options, open_engine, output_folders  # noqa:
 
 WARMUP_LINES = 32
 BATCH = 64
-BEAM = 4
+BEAM = 4  # the terms are drawn from this beam's unconstrained translations
+BEAMS = (4, 1)
 QUICK_LINES = 128
 SEED = 0
 _PUNCTUATION = "\"'.,;:!?()[]{}«»„“”‚‘’-–—/"
@@ -92,7 +95,20 @@ def translate_in_batches(
     return out, time.perf_counter() - start
 
 
+def met_counts(
+    translator: Any, found: list[Any], texts: list[str], terms: list[list[str]]
+) -> tuple[int, int]:
+    """Constraints whose tokens are in the output, and those that are whole words of it."""
+    tokens = whole = 0
+    for hyp, text, line_terms in zip(found, texts, terms, strict=True):
+        for term in line_terms:
+            tokens += hyp is not None and contains(hyp.tokens, translator.encode_target(term))
+            whole += term in words(text)
+    return tokens, whole
+
+
 def measure(args: argparse.Namespace, lines: list[str], references: list[str]) -> dict[str, Any]:
+    from aiayn.config import replace
     from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
 
     warnings: list[str] = []
@@ -102,101 +118,111 @@ def measure(args: argparse.Namespace, lines: list[str], references: list[str]) -
     )
     translator.warn = warnings.append
     translator.translate(lines[:WARMUP_LINES])
-    plain, plain_s = translate_in_batches(translator, lines, None)
-    plain_text = [h.text if h else "" for h in plain]
+    first, _ = translate_in_batches(translator, lines, None)
     rng = random.Random(SEED)
-    terms = [pick_terms(r, t, rng) for r, t in zip(references, plain_text, strict=True)]
-    translator.translate(lines[:WARMUP_LINES], constraints=terms[:WARMUP_LINES])
-    steered, steered_s = translate_in_batches(translator, lines, terms)
-    steered_text = [h.text if h else "" for h in steered]
-    times: dict[str, list[float]] = {"without": [plain_s], "with": [steered_s]}
-    for _ in range(args.rounds - 1):
-        times["without"].append(translate_in_batches(translator, lines, None)[1])
-        times["with"].append(translate_in_batches(translator, lines, terms)[1])
-
-    n_terms = met_tokens = met_words = 0
-    for hyp, text, line_terms in zip(steered, steered_text, terms, strict=True):
-        for term in line_terms:
-            n_terms += 1
-            ids = translator.encode_target(term)
-            met_tokens += hyp is not None and contains(hyp.tokens, ids)
-            met_words += term in words(text)
-    unchanged = sum(
-        a == b for a, b, t in zip(plain_text, steered_text, terms, strict=True) if not t
-    )
+    terms = [
+        pick_terms(r, h.text if h else "", rng) for r, h in zip(references, first, strict=True)
+    ]
     refs = [references]
-    speed = {k: [len(lines) / s for s in v] for k, v in times.items()}
-    return {
+    result: dict[str, Any] = {
         "beam_rule": translator.decode.beam_rule,
         "lines": len(lines),
         "lines_constrained": sum(bool(t) for t in terms),
-        "constraints": n_terms,
+        "constraints": sum(len(t) for t in terms),
         "words_per_line": {str(n): sum(len(t) == n for t in terms) for n in (0, 1, 2)},
-        "met_tokens": met_tokens,
-        "met_words": met_words,
-        "unconstrained_lines_unchanged": unchanged,
-        "warnings": len(warnings),
-        "bleu": {
-            "without": sacrebleu_bleu(plain_text, refs).score,
-            "with": sacrebleu_bleu(steered_text, refs).score,
-        },
-        "chrf": {
-            "without": sacrebleu_chrf(plain_text, refs).score,
-            "with": sacrebleu_chrf(steered_text, refs).score,
-        },
-        "sentences_per_s": {k: statistics.median(v) for k, v in speed.items()},
-        "rounds": {k: [round(x, 2) for x in v] for k, v in speed.items()},
-        "examples": [
-            {"line": i + 1, "terms": terms[i], "without": plain_text[i], "with": steered_text[i]}
-            for i in [j for j, t in enumerate(terms) if t][:5]
-        ],
+        "beams": {},
     }
+    for beam in BEAMS:
+        translator.decode = replace(translator.decode, beam_size=beam)
+        translator.translate(lines[:WARMUP_LINES], constraints=terms[:WARMUP_LINES])
+        times: dict[str, list[float]] = {"without": [], "with": []}
+        texts: dict[str, list[str]] = {}
+        for round_ in range(args.rounds):
+            for kind, given in (("without", None), ("with", terms)):
+                found, seconds = translate_in_batches(translator, lines, given)
+                times[kind].append(seconds)
+                if round_ == 0:
+                    texts[kind] = [h.text if h else "" for h in found]
+                    if given is not None:
+                        met_tokens, met_words = met_counts(translator, found, texts[kind], terms)
+        speed = {k: [len(lines) / s for s in v] for k, v in times.items()}
+        result["beams"][str(beam)] = {
+            "met_tokens": met_tokens,
+            "met_words": met_words,
+            "unconstrained_lines_unchanged": sum(
+                a == b
+                for a, b, t in zip(texts["without"], texts["with"], terms, strict=True)
+                if not t
+            ),
+            "bleu": {k: sacrebleu_bleu(v, refs).score for k, v in texts.items()},
+            "chrf": {k: sacrebleu_chrf(v, refs).score for k, v in texts.items()},
+            "sentences_per_s": {k: statistics.median(v) for k, v in speed.items()},
+            "rounds": {k: [round(x, 2) for x in v] for k, v in speed.items()},
+            "examples": [
+                {"line": i + 1, "terms": terms[i], **{k: v[i] for k, v in texts.items()}}
+                for i in [j for j, t in enumerate(terms) if t][:4]
+            ],
+        }
+    result["warnings"] = len(warnings)
+    return result
 
 
 def markdown(report: dict[str, Any]) -> str:
     r = report["result"]
-    speed = r["sentences_per_s"]
-    ratio = speed["with"] / speed["without"]
+    n = max(1, r["constraints"])
     lines = [
         "## Terminology constraints: met, BLEU and speed",
         "",
         f"{report['date']} · {report['cpu']} · {report['threads']} thread(s) · PyTorch "
         f"{report['versions'].get('torch', '?')} · checkpoint `{report['checkpoint']}` · "
-        f"`{report['source']}` against `{report['reference']}` · beam {BEAM}, the run's "
-        f"rule (`{r['beam_rule']}`), batches of {BATCH} lines · {report['rounds']} "
-        f"round(s) · load average {report['load_before']} before, {report['load_after']} "
-        f"after (a shared machine: {report['load_note']})",
+        f"`{report['source']}` against `{report['reference']}` · the run's beam rule "
+        f"(`{r['beam_rule']}`), batches of {BATCH} lines · {report['rounds']} round(s) · "
+        f"load average {report['load_before']} before, {report['load_after']} after (a "
+        f"shared machine: {report['load_note']})",
         "",
         f"Constraints: {r['constraints']:,} words on {r['lines_constrained']:,} of "
         f"{r['lines']:,} lines (lines with 0 / 1 / 2 words: {r['words_per_line']['0']:,} / "
         f"{r['words_per_line']['1']:,} / {r['words_per_line']['2']:,}), each a word of the "
-        "line's reference that the unconstrained translation lacks.",
+        f"line's reference that the unconstrained translation at beam {BEAM} lacks.",
         "",
-        "| | without constraints | with constraints |",
-        "|---|---:|---:|",
-        f"| constraints met (tokens in the output) | — | {r['met_tokens']:,} of "
-        f"{r['constraints']:,} ({100 * r['met_tokens'] / max(1, r['constraints']):.1f}%) |",
-        f"| constraints met as whole words of the text | — | {r['met_words']:,} of "
-        f"{r['constraints']:,} ({100 * r['met_words'] / max(1, r['constraints']):.1f}%) |",
-        f"| BLEU | {r['bleu']['without']:.2f} | {r['bleu']['with']:.2f} |",
-        f"| chrF | {r['chrf']['without']:.2f} | {r['chrf']['with']:.2f} |",
-        f"| sentences/s, batches of {BATCH} (median of rounds) | {speed['without']:.1f} | "
-        f"{speed['with']:.1f} ({ratio:.2f}×) |",
+        "| beam | constraints met (tokens) | met as whole words | BLEU without → with | "
+        f"chrF without → with | sentences/s, batches of {BATCH}: without → with |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for beam, b in r["beams"].items():
+        speed = b["sentences_per_s"]
+        lines.append(
+            f"| {beam} | {b['met_tokens']:,} of {r['constraints']:,} "
+            f"({100 * b['met_tokens'] / n:.1f}%) | {b['met_words']:,} "
+            f"({100 * b['met_words'] / n:.1f}%) | {b['bleu']['without']:.2f} → "
+            f"{b['bleu']['with']:.2f} | {b['chrf']['without']:.2f} → {b['chrf']['with']:.2f} | "
+            f"{speed['without']:.1f} → {speed['with']:.1f} "
+            f"({speed['with'] / speed['without']:.2f}×) |"
+        )
+    lines += [
         "",
-        f"Lines without constraints whose translation is unchanged: "
-        f"{r['unconstrained_lines_unchanged']:,} of "
-        f"{r['lines'] - r['lines_constrained']:,}; warnings (constraints beyond a line's "
-        f"length limit): {r['warnings']}. Sentences/s by round: without "
-        f"{r['rounds']['without']}, with {r['rounds']['with']}.",
+        "Sentences/s are the median of the rounds; by round: "
+        + "; ".join(
+            f"beam {beam} without {b['rounds']['without']}, with {b['rounds']['with']}"
+            for beam, b in r["beams"].items()
+        )
+        + ". Lines without constraints whose translation is unchanged: "
+        + ", ".join(
+            f"{b['unconstrained_lines_unchanged']:,} of "
+            f"{r['lines'] - r['lines_constrained']:,} at beam {beam}"
+            for beam, b in r["beams"].items()
+        )
+        + f". Warnings (constraints beyond a line's length limit): {r['warnings']}.",
         "",
         "Examples:",
         "",
     ]
-    for e in r["examples"]:
-        lines.append(
-            f"- line {e['line']}, constraints {e['terms']}: without «{e['without']}», "
-            f"with «{e['with']}»"
-        )
+    for beam, b in r["beams"].items():
+        for e in b["examples"]:
+            lines.append(
+                f"- beam {beam}, line {e['line']}, constraints {e['terms']}: without "
+                f"«{e['without']}», with «{e['with']}»"
+            )
     return "\n".join(lines) + "\n"
 
 
