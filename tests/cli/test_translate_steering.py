@@ -129,3 +129,31 @@ def test_bad_files_are_one_line_errors(
     long.write_text("\n" * 10, encoding="utf-8")
     code, _, err = _translate([*base, "--target-prefix", str(long)], capsys)
     assert code == 2 and f"{long}: it is longer: --target-prefix needs one line per input" in err
+
+
+def test_constraints_need_a_file_or_a_pipe_and_come_in_every_nbest_entry(
+    run: Path,
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+    import sys
+
+    given = tmp_path / "terms.tsv"
+    given.write_text("golf\techo\n" * 9, encoding="utf-8")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    code, out, err = _translate(["translate", str(run), "--constraints", str(given)], capsys)
+    assert code == 2 and out == "" and "give --input FILE (or pipe the text in)" in err
+    argv = ["translate", str(run), "-i", str(source), "--beam", "3", "--nbest", "3", *OPTIONS]
+    code, out, err = _translate([*argv, "--constraints", str(given)], capsys)
+    assert code == 0, err
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert len(rows) == 27 and all("golf" in r[2] and "echo" in r[2] for r in rows if r[2])
+    assert all(r[2] for r in rows[::3])  # every line has a best hypothesis
