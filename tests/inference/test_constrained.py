@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,26 @@ def test_a_hypothesis_that_has_met_everything_may_end_though_others_score_higher
         )
         assert hyps[0].tokens == [x]
         assert hyps[0].log_prob == pytest.approx(math.log(1e-4) + math.log(0.99), abs=1e-5)
+
+
+def test_a_phrase_encodes_as_it_does_inside_a_sentence(tmp_path: Path) -> None:
+    """sentencepiece marks a word's start with its space piece and encodes a phrase alone
+    with it: the phrase's tokens are those it has after a space inside a sentence."""
+    from aiayn.data.tokenizer import train_tokenizer
+
+    rng = random.Random(1)
+    words = ["hund", "katze", "baumwolle", "fahrrad", "mann", "frau", "kind", "ball"]
+    text = tmp_path / "text.txt"
+    text.write_text(
+        "\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(400)),
+        encoding="utf-8",
+    )
+    tokenizer = train_tokenizer([text], 60, tmp_path / "spm", "bpe")
+    translator = Translator(tiny_model(), tokenizer, DecodeConfig(), accelerated=False)
+    for phrase in ["hund", "baumwolle", "frau kind", "ball mann hund"]:
+        ids = translator.encode_target(phrase)
+        assert tokenizer.piece(ids[0]).startswith("▁")
+        inside = translator.encode_target(f"katze {phrase} fahrrad")
+        assert any(inside[i : i + len(ids)] == ids for i in range(len(inside))), phrase
+        steer = translator.encode_steering([5, 6], [phrase], "")
+        assert steer.constraints == (tuple(ids),)
