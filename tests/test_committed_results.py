@@ -12,6 +12,7 @@ import pytest
 from benchmarks import lever_table, paired_decode, report
 from experiments import (
     comparison,
+    constraints,
     ct2_export,
     ct2_nbest,
     families,
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "bench-": report.render,
     "comparison": comparison._markdown,
+    "constraints-": constraints.markdown,
     "ct2-export-": ct2_export.markdown,
     "ct2-nbest-": ct2_nbest.markdown,
     "families": families.report,

@@ -11,6 +11,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
@@ -22,6 +23,7 @@ from aiayn.errors import CLIError, UserError
 from aiayn.progress import counted, stderr_report
 
 if TYPE_CHECKING:
+    from aiayn.inference.steering import Steering
     from aiayn.inference.translator import TextTranslator, Translation
 
 # Lines are translated a window at a time, in input order, and each window's translations are
@@ -64,6 +66,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--max-len-b", type=int, help="output limit: b (paper: 50)")
     parser.add_argument(
         "--batch-tokens", type=int, help="padded source tokens per batch (default: run's setting)"
+    )
+    parser.add_argument(
+        "--constraints",
+        metavar="FILE",
+        help="terminology: line i holds the phrases (tab-separated target text; an empty "
+        "line: none) that the translation of input line i must contain, each whole "
+        "(beam search with dynamic beam allocation; --engine torch)",
+    )
+    parser.add_argument(
+        "--target-prefix",
+        metavar="FILE",
+        help="line i holds the text the translation of input line i starts with (an empty "
+        "line: none); the search continues from it, and its tokens are scored",
     )
     add_engine_arguments(parser)
     parser.set_defaults(run=run)
@@ -214,26 +229,92 @@ class _Signals:
             raise _Stop(self.received)
 
 
+@dataclass(frozen=True)
+class SteeringFiles:
+    """The lines of ``--constraints`` (each line's phrases) and ``--target-prefix``, one per
+    input line, or None where the option is not given."""
+
+    constraints: list[list[str]] | None = None
+    prefixes: list[str] | None = None
+    constraints_file: str = ""
+
+    def __bool__(self) -> bool:
+        return self.constraints is not None or self.prefixes is not None
+
+
+def _line_file(path: str, option: str, count: int) -> list[str]:
+    """The lines of ``path``, one per input line (UserError naming the file and line)."""
+    from aiayn.inference.textio import read_lines
+
+    lines = read_lines(path)
+    if len(lines) != count:
+        where = f"line {len(lines) + 1} is missing" if len(lines) < count else "it is longer"
+        raise UserError(
+            f"{path}: {where}: {option} needs one line per input line ({count:,}), "
+            f"it has {len(lines):,}"
+        )
+    return lines
+
+
+def read_steering(args: argparse.Namespace, count: int) -> SteeringFiles:
+    """``--constraints`` and ``--target-prefix`` for ``count`` input lines: phrases split
+    at tabs, each stripped; a tab-separated field that is empty is a UserError naming the
+    file and line."""
+    constraints = prefixes = None
+    if args.constraints is not None:
+        constraints = []
+        for number, line in enumerate(_line_file(args.constraints, "--constraints", count), 1):
+            phrases = [p.strip() for p in line.split("\t")] if line.strip() else []
+            if any(not p for p in phrases):
+                raise UserError(
+                    f"{args.constraints}: line {number}: an empty phrase (phrases are "
+                    "separated by one tab)"
+                )
+            constraints.append(phrases)
+    if args.target_prefix is not None:
+        prefixes = _line_file(args.target_prefix, "--target-prefix", count)
+    return SteeringFiles(constraints, prefixes, args.constraints or "")
+
+
 def _windows(
-    translator: TextTranslator, lines: Sequence[str]
-) -> Iterator[tuple[int, list[list[int]]]]:
-    """Consecutive windows of ``lines`` as ``(first index, token ids of each line)``, each of
-    about :data:`WINDOW_BATCHES` batches of source tokens (EOS included)."""
+    translator: TextTranslator, lines: Sequence[str], steer: SteeringFiles | None = None
+) -> Iterator[tuple[int, list[list[int]], list[Steering] | None]]:
+    """Consecutive windows of ``lines`` as ``(first index, token ids of each line, their
+    steering or None)``, each of about :data:`WINDOW_BATCHES` batches of source tokens (EOS
+    included)."""
     budget = WINDOW_BATCHES * translator.decode.batch_tokens
     start = 0
     while start < len(lines):
         sources: list[list[int]] = []
+        steering: list[Steering] | None = [] if steer else None
         size = 0
         while start + len(sources) < len(lines) and (not sources or size < budget):
             number = start + len(sources) + 1
-            sources.append(translator.encode_source(lines[number - 1], number))
+            source = translator.encode_source(lines[number - 1], number)
+            sources.append(source)
+            if steer and steering is not None:
+                try:
+                    steering.append(
+                        translator.encode_steering(
+                            source,
+                            steer.constraints[number - 1] if steer.constraints else (),
+                            steer.prefixes[number - 1] if steer.prefixes else "",
+                            number,
+                        )
+                    )
+                except ValueError as err:  # a phrase that the tokenizer makes nothing of
+                    raise UserError(f"{steer.constraints_file}: {err}") from None
             size += len(sources[-1]) + 1
-        yield start, sources
+        yield start, sources, steering
         start += len(sources)
 
 
 def _translate_file(
-    translator: TextTranslator, lines: Sequence[str], nbest: int, written: list[int]
+    translator: TextTranslator,
+    lines: Sequence[str],
+    nbest: int,
+    written: list[int],
+    steer: SteeringFiles | None = None,
 ) -> tuple[int, int]:
     """Translate ``lines`` window by window, writing each window's translations to stdout in
     input order as it finishes; ``written[0]`` counts the input lines written. Returns the
@@ -241,8 +322,13 @@ def _translate_file(
     signals = _Signals()
     asked = empty = 0
     with signals.installed():
-        for start, sources in _windows(translator, lines):
-            results = translator.translations(translator.search_ids(sources))
+        for start, sources, steering in _windows(translator, lines, steer):
+            found = (
+                translator.search_ids(sources)
+                if steering is None
+                else translator.search_ids(sources, steering)
+            )
+            results = translator.translations(found)
             with signals.write_section():
                 _write(sys.stdout, format_translations(results, nbest))
                 written[0] = start + len(sources)
@@ -286,17 +372,25 @@ def _rest_command(args: argparse.Namespace, written: int) -> str:
     """The command that translates the input lines after the first ``written`` and appends
     their translations: the same options, the lines from ``tail``."""
     argv = list(getattr(args, "argv", None) or ["translate", args.checkpoint])
-    kept: list[str] = []
+    rest = f"tail -n +{written + 1}"
+    kept: list[str] = []  # shell words
     skip = False
-    for item in argv:
+    line_files = ("--constraints", "--target-prefix")  # their lines go with the input's
+    for n, item in enumerate(argv):
         if skip:
             skip = False
         elif item in ("--input", "-i"):
             skip = True
+        elif item in line_files and n + 1 < len(argv):
+            kept += [item, f"<({rest} {shlex.quote(argv[n + 1])})"]
+            skip = True
+        elif item.startswith(tuple(f"{flag}=" for flag in line_files)):
+            flag, value = item.split("=", 1)
+            kept += [flag, f"<({rest} {shlex.quote(value)})"]
         elif not item.startswith(("--input=", "-i")) or item == "-i":
-            kept.append(item)
+            kept.append(shlex.quote(item))
     source = "INPUT" if args.input in (None, "-") else shlex.quote(args.input)
-    return f"tail -n +{written + 1} {source} | aiayn {shlex.join(kept)} >> OUTPUT"
+    return f"{rest} {source} | aiayn {' '.join(kept)} >> OUTPUT"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -304,6 +398,14 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.inference.textio import empty_translation_advice, read_input
 
     check_engine_options(args)  # before anything is read or exported
+    if args.constraints is not None and args.engine == "ctranslate2":
+        raise CLIError("--constraints needs --engine torch: CTranslate2 has no constrained search")
+    steered = args.constraints is not None or args.target_prefix is not None
+    if steered and args.input in (None, "-") and sys.stdin.isatty():
+        raise CLIError(
+            "--constraints and --target-prefix go line by line with a file: give --input "
+            "FILE (or pipe the text in)"
+        )
     try:
         if args.engine == "ctranslate2":
             translator, where = _ct2_translator(args)
@@ -315,12 +417,13 @@ def run(args: argparse.Namespace) -> int:
         _interactive(translator, args.nbest)
         return 0
     lines = read_input(args.input)
+    steer = read_steering(args, len(lines))
     report = stderr_report()
     meter = report.meter("translating", len(lines))
     translator.on_batch = meter.advance
     written = [0]
     try:
-        asked, empty = _translate_file(translator, lines, args.nbest, written)
+        asked, empty = _translate_file(translator, lines, args.nbest, written, steer)
     except _Stop as stop:
         name = "interrupted" if stop.signum == signal.SIGINT else "stopped by SIGTERM"
         report.write(

@@ -40,6 +40,9 @@ hypothesis that finishes early cannot end the search before a better-scoring lon
 With K = 1 the fairseq rule is greedy search exactly (the first time EOS is the best token, the
 beam is spent); the paper rule keeps the EOS among the best two candidates and may continue past
 a first EOS, to a longer hypothesis with a better score.
+
+Terminology constraints and a forced prefix are met by another choice of the next beam, with
+the same rules for finishing and stopping: :mod:`aiayn.inference.constrained`.
 """
 
 from __future__ import annotations

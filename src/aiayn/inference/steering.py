@@ -1,8 +1,9 @@
 """What steers one sentence's translation: terminology constraints and a forced prefix.
 
 Every engine's search takes one :class:`Steering` per source (``TextTranslator._search_batch``);
-the PyTorch engine's beam search meets constraints (docs/translation.md, "Terminology"),
-CTranslate2's takes the prefix and refuses constraints.
+the PyTorch engine's beam search meets constraints and forces the prefix
+(:mod:`aiayn.inference.constrained`; docs/translation.md, "Terminology constraints and a forced
+prefix"), CTranslate2's takes the prefix and refuses constraints.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from aiayn.config import (
 from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.devices import inference_attention
 from aiayn.errors import ConfigError
+from aiayn.inference.constrained import steered_search, tokens_needed
 from aiayn.inference.loading import load_model
 from aiayn.inference.search import (
     Hypothesis,
@@ -50,6 +51,7 @@ from aiayn.inference.search import (
     max_output_lengths,
     never_pad_or_bos,
 )
+from aiayn.inference.steering import Steering
 from aiayn.inference.textio import checked_lines, one_line
 from aiayn.model.families import TranslationModel
 from aiayn.model.patterns import check_decodable
@@ -211,20 +213,65 @@ class TextTranslator:
 
     # -- text ------------------------------------------------------------------------------
 
-    def translate(self, lines: Iterable[str], first_line: int = 1) -> list[str]:
-        """One detokenised translation per line, in order (the best hypothesis)."""
-        nbest = self._translations(checked_lines(lines, "translate"), first_line)
+    def translate(
+        self,
+        lines: Iterable[str],
+        first_line: int = 1,
+        *,
+        constraints: Sequence[Sequence[str]] | None = None,
+        prefixes: Sequence[str] | None = None,
+    ) -> list[str]:
+        """One detokenised translation per line, in order (the best hypothesis); the
+        keywords as :meth:`translate_nbest`'s."""
+        nbest = self._translations(
+            checked_lines(lines, "translate"), first_line, constraints, prefixes
+        )
         return [hyps[0].text if hyps else "" for hyps in nbest]
 
-    def translate_nbest(self, lines: Iterable[str], first_line: int = 1) -> list[list[Translation]]:
+    def translate_nbest(
+        self,
+        lines: Iterable[str],
+        first_line: int = 1,
+        *,
+        constraints: Sequence[Sequence[str]] | None = None,
+        prefixes: Sequence[str] | None = None,
+    ) -> list[list[Translation]]:
         """Up to ``nbest`` translations per line, best first; an empty line gives ``[]``.
-        ``first_line`` numbers the lines in warnings."""
-        return self._translations(checked_lines(lines, "translate_nbest"), first_line)
+        ``first_line`` numbers the lines in warnings.
 
-    def _translations(self, lines: list[str], first_line: int) -> list[list[Translation]]:
+        ``constraints``: per line, the phrases (plain text) that its translation must hold,
+        each whole (terminology; docs/translation.md); ``prefixes``: per line, the text its
+        translation starts with ("" for none). Either has one entry per line. A line whose
+        constraints cannot fit its output limit is translated without them, with a warning."""
+        return self._translations(
+            checked_lines(lines, "translate_nbest"), first_line, constraints, prefixes
+        )
+
+    def _translations(
+        self,
+        lines: list[str],
+        first_line: int,
+        constraints: Sequence[Sequence[str]] | None = None,
+        prefixes: Sequence[str] | None = None,
+    ) -> list[list[Translation]]:
         """:meth:`translate_nbest` of lines already checked."""
         sources = [self.encode_source(line, first_line + i) for i, line in enumerate(lines)]
-        return self.translations(self.search_ids(sources))
+        if constraints is None and prefixes is None:
+            return self.translations(self.search_ids(sources))
+        for name, given in (("constraints", constraints), ("prefixes", prefixes)):
+            if given is not None and (isinstance(given, str) or len(given) != len(lines)):
+                count = "one string" if isinstance(given, str) else f"{len(given)} entries"
+                raise ValueError(f"{name} needs one entry per line ({len(lines)}), got {count}")
+        steering = [
+            self.encode_steering(
+                source,
+                constraints[i] if constraints is not None else (),
+                prefixes[i] if prefixes is not None else "",
+                first_line + i,
+            )
+            for i, source in enumerate(sources)
+        ]
+        return self.translations(self.search_ids(sources, steering))
 
     def translations(self, results: Sequence[list[Hypothesis]]) -> list[list[Translation]]:
         """The detokenised :class:`Translation` of each of :meth:`search_ids`' hypotheses."""
@@ -253,12 +300,100 @@ class TextTranslator:
             ids = ids[:room]
         return ids
 
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side token ids of ``text`` (the tokenizer's target encoder where it has
+        one). A sentencepiece model's pieces start a word with its space mark, so a phrase
+        encodes alone as it does inside a sentence after a space."""
+        encode_target = getattr(self.tokenizer, "encode_target", None)
+        if encode_target is not None:
+            return list(encode_target(text))
+        batch = getattr(self.tokenizer, "encode_target_batch", None)
+        if batch is not None:
+            return list(batch([text])[0])
+        return self.tokenizer.encode(text)
+
+    def encode_steering(
+        self,
+        source: Sequence[int],
+        constraints: Sequence[str] = (),
+        prefix: str = "",
+        line_number: int | None = None,
+    ) -> Steering:
+        """The :class:`Steering` of one source's ``constraints`` (phrases of target text) and
+        ``prefix`` (target text); ValueError (naming the line) for a phrase that encodes to
+        nothing. A prefix longer than the model's positions is cut, and constraints that do
+        not fit the source's output limit are dropped, each with a warning
+        (:meth:`fitted_steering`)."""
+        where = f"line {line_number}" if line_number is not None else "input"
+        if isinstance(constraints, str):
+            raise TypeError(f"{where}: constraints are a list of phrases, not one string")
+        phrases = []
+        for number, phrase in enumerate(constraints, 1):
+            if not isinstance(phrase, str):
+                raise TypeError(f"{where}: phrase {number} is {type(phrase).__name__}, not str")
+            ids = self.encode_target(phrase.strip()) if phrase.strip() else []
+            if not ids:
+                raise ValueError(f"{where}: constraint {number} ({phrase!r}) is empty")
+            phrases.append(tuple(ids))
+        if not isinstance(prefix, str):
+            raise TypeError(f"{where}: the prefix is {type(prefix).__name__}, not str")
+        prefix_ids = self.encode_target(prefix) if prefix.strip() else []
+        room = self.max_positions - 1
+        if len(prefix_ids) > room:
+            self.warn(
+                f"{where}: the target prefix's {len(prefix_ids)} tokens exceed the model's "
+                f"{room} output positions; keeping the first {room}"
+            )
+            prefix_ids = prefix_ids[:room]
+        return self.fitted_steering(len(source), Steering(tuple(phrases), tuple(prefix_ids)), where)
+
+    def output_limit(self, source_tokens: int, prefix_tokens: int = 0) -> int:
+        """The most output tokens of a source of ``source_tokens`` tokens (no EOS): the
+        decode settings' limit, raised to hold a prefix of ``prefix_tokens``, within the
+        model's positions."""
+        room = self.max_positions - 1
+        limit = max_output_lengths(
+            torch.tensor([source_tokens]), self.decode.max_len_a, self.decode.max_len_b, room
+        )
+        return min(max(int(limit[0]), prefix_tokens), room)
+
+    def fitted_steering(self, source_tokens: int, steering: Steering, where: str) -> Steering:
+        """``steering``, or its prefix alone with a warning naming ``where`` when its
+        constraints need more output tokens than the source's limit allows."""
+        if not steering.constraints or not source_tokens:
+            return steering
+        limit = self.output_limit(source_tokens, len(steering.prefix))
+        if (needed := tokens_needed(steering)) <= limit:
+            return steering
+        self.warn(
+            f"{where}: its constraints need {needed - len(steering.prefix)} output tokens "
+            f"after the prefix, more than its limit of {limit - len(steering.prefix)}; "
+            "translated without them"
+        )
+        return Steering((), steering.prefix)
+
     # -- ids -------------------------------------------------------------------------------
 
-    def search_ids(self, sources: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
+    def search_ids(
+        self, sources: Sequence[Sequence[int]], steering: Sequence[Steering] | None = None
+    ) -> list[list[Hypothesis]]:
         """Hypotheses for token-id sources (no EOS, at most ``max_positions - 1`` ids each), in
         input order; an empty source gives ``[]``. Sources are sorted by length and packed
-        into batches of at most ``batch_tokens`` padded tokens."""
+        into batches of at most ``batch_tokens`` padded tokens. ``steering``: one
+        :class:`Steering` per source (constraints that do not fit a source's limit are
+        dropped with a warning naming the source: :meth:`encode_steering` has done so for a
+        line already)."""
+        if steering is not None:
+            if len(steering) != len(sources):
+                raise ValueError(
+                    f"steering needs one entry per source ({len(sources)}), got {len(steering)}"
+                )
+            steering = [
+                self.fitted_steering(len(s), steer, f"source {i + 1}")
+                for i, (s, steer) in enumerate(zip(sources, steering, strict=True))
+            ]
+            if not any(steering):
+                steering = None
         results: list[list[Hypothesis]] = [[] for _ in sources]
         order = sorted((i for i, s in enumerate(sources) if s), key=lambda i: -len(sources[i]))
         start = 0
@@ -266,15 +401,23 @@ class TextTranslator:
             width = len(sources[order[start]]) + 1  # the longest of the batch, EOS included
             count = max(1, self.decode.batch_tokens // width)
             chunk = order[start : start + count]
-            for i, hyps in zip(chunk, self._search_batch([sources[i] for i in chunk]), strict=True):
+            batch = [sources[i] for i in chunk]
+            if steering is None:  # (an engine without steering takes no second argument)
+                found = self._search_batch(batch)
+            else:
+                found = self._search_batch(batch, [steering[i] for i in chunk])
+            for i, hyps in zip(chunk, found, strict=True):
                 results[i] = hyps
             start += count
             if self.on_batch is not None:
                 self.on_batch(len(chunk))
         return results
 
-    def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
-        """Hypotheses for one batch of non-empty sources, in its order (the engine's part)."""
+    def _search_batch(
+        self, sources: list[Sequence[int]], steering: Sequence[Steering] | None = None
+    ) -> list[list[Hypothesis]]:
+        """Hypotheses for one batch of non-empty sources, in its order (the engine's part);
+        ``steering``: one per source, or None where nothing is steered."""
         raise NotImplementedError
 
     def engine_details(self) -> dict[str, Any]:
@@ -306,6 +449,10 @@ class Translator(TextTranslator):
     (:mod:`aiayn.accel.compiled`, float32 Transformers on the CPU): by default (None) when it
     has been compiled on this machine before, True compiles it first where it has not (its
     three libraries, one to two minutes for a small model), False never.
+
+    Terminology constraints and a forced prefix per sentence: the ``constraints`` and
+    ``prefixes`` of :meth:`translate` and :meth:`translate_nbest`, searched by
+    :func:`aiayn.inference.constrained.steered_search` (docs/translation.md).
 
     ``process_settings``: also the process-wide settings of :func:`aiayn.accel.accelerate`
     (malloc thresholds), for a program that owns its process
@@ -429,7 +576,35 @@ class Translator(TextTranslator):
         }
 
     @torch.inference_mode()
-    def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
+    def _search_batch(
+        self, sources: list[Sequence[int]], steering: Sequence[Steering] | None = None
+    ) -> list[list[Hypothesis]]:
+        """Unsteered sentences by :func:`search_batch`; steered ones (if any) apart, by
+        :func:`search_steered_batch`: a sentence without steering is searched as it would be
+        without the option, whatever shares its batch."""
+        steered = [i for i, steer in enumerate(steering or ()) if steer]
+        if not steered:
+            return self._search_plain(sources)
+        assert steering is not None
+        plain = [i for i, steer in enumerate(steering) if not steer]
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        if plain:
+            for i, hyps in zip(plain, self._search_plain([sources[i] for i in plain]), strict=True):
+                results[i] = hyps
+        batch = collate_pairs([sources[i] for i in steered])
+        found = search_steered_batch(
+            self.model,
+            batch.src_ids.to(self.device),
+            batch.src_pad.to(self.device),
+            self.decode,
+            [steering[i] for i in steered],
+            nbest=self.nbest,
+        )
+        for i, hyps in zip(steered, found, strict=True):
+            results[i] = hyps
+        return results
+
+    def _search_plain(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
         batch = collate_pairs(sources)
         src_ids = batch.src_ids.to(self.device)
         src_pad = batch.src_pad.to(self.device)
@@ -477,3 +652,41 @@ def _search_collated(
     return beam_search(
         step, cache, src_ids.size(0), beam_size=k, nbest=nbest, rule=decode.beam_rule, **common
     )
+
+
+def search_steered_batch(
+    model: IncrementalModel,
+    src_ids: Tensor,
+    src_pad: Tensor,
+    decode: DecodeConfig,
+    steering: Sequence[Steering],
+    *,
+    nbest: int = 1,
+) -> list[list[Hypothesis]]:
+    """:func:`search_batch` of sentences that are steered
+    (:func:`~aiayn.inference.constrained.steered_search`): each sentence's output limit is
+    raised to hold its prefix (within the model's positions); beam size 1 searches by the
+    fairseq rule, which is greedy search where nothing but a prefix steers."""
+    with inference_attention(src_ids.device):
+        src_lengths = (~src_pad).sum(-1) - 1
+        limit = model.config.max_positions - 1
+        limits = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b, limit=limit)
+        prefix = torch.tensor([len(s.prefix) for s in steering], device=limits.device)
+        limits = torch.maximum(limits, prefix).clamp(max=limit)
+        memory = model.encode(src_ids, src_pad)
+        k = decode.beam_size
+        cache = model.init_cache(memory, src_pad, int(limits.max()) + 1, beam_size=k)
+        step = never_pad_or_bos(model.log_probs_step, model.config.bos_output)
+        return steered_search(
+            step,
+            cache,
+            steering,
+            beam_size=k,
+            alpha=decode.alpha,
+            max_len=limits,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            nbest=nbest,
+            rule="fairseq" if k == 1 else decode.beam_rule,
+            device=src_ids.device,
+        )
