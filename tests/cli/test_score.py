@@ -88,7 +88,7 @@ def test_score_agrees_with_translate(
         *("translate", str(run), "-i", str(source), "--beam", "2", "--alpha", "0"),
         *("--beam-rule", "fairseq", "--nbest", "2", *common),
     )
-    assert code == 0 and len(nbest) == 24, _
+    assert code == 0 and len(nbest) == 24
     rows = [
         (src_lines[n // 2], float(score), text)
         for n, (_, score, text) in enumerate(line.split("\t") for line in nbest)

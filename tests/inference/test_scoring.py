@@ -135,6 +135,10 @@ def test_scores_do_not_depend_on_the_batch(model: Transformer) -> None:
     small.on_batch = batches.append
     apart, together = small.score_pairs(sources, targets), large.score_pairs(sources, targets)
     assert len(batches) > 10 and sum(batches) == 30
+    # translate --word-scores' extra pass is no progress of the translation's lines
+    ids = [TOKENIZER.encode(line) for line in sources]
+    small.with_word_scores(ids, small.translations(small.search_ids(ids)))
+    assert sum(batches) == 60 and small.on_batch is not None
     for a, b in zip(apart, together, strict=True):
         assert a.tokens == b.tokens
         assert a.token_log_probs == pytest.approx(b.token_log_probs, abs=2e-5)

@@ -342,9 +342,13 @@ class TextTranslator:
         takes them) with their ``token_log_probs``: the emitted tokens scored teacher-forced
         (one more pass of the decoder), which gives what search summed to float32 rounding."""
         pairs = [(i, j) for i, hyps in enumerate(results) for j in range(len(hyps))]
-        scored = self.score_ids(
-            [sources[i] for i, _ in pairs], [results[i][j].tokens for i, j in pairs]
-        )
+        on_batch, self.on_batch = self.on_batch, None  # progress counts the search's lines
+        try:
+            scored = self.score_ids(
+                [sources[i] for i, _ in pairs], [results[i][j].tokens for i, j in pairs]
+            )
+        finally:
+            self.on_batch = on_batch
         out = [list(hyps) for hyps in results]
         for (i, j), score in zip(pairs, scored, strict=True):
             out[i][j] = replace(out[i][j], token_log_probs=score.token_log_probs)

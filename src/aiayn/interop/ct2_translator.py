@@ -39,6 +39,14 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
   ``model.bos_output = false`` decodes from a distribution renormalised without BOS: its
   export gives BOS a logit bias that takes it out of CTranslate2's softmax, searches and
   scores alike, :data:`aiayn.interop.ct2.NO_OUTPUT_BIAS`.)
+- a forced prefix (:class:`~aiayn.inference.steering.Steering`) is CTranslate2's
+  ``target_prefix``, within the output limit (raised to the prefix's length where it is
+  shorter). CTranslate2's score leaves the prefix out (it divides the log-probability of the
+  tokens after it by the penalty of the whole length): the prefix's log-probability, scored
+  teacher-forced, is added, so that the prefix is scored as aiayn's search scores it.
+  Constraints are refused: CTranslate2 has no constrained search;
+- scores of given targets (``score_pairs``, ``translate --word-scores``) are CTranslate2's
+  ``score_batch``: the full distribution's log-probabilities, aiayn's.
 """
 
 from __future__ import annotations
