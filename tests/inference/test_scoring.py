@@ -182,3 +182,17 @@ def test_bad_pairs_name_the_line(model: Transformer) -> None:
     [score] = translator.score_pairs(["abcdefghab"], ["abcdefg"])
     assert len(score.token_log_probs) == 8
     assert warnings and "line 1" in warnings[0]
+
+
+class TargetSideTokenizer(CharTokenizer):
+    """A tokenizer whose target side has its own encoder (as a Marian model's): the letters
+    reversed in order."""
+
+    def encode_target_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text)[::-1] for text in texts]
+
+
+def test_targets_are_encoded_by_the_target_side(model: Transformer) -> None:
+    translator = Translator(model, TargetSideTokenizer(), DecodeConfig())
+    [score] = translator.score_pairs(["abc"], ["abd"])
+    assert score.tokens == TOKENIZER.encode("dba")

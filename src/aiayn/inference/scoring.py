@@ -59,6 +59,16 @@ def score_of(tokens: Sequence[int], token_log_probs: Sequence[float]) -> Score:
     return Score(list(tokens), list(token_log_probs), f32_sum(token_log_probs))
 
 
+def encode_targets(tokenizer: object, texts: Sequence[str]) -> list[list[int]]:
+    """Target-side token ids of ``texts``: the tokenizer's ``encode_target_batch`` where it
+    has one (a Marian model's target vocabulary is not its source's), else ``encode``."""
+    batch = getattr(tokenizer, "encode_target_batch", None)
+    if batch is not None:
+        return [list(ids) for ids in batch(list(texts))]
+    encode = getattr(tokenizer, "encode")  # noqa: B009 (any tokenizer of the translator)
+    return [list(encode(text)) for text in texts]
+
+
 def batches_by_tokens(
     sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], budget: int
 ) -> list[list[int]]:

@@ -43,7 +43,13 @@ from aiayn.data.collate import BOS_ID, EOS_ID, collate_pairs
 from aiayn.devices import inference_attention
 from aiayn.errors import ConfigError
 from aiayn.inference.loading import load_model
-from aiayn.inference.scoring import Score, batches_by_tokens, score_of, token_log_probs
+from aiayn.inference.scoring import (
+    Score,
+    batches_by_tokens,
+    encode_targets,
+    score_of,
+    token_log_probs,
+)
 from aiayn.inference.search import (
     Hypothesis,
     beam_search,
@@ -299,17 +305,17 @@ class TextTranslator:
         tgt_lines = checked_lines(targets, "score_pairs")
         if len(src_lines) != len(tgt_lines):
             raise ValueError(f"{len(src_lines)} source lines but {len(tgt_lines)} target lines")
-        src_ids, tgt_ids = [], []
-        for i, (source, target) in enumerate(zip(src_lines, tgt_lines, strict=True)):
+        src_ids = []
+        tgt_ids = encode_targets(self.tokenizer, [t if t.strip() else "" for t in tgt_lines])
+        for i, source in enumerate(src_lines):
             number = first_line + i
             src_ids.append(self.encode_source(source, number))
-            tgt_ids.append(self.tokenizer.encode(target) if target.strip() else [])
-            for side, ids in (("source", src_ids[-1]), ("target", tgt_ids[-1])):
+            for side, ids in (("source", src_ids[-1]), ("target", tgt_ids[i])):
                 if not ids:
                     raise ValueError(f"line {number}: the {side} is empty")
-            if len(tgt_ids[-1]) > self.max_positions - 1:
+            if len(tgt_ids[i]) > self.max_positions - 1:
                 raise ValueError(
-                    f"line {number}: the target's {len(tgt_ids[-1])} tokens (+ EOS) exceed "
+                    f"line {number}: the target's {len(tgt_ids[i])} tokens (+ EOS) exceed "
                     f"the model's {self.max_positions} positions"
                 )
         return self.score_ids(src_ids, tgt_ids)
