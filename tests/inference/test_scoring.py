@@ -196,3 +196,21 @@ def test_targets_are_encoded_by_the_target_side(model: Transformer) -> None:
     translator = Translator(model, TargetSideTokenizer(), DecodeConfig())
     [score] = translator.score_pairs(["abc"], ["abd"])
     assert score.tokens == TOKENIZER.encode("dba")
+
+
+@pytest.mark.parametrize("arch", ["bahdanau", "luong"])
+def test_the_rnn_baselines_score_as_their_logits_say(arch: str) -> None:
+    from aiayn.model.families import build_model
+
+    config = load_config(overrides=["preset=tiny", "model.dropout=0", f"model.arch={arch}"])
+    torch.manual_seed(3)
+    rnn = build_model(config.model).eval()
+    translator = Translator(rnn, TOKENIZER, DecodeConfig(batch_tokens=30))
+    rng = random.Random(6)
+    sources = [random_words(rng, 1, 9) for _ in range(7)]
+    targets = [random_words(rng, 1, 9) for _ in range(7)]
+    for src, tgt, score in zip(
+        sources, targets, translator.score_pairs(sources, targets), strict=True
+    ):
+        expected = reference(rnn, TOKENIZER.encode(src), TOKENIZER.encode(tgt))
+        assert score.token_log_probs == pytest.approx(expected, abs=2e-5)
