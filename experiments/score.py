@@ -11,8 +11,9 @@ greedy search reported, over the lines whose text tokenises back to the tokens e
         --source data/multi30k/val.en --target data/multi30k/val.de [--lines 1000]
 
 Writes ``experiments/results/NAME.json`` and ``.md`` (or into ``--out``; NAME by default
-``score-<host>``, :func:`benchmarks.common.host_slug`). ``--quick``: 50 pairs, one round,
-into a temporary folder.
+``score-<host>``, :func:`benchmarks.common.host_slug`). ``--ctranslate2``: CTranslate2's
+engine too (scores and greedy search), on a copy of the checkpoint exported in a temporary
+folder. ``--quick``: 50 pairs, one round, into a temporary folder.
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def measure(
-    checkpoint: Path, source: Path, target: Path, lines: int, rounds: int, threads: int
+    checkpoint: Path,
+    source: Path,
+    target: Path,
+    lines: int,
+    rounds: int,
+    threads: int,
+    ctranslate2: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -64,10 +71,26 @@ def measure(
         "translate greedy": lambda: greedy.translations(greedy.search_ids(sources)),
         f"translate beam {beam.decode.beam_size}": lambda: beam.search_ids(sources),
     }
+    ct2 = None
+    if ctranslate2:  # exported beside a copy of the checkpoint: its folder stays as it is
+        import shutil
+        import tempfile
+
+        from aiayn.interop.ct2_translator import Ct2Translator
+
+        copy = Path(tempfile.mkdtemp(prefix="aiayn-score-")) / checkpoint.name
+        shutil.copyfile(checkpoint, copy)
+        ct2, _ = Ct2Translator.from_checkpoint(
+            copy, decode_overrides={"beam_size": 1, "alpha": 0.0}, threads=threads
+        )
+        calls["score, CTranslate2"] = lambda: ct2.score_pairs(src_lines, tgt_lines)
+        calls["translate greedy, CTranslate2"] = lambda: ct2.search_ids(sources)
     seconds: dict[str, list[float]] = {name: [] for name in calls}
     seconds["word scores of the greedy output"] = []
     results: dict[str, Any] = {}
-    calls["score"]()  # a warm-up: first calls allocate
+    for name, call in calls.items():  # a warm-up of each score: first calls allocate
+        if name.startswith("score"):
+            call()
     for _ in range(rounds):
         for name, call in calls.items():
             took, results[name] = timed(call)
@@ -95,6 +118,14 @@ def measure(
         abs(sum(h[0].token_log_probs or []) - h[0].log_prob) for h in results["word scores"] if h
     ]
     refs = results["score"]
+    engines = None
+    if ct2 is not None:
+        theirs = results["score, CTranslate2"]
+        engines = max(
+            abs(a - b)
+            for x, y in zip(refs, theirs, strict=True)
+            for a, b in zip(x.token_log_probs, y.token_log_probs, strict=True)
+        )
     tokens = sum(len(s.token_log_probs) for s in refs)
     own = [s.mean for s in rescored]
     weakest = sorted(range(len(refs)), key=lambda i: refs[i].mean)[:5]
@@ -113,6 +144,7 @@ def measure(
             "max_abs_difference": max(diffs, default=0.0),
             "max_relative_difference": max(relative, default=0.0),
             "word_scores_max_abs_sum_difference": max(word_sums, default=0.0),
+            "ctranslate2_max_abs_token_difference": engines,
         },
         "weakest_references": [
             {"line": i + 1, "mean": round(refs[i].mean, 3), "log_prob": round(refs[i].log_prob, 2)}
@@ -146,7 +178,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"`score`: the {r['pairs']:,} reference pairs ({r['reference_tokens']:,} target "
             "tokens with EOS), teacher-forced. `translate`: the same source lines, searched "
             f"(greedy; beam {r['beam']['size']}, α {r['beam']['alpha']}). `word scores`: the "
-            "extra pass of `translate --word-scores` over the greedy outputs.",
+            "extra pass of `translate --word-scores` over the greedy outputs. `CTranslate2`: "
+            "the checkpoint's float32 export, the same batches (`--engine ctranslate2`).",
             "",
             f"Log-probability per token: references {r['reference_log_prob_per_token']}, "
             f"the model's greedy outputs {r['greedy_output_log_prob_per_token']}. Weakest "
@@ -157,7 +190,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"their log-probability differs from greedy search's by at most "
             f"{a['max_abs_difference']:.2e} (relative {a['max_relative_difference']:.2e}); "
             "the word scores of `translate --word-scores` sum to the search's log-probability "
-            f"within {a['word_scores_max_abs_sum_difference']:.2e}.",
+            f"within {a['word_scores_max_abs_sum_difference']:.2e}."
+            + (
+                ""
+                if a.get("ctranslate2_max_abs_token_difference") is None
+                else " CTranslate2's token log-probabilities of the references differ from "
+                f"PyTorch's by at most {a['ctranslate2_max_abs_token_difference']:.2e}."
+            ),
             "",
         ]
     )
@@ -171,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=1000, help="pairs (default 1000)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="threads (default 1)")
+    parser.add_argument(
+        "--ctranslate2",
+        action="store_true",
+        help="also score and translate greedily with CTranslate2 (a copy of the checkpoint "
+        "exported in a temporary folder)",
+    )
     parser.add_argument("--name", help="results file name (default: score-<host>)")
     add_output_options(parser, f"{QUICK_LINES} pairs, one round")
     args = parser.parse_args(argv)
@@ -178,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"score-{host_slug()}"
     lines, rounds = (QUICK_LINES, 1) if args.quick else (args.lines, args.rounds)
     before = load_average()
-    measured = measure(args.checkpoint, args.source, args.target, lines, rounds, args.threads)
+    measured = measure(
+        args.checkpoint, args.source, args.target, lines, rounds, args.threads, args.ctranslate2
+    )
     result = {
         "date": dt.date.today().isoformat(),
         "machine": machine(),
