@@ -149,3 +149,28 @@ def test_the_ctranslate2_engine_prints_the_same(
             [float(v) for v in mine[:2]], abs=2e-4
         )
         assert len(other[2].split()) == len(mine[2].split())
+
+
+def test_interactive_translation_with_word_scores(
+    run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiayn.cli import translate as translate_command
+
+    translator, _ = Translator.from_checkpoint(run, decode_overrides={"beam_size": 1})
+    typed = iter(["alpha bravo charlie", ""])
+
+    def next_line() -> str:
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", next_line)
+    translate_command._interactive(translator, 1, True)
+    first, empty = capsys.readouterr().out.splitlines()
+    [hyp] = translator.translate_nbest(["alpha bravo charlie"])[0]
+    text, log_prob, mean, words = first.split("\t")
+    assert text == hyp.text and float(log_prob) == pytest.approx(hyp.log_prob, abs=1e-4)
+    assert len(words.split()) == len(hyp.tokens) + 1
+    assert float(mean) == pytest.approx(hyp.log_prob / (len(hyp.tokens) + 1), abs=1e-4)
+    assert empty == "\t0.0000\t0.0000\t"

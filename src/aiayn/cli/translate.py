@@ -146,10 +146,10 @@ def _interactive(translator: TextTranslator, nbest: int, word_scores: bool = Fal
             # Say so and go on, with an empty output to keep lines in step.
             print(f"error: stdin: line {number} is not valid UTF-8", file=sys.stderr, flush=True)
             line = ""
-        sources = [translator.encode_source(line, number)]
-        results = translator.translations(translator.search_ids(sources))
-        if word_scores:
-            results = translator.with_word_scores(sources, results)
+        results = translator.translate_nbest([line], number)
+        if word_scores:  # the source's ids again, as translate_nbest cut them (no warning)
+            ids = translator.tokenizer.encode(line) if line.strip() else []
+            results = translator.with_word_scores([ids[: translator.max_positions - 1]], results)
         _write(sys.stdout, format_translations(results, nbest, word_scores))
 
 
@@ -263,6 +263,7 @@ def _translate_file(
     lines: Sequence[str],
     nbest: int,
     written: list[int],
+    *,
     word_scores: bool = False,
 ) -> tuple[int, int]:
     """Translate ``lines`` window by window, writing each window's translations to stdout in
@@ -352,7 +353,9 @@ def run(args: argparse.Namespace) -> int:
     translator.on_batch = meter.advance
     written = [0]
     try:
-        asked, empty = _translate_file(translator, lines, args.nbest, written, args.word_scores)
+        asked, empty = _translate_file(
+            translator, lines, args.nbest, written, word_scores=args.word_scores
+        )
     except _Stop as stop:
         name = "interrupted" if stop.signum == signal.SIGINT else "stopped by SIGTERM"
         report.write(
