@@ -126,3 +126,25 @@ def test_constraints_are_refused_in_one_line(tokenizer: Tokenizer, exported: Pat
     with pytest.raises(ValueError, match="no constrained search") as err:
         theirs._search_batch([[5, 6]], steering=steering)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"engine": "ctranslate2"}, "no constrained search: for --constraints, use --engine"),
+        ({"quantize": "int8"}, r"search \(--quantize int8 decodes with CTranslate2\): for"),
+    ],
+)
+def test_the_command_line_refuses_constraints_with_ctranslate2(
+    options: dict[str, str], said: str
+) -> None:
+    import argparse
+
+    from aiayn.cli.engines import check_engine_options
+    from aiayn.errors import CLIError
+
+    given = {"engine": None, "quantize": None, "threads": None, "device": None, **options}
+    args = argparse.Namespace(**given, constraints="terms.tsv")
+    with pytest.raises(CLIError, match=said):
+        check_engine_options(args)
+    check_engine_options(argparse.Namespace(**given))  # without constraints: accepted
