@@ -174,3 +174,20 @@ def test_interactive_translation_with_word_scores(
     assert len(words.split()) == len(hyp.tokens) + 1
     assert float(mean) == pytest.approx(hyp.log_prob / (len(hyp.tokens) + 1), abs=1e-4)
     assert empty == "\t0.0000\t0.0000\t"
+
+
+def test_the_word_score_fields_of_translate() -> None:
+    from aiayn.cli.translate import format_translations
+    from aiayn.inference.translator import Translation
+
+    hyp = Translation("ab", -0.5, -1.5, [4, 5], [-1.0, -0.25, -0.25])
+    assert format_translations([[hyp]], 1, True) == [
+        "ab\t-1.5000\t-0.5000\t-1.0000 -0.2500 -0.2500"
+    ]
+    assert format_translations([[hyp], []], 2, True) == [
+        "1\t-0.5000\tab\t-1.5000\t-0.5000\t-1.0000 -0.2500 -0.2500",
+        "2\t-inf\t\t0.0000\t0.0000\t",  # a missing hypothesis
+        "1\t0.0000\t\t0.0000\t0.0000\t",  # an empty input line
+        "2\t0.0000\t\t0.0000\t0.0000\t",
+    ]
+    assert format_translations([[hyp], []], 1) == ["ab", ""]  # without: as before
