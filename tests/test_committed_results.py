@@ -21,6 +21,7 @@ from experiments import (
     long_quality,
     marian_finetune,
     multi30k_recipe,
+    score,
     table1,
 )
 
@@ -38,6 +39,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "long-quality": long_quality.report,
     "marian-finetune": marian_finetune.report,
     "multi30k-": multi30k_recipe._markdown,
+    "score-": score.markdown,
     "table1": table1.report,
 }
 PAIRS = sorted(

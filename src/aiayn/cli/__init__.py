@@ -31,6 +31,7 @@ from aiayn.cli import (
     params,
     plot,
     prepare,
+    score,
     serve,
     train,
     translate,
@@ -38,7 +39,7 @@ from aiayn.cli import (
 from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
-    *(demo, params, prepare, train, average, plot, translate, bleu, attention),
+    *(demo, params, prepare, train, average, plot, translate, score, bleu, attention),
     *(generate, classify, serve, import_marian, export_ct2, cache),
 ]
 

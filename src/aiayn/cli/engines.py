@@ -85,6 +85,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
     ``--engine`` is not given) and refuse, in one line, what the engine does not take:
     ``--threads`` below 1; ``--quantize int8`` with ``--engine torch``, or where CTranslate2 is
     not installed; with CTranslate2, ``--pack-weights``, ``--compiled-step``, ``--mmap``,
+    ``--constraints`` (where the command has it: CTranslate2 has no constrained search),
     ``--beam-rule paper`` (where the command has it, and the beam is not 1) and a device
     CTranslate2 does not know."""
     if args.threads is not None and args.threads < 1:
@@ -110,6 +111,9 @@ def check_engine_options(args: argparse.Namespace) -> None:
         if value is not None:
             flag = "--" + ("" if value else "no-") + name.replace("_", "-")
             raise CLIError(f"{flag} is an option of --engine torch{chosen}")
+    if getattr(args, "constraints", None) is not None:  # translate --constraints
+        other = "leave out --quantize int8" if int8 else "use --engine torch"
+        raise CLIError(f"CTranslate2 has no constrained search{chosen}: for --constraints, {other}")
     if getattr(args, "beam_rule", None) == "paper" and getattr(args, "beam", None) != 1:
         other = "leave out --quantize int8" if int8 else "--engine torch"
         raise CLIError(

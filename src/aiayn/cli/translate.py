@@ -39,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="translate raw text with a checkpoint",
         description="Translate raw text, one sentence a line, from --input or stdin; write one "
         "detokenised translation a line to stdout (with --nbest K: K lines per input line, "
-        "'rank<TAB>score<TAB>text'). With a terminal on stdin it translates line by line. "
+        "'rank<TAB>score<TAB>text'; with --word-scores each line also ends in "
+        "'<TAB>LOG_PROB<TAB>MEAN<TAB>WORD_SCORES', as aiayn score prints them). "
+        "With a terminal on stdin it translates line by line. "
         "Empty lines give empty lines; lines longer than the model's positions are cut to fit "
         "with a warning on stderr. Defaults come from the run's [decode] settings. "
         "--engine ctranslate2 decodes with CTranslate2 instead of PyTorch (docs/interop.md), "
@@ -80,6 +82,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="line i holds the text the translation of input line i starts with (an empty "
         "line: none); the search continues from it, and its tokens are scored",
     )
+    parser.add_argument(
+        "--word-scores",
+        action="store_true",
+        help="end each output line with the translation's log-probability, its mean per "
+        "token (EOS included) and each token's log-probability (EOS last, space-separated), "
+        "tab-separated, as aiayn score prints them: the emitted tokens scored teacher-forced "
+        "(one more pass of the decoder; docs/translation.md, 'Scores')",
+    )
     add_engine_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -96,19 +106,31 @@ def _decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in given.items() if value is not None}
 
 
-def format_translations(results: Sequence[list[Translation]], nbest: int) -> list[str]:
+def format_translations(
+    results: Sequence[list[Translation]], nbest: int, word_scores: bool = False
+) -> list[str]:
     """Output lines: the best text per input; with ``nbest`` > 1, exactly ``nbest`` lines per
     input, 'rank<TAB>score<TAB>text' (an empty input gives empty texts with score 0, a missing
-    hypothesis an empty text with score -inf)."""
-    if nbest == 1:
-        return [hyps[0].text if hyps else "" for hyps in results]
+    hypothesis an empty text with score -inf). With ``word_scores`` each line ends in
+    '<TAB>LOG_PROB<TAB>MEAN<TAB>WORD_SCORES' (``aiayn score --word-scores``'s fields; those
+    of an empty input or a missing hypothesis: 0, 0 and none)."""
+    from aiayn.cli.score import score_fields
+
     lines = []
     for hyps in results:
         for rank in range(1, nbest + 1):
-            if rank <= len(hyps):
-                lines.append(f"{rank}\t{hyps[rank - 1].score:.4f}\t{hyps[rank - 1].text}")
+            hyp = hyps[rank - 1] if rank <= len(hyps) else None
+            if nbest == 1:
+                line = hyp.text if hyp is not None else ""
+            elif hyp is not None:
+                line = f"{rank}\t{hyp.score:.4f}\t{hyp.text}"
             else:
-                lines.append(f"{rank}\t{0.0 if not hyps else float('-inf'):.4f}\t")
+                line = f"{rank}\t{0.0 if not hyps else float('-inf'):.4f}\t"
+            if word_scores:
+                scores = hyp.token_log_probs if hyp is not None else None
+                log_prob = hyp.log_prob if hyp is not None else 0.0
+                line += "\t" + score_fields(log_prob, scores or [], True)
+            lines.append(line)
     return lines
 
 
@@ -118,7 +140,7 @@ def _write(out: TextIO, lines: Sequence[str]) -> None:
     out.flush()
 
 
-def _interactive(translator: TextTranslator, nbest: int) -> None:
+def _interactive(translator: TextTranslator, nbest: int, word_scores: bool = False) -> None:
     """Line by line from a terminal, with line editing and history (the arrow keys) where
     Python has readline."""
     try:
@@ -139,7 +161,11 @@ def _interactive(translator: TextTranslator, nbest: int) -> None:
             # Say so and go on, with an empty output to keep lines in step.
             print(f"error: stdin: line {number} is not valid UTF-8", file=sys.stderr, flush=True)
             line = ""
-        _write(sys.stdout, format_translations(translator.translate_nbest([line], number), nbest))
+        results = translator.translate_nbest([line], number)
+        if word_scores:  # the source's ids again, as translate_nbest cut them (no warning)
+            ids = translator.tokenizer.encode(line) if line.strip() else []
+            results = translator.with_word_scores([ids[: translator.max_positions - 1]], results)
+        _write(sys.stdout, format_translations(results, nbest, word_scores))
 
 
 def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
@@ -315,6 +341,8 @@ def _translate_file(
     nbest: int,
     written: list[int],
     steer: SteeringFiles | None = None,
+    *,
+    word_scores: bool = False,
 ) -> tuple[int, int]:
     """Translate ``lines`` window by window, writing each window's translations to stdout in
     input order as it finishes; ``written[0]`` counts the input lines written. Returns the
@@ -329,8 +357,10 @@ def _translate_file(
                 else translator.search_ids(sources, steering)
             )
             results = translator.translations(found)
+            if word_scores:
+                results = translator.with_word_scores(sources, results)
             with signals.write_section():
-                _write(sys.stdout, format_translations(results, nbest))
+                _write(sys.stdout, format_translations(results, nbest, word_scores))
                 written[0] = start + len(sources)
             for source, hyps in zip(sources, results, strict=True):
                 if source:
@@ -414,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(str(err)) from None
     if args.input in (None, "-") and sys.stdin.isatty():
-        _interactive(translator, args.nbest)
+        _interactive(translator, args.nbest, args.word_scores)
         return 0
     lines = read_input(args.input)
     steer = read_steering(args, len(lines))
@@ -423,7 +453,9 @@ def run(args: argparse.Namespace) -> int:
     translator.on_batch = meter.advance
     written = [0]
     try:
-        asked, empty = _translate_file(translator, lines, args.nbest, written, steer)
+        asked, empty = _translate_file(
+            translator, lines, args.nbest, written, steer, word_scores=args.word_scores
+        )
     except _Stop as stop:
         name = "interrupted" if stop.signum == signal.SIGINT else "stopped by SIGTERM"
         report.write(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +44,13 @@ from aiayn.devices import inference_attention
 from aiayn.errors import ConfigError
 from aiayn.inference.constrained import steered_search, tokens_needed
 from aiayn.inference.loading import load_model
+from aiayn.inference.scoring import (
+    Score,
+    batches_by_tokens,
+    encode_targets,
+    score_of,
+    token_log_probs,
+)
 from aiayn.inference.search import (
     Hypothesis,
     beam_search,
@@ -85,12 +92,15 @@ class TextTokenizer(Protocol):
 @dataclass(frozen=True)
 class Translation:
     """One hypothesis as text: ``score`` is the length-normalised log-probability that beam
-    search ranks by, ``log_prob`` the plain one; ``tokens`` are the output ids."""
+    search ranks by, ``log_prob`` the plain one; ``tokens`` are the output ids;
+    ``token_log_probs``, where asked for (:meth:`TextTranslator.with_word_scores`), the
+    log-probability of each of them and then of the final EOS (they sum to ``log_prob``)."""
 
     text: str
     score: float
     log_prob: float
     tokens: list[int]
+    token_log_probs: list[float] | None = None
 
 
 def check_alpha(alpha: float, stored_in: str | Path | None = None) -> None:
@@ -425,6 +435,81 @@ class TextTranslator:
         and its own settings (the server's ``GET /v1/model`` reports them)."""
         raise NotImplementedError
 
+    # -- scores (aiayn.inference.scoring) --------------------------------------------------
+
+    def score_pairs(
+        self, sources: Iterable[str], targets: Iterable[str], first_line: int = 1
+    ) -> list[Score]:
+        """The model's score of each target line given its source line, teacher-forced, in
+        order. A ValueError names the line (numbered from ``first_line``) where the two
+        differ in number, a side is empty or the target has more tokens than the model's
+        positions; a source that long is cut as :meth:`encode_source` cuts it."""
+        src_lines = checked_lines(sources, "score_pairs")
+        tgt_lines = checked_lines(targets, "score_pairs")
+        if len(src_lines) != len(tgt_lines):
+            raise ValueError(f"{len(src_lines)} source lines but {len(tgt_lines)} target lines")
+        src_ids = []
+        tgt_ids = encode_targets(self.tokenizer, [t if t.strip() else "" for t in tgt_lines])
+        for i, source in enumerate(src_lines):
+            number = first_line + i
+            src_ids.append(self.encode_source(source, number))
+            for side, ids in (("source", src_ids[-1]), ("target", tgt_ids[i])):
+                if not ids:
+                    raise ValueError(f"line {number}: the {side} is empty")
+            if len(tgt_ids[i]) > self.max_positions - 1:
+                raise ValueError(
+                    f"line {number}: the target's {len(tgt_ids[i])} tokens (+ EOS) exceed "
+                    f"the model's {self.max_positions} positions"
+                )
+        return self.score_ids(src_ids, tgt_ids)
+
+    def score_ids(
+        self, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]
+    ) -> list[Score]:
+        """:meth:`score_pairs` of token ids: non-empty sources (no EOS, at most
+        ``max_positions - 1`` ids), targets (no BOS or EOS, possibly empty, at most
+        ``max_positions - 1`` ids), in batches of at most ``decode.batch_tokens`` padded
+        tokens, longest first."""
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
+        scores: list[Score | None] = [None] * len(sources)
+        for chunk in batches_by_tokens(sources, targets, self.decode.batch_tokens):
+            batch_src = [sources[i] for i in chunk]
+            batch_tgt = [targets[i] for i in chunk]
+            if not all(batch_src):
+                raise ValueError("an empty source has no score")
+            for i, lps in zip(chunk, self._score_batch(batch_src, batch_tgt), strict=True):
+                scores[i] = score_of(targets[i], lps)
+            if self.on_batch is not None:
+                self.on_batch(len(chunk))
+        return [s for s in scores if s is not None]
+
+    def with_word_scores(
+        self, sources: Sequence[Sequence[int]], results: Sequence[list[Translation]]
+    ) -> list[list[Translation]]:
+        """``results`` (the translations of ``sources``, token ids as :meth:`search_ids`
+        takes them) with their ``token_log_probs``: the emitted tokens scored teacher-forced
+        (one more pass of the decoder), which gives what search summed to float32 rounding."""
+        pairs = [(i, j) for i, hyps in enumerate(results) for j in range(len(hyps))]
+        on_batch, self.on_batch = self.on_batch, None  # progress counts the search's lines
+        try:
+            scored = self.score_ids(
+                [sources[i] for i, _ in pairs], [results[i][j].tokens for i, j in pairs]
+            )
+        finally:
+            self.on_batch = on_batch
+        out = [list(hyps) for hyps in results]
+        for (i, j), score in zip(pairs, scored, strict=True):
+            out[i][j] = replace(out[i][j], token_log_probs=score.token_log_probs)
+        return out
+
+    def _score_batch(
+        self, sources: list[Sequence[int]], targets: list[Sequence[int]]
+    ) -> list[list[float]]:
+        """The log-probability of each target token and its EOS, for one batch of pairs
+        (the engine's part)."""
+        raise NotImplementedError
+
 
 class Translator(TextTranslator):
     """Translates sentences with a trained translation model (the PyTorch engine): the
@@ -574,6 +659,17 @@ class Translator(TextTranslator):
             # A model off the CPU is handed back as it is: no lever applies there.
             "accelerated": self.acceleration is not None and bool(self.acceleration.levers),
         }
+
+    def _score_batch(
+        self, sources: list[Sequence[int]], targets: list[Sequence[int]]
+    ) -> list[list[float]]:
+        return token_log_probs(
+            self.model,
+            sources,
+            targets,
+            device=self.device,
+            bos_output=self.model.config.bos_output,
+        )
 
     @torch.inference_mode()
     def _search_batch(

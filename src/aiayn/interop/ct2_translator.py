@@ -39,6 +39,14 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
   ``model.bos_output = false`` decodes from a distribution renormalised without BOS: its
   export gives BOS a logit bias that takes it out of CTranslate2's softmax, searches and
   scores alike, :data:`aiayn.interop.ct2.NO_OUTPUT_BIAS`.)
+- a forced prefix (:class:`~aiayn.inference.steering.Steering`) is CTranslate2's
+  ``target_prefix``, within the output limit (raised to the prefix's length where it is
+  shorter). CTranslate2's score leaves the prefix out (it divides the log-probability of the
+  tokens after it by the penalty of the whole length): the prefix's log-probability, scored
+  teacher-forced, is added, so that the prefix is scored as aiayn's search scores it.
+  Constraints are refused: CTranslate2 has no constrained search;
+- scores of given targets (``score_pairs``, ``translate --word-scores``) are CTranslate2's
+  ``score_batch``: the full distribution's log-probabilities, aiayn's.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.inference.loading import AVERAGED_NAME, resolve_checkpoint
 from aiayn.inference.search import Hypothesis, gnmt_length_penalty
+from aiayn.inference.steering import Steering
 from aiayn.inference.translator import TextTranslator, check_alpha, decode_with
 from aiayn.interop.ct2 import cached_export, import_ctranslate2, read_export, vocabularies
 
@@ -247,13 +256,30 @@ class Ct2Translator(TextTranslator):
 
     # -- search -------------------------------------------------------------------------------
 
-    def _search_batch(self, sources: list[Sequence[int]]) -> list[list[Hypothesis]]:
-        """One ``translate_batch`` call per output limit among ``sources``."""
+    def _search_batch(
+        self, sources: list[Sequence[int]], steering: Sequence[Steering] | None = None
+    ) -> list[list[Hypothesis]]:
+        """One ``translate_batch`` call per output limit among ``sources``. A forced prefix
+        (``steering``) goes to CTranslate2's ``target_prefix``, and is scored (CTranslate2's
+        own score leaves it out: its log-probability is added); the output limit of a sentence
+        is at least its prefix. Constraints are refused (ValueError): CTranslate2 has no
+        constrained search."""
         decode = self.decode
+        steer = list(steering) if steering is not None else [Steering()] * len(sources)
+        if len(steer) != len(sources):
+            raise ValueError(f"{len(sources)} sources but {len(steer)} steerings")
+        if any(s.constraints for s in steer):
+            raise ValueError(
+                "CTranslate2 has no constrained search: terminology constraints need the "
+                "PyTorch engine (--engine torch)"
+            )
         room = self.max_positions - 1
         limits = [
-            min(room, max(0, math.floor(len(s) * decode.max_len_a + decode.max_len_b)))
-            for s in sources
+            max(
+                len(s.prefix),
+                min(room, max(0, math.floor(len(src) * decode.max_len_a + decode.max_len_b))),
+            )
+            for src, s in zip(sources, steer, strict=True)
         ]
         groups: dict[int, list[int]] = {}
         for i, limit in enumerate(limits):
@@ -261,16 +287,36 @@ class Ct2Translator(TextTranslator):
         results: list[list[Hypothesis]] = [[] for _ in sources]
         for limit, rows in groups.items():
             pieces = [[self._source_pieces[t] for t in sources[i]] for i in rows]
-            for i, hyps in zip(rows, self._search_group(pieces, limit), strict=True):
+            prefixes = [[self._target_pieces[t] for t in steer[i].prefix] for i in rows]
+            for i, hyps in zip(rows, self._search_group(pieces, limit, prefixes), strict=True):
                 results[i] = hyps
         return results
 
-    def _search_group(self, pieces: list[list[str]], limit: int) -> list[list[Hypothesis]]:
-        """Hypotheses for sources (as pieces) that share the output limit ``limit``."""
-        found = self._searched(pieces, limit, [])
+    def _search_group(
+        self, pieces: list[list[str]], limit: int, prefixes: list[list[str]] | None = None
+    ) -> list[list[Hypothesis]]:
+        """Hypotheses for sources (as pieces) that share the output limit ``limit``, each
+        starting with its prefix (pieces; empty or None: none)."""
+        if prefixes is None:
+            prefixes = [[] for _ in pieces]
+        prefix_lps = [0.0] * len(pieces)
+        prefixed = [i for i, prefix in enumerate(prefixes) if prefix]
+        if prefixed:  # CTranslate2's scores leave the prefix out
+            scored_prefixes = self._log_probs(
+                [pieces[i] for i in prefixed], [prefixes[i] for i in prefixed]
+            )
+            for i, lps in zip(prefixed, scored_prefixes, strict=True):
+                prefix_lps[i] = sum(lps[: len(prefixes[i])])  # not the EOS that follows
+        found = self._searched(pieces, limit, [], prefixes, prefix_lps)
         again = [i for i, hyps in enumerate(found) if any(self._banned(h[0]) for h in hyps)]
         if again:  # decoded again without PAD and BOS, and then all scored again
-            redone = self._searched([pieces[i] for i in again], limit, self._never)
+            redone = self._searched(
+                [pieces[i] for i in again],
+                limit,
+                self._never,
+                [prefixes[i] for i in again],
+                [prefix_lps[i] for i in again],
+            )
             for i, hyps in zip(again, redone, strict=True):
                 found[i] = [(tokens, log_prob, True) for tokens, log_prob, _ in hyps]
         # Scored again, teacher-forced: those cut at the limit (their EOS, which aiayn
@@ -289,59 +335,94 @@ class Ct2Translator(TextTranslator):
         return results
 
     def _searched(
-        self, pieces: list[list[str]], limit: int, suppress: list[list[str]]
+        self,
+        pieces: list[list[str]],
+        limit: int,
+        suppress: list[list[str]],
+        prefixes: list[list[str]],
+        prefix_lps: list[float],
     ) -> list[list[tuple[list[int], float, bool]]]:
         """:meth:`_translate` to ``limit + 1`` steps, and again to ``limit`` steps for beam
         search where a hypothesis was cut at the limit: the candidates of CTranslate2's last
         step can extend fewer than ``beam_size`` beams, and cut back to the limit they are
         fewer hypotheses, while aiayn ends each of its live beams with EOS. The last step of
         the second search returns the live beams themselves."""
-        found = self._translate(pieces, limit, suppress, limit + 1)
+        found = self._translate(pieces, limit, suppress, limit + 1, prefixes, prefix_lps)
         if self.decode.beam_size == 1 or limit == 0:  # greedy: the cut hypothesis is the beam
             return found
         cut = [i for i, hyps in enumerate(found) if any(h[2] for h in hyps)]
         if cut:
-            extra = self._translate([pieces[i] for i in cut], limit, suppress, limit)
+            extra = self._translate(
+                [pieces[i] for i in cut],
+                limit,
+                suppress,
+                limit,
+                [prefixes[i] for i in cut],
+                [prefix_lps[i] for i in cut],
+            )
             for i, hyps in zip(cut, extra, strict=True):
                 known = {tuple(h[0]) for h in found[i]}
                 found[i] += [h for h in hyps if tuple(h[0]) not in known]
         return found
 
     def _translate(
-        self, pieces: list[list[str]], limit: int, suppress: list[list[str]], steps: int
+        self,
+        pieces: list[list[str]],
+        limit: int,
+        suppress: list[list[str]],
+        steps: int,
+        prefixes: list[list[str]],
+        prefix_lps: list[float],
     ) -> list[list[tuple[list[int], float, bool]]]:
         """The finished hypotheses of each source as (token ids without EOS, log-probability,
         whether it was cut at the limit), without repeats; the tokens ``suppress`` are never
-        output.
+        output. Each starts with its prefix, whose log-probability (``prefix_lps``)
+        CTranslate2's score leaves out and which is added here.
 
         CTranslate2 decodes at most ``steps`` tokens (``limit + 1``: one step beyond ``limit``
-        output tokens, where aiayn allows only EOS); at its last step it ends every one of the
-        best ``beam_size`` candidates, EOS or not. One that is not EOS is cut back to its
-        ``limit`` tokens, a hypothesis aiayn ends with the forced EOS (its log-probability,
-        without that EOS, is then unknown). Sentences where CTranslate2's ranking under the
-        first of :func:`ranking_penalties` may have dropped one of GNMT's best ``nbest`` are
-        decoded again under the second, and the hypotheses of both join."""
+        output tokens, where aiayn allows only EOS; the prefix counts among them); at its last
+        step it ends every one of the best ``beam_size`` candidates, EOS or not. One that is
+        not EOS is cut back to its ``limit`` tokens, a hypothesis aiayn ends with the forced
+        EOS (its log-probability, without that EOS, is then unknown). Sentences where
+        CTranslate2's ranking under the first of :func:`ranking_penalties` may have dropped
+        one of GNMT's best ``nbest`` are decoded again under the second, and the hypotheses
+        of both join."""
         low, high = ranking_penalties(self.decode.alpha, steps)
-        results = self._ct2_batch(pieces, suppress, steps, low)
-        found = [self._finished(result, low, limit) for result in results]
+        results = self._ct2_batch(pieces, suppress, steps, low, prefixes)
+        found = [
+            self._finished(result, low, limit, prefix_lp)
+            for result, prefix_lp in zip(results, prefix_lps, strict=True)
+        ]
         again = [
-            i for i, result in enumerate(results) if self._may_have_dropped(result, low, limit)
+            i
+            for i, result in enumerate(results)
+            if self._may_have_dropped(result, low, limit, bool(prefixes[i]))
         ]
         if again and high != low:
-            redone = self._ct2_batch([pieces[i] for i in again], suppress, steps, high)
+            redone = self._ct2_batch(
+                [pieces[i] for i in again], suppress, steps, high, [prefixes[i] for i in again]
+            )
             for i, result in zip(again, redone, strict=True):
                 known = {tuple(h[0]) for h in found[i]}
                 found[i] += [
-                    h for h in self._finished(result, high, limit) if tuple(h[0]) not in known
+                    h
+                    for h in self._finished(result, high, limit, prefix_lps[i])
+                    if tuple(h[0]) not in known
                 ]
         return found
 
     def _ct2_batch(
-        self, pieces: list[list[str]], suppress: list[list[str]], steps: int, penalty: float
+        self,
+        pieces: list[list[str]],
+        suppress: list[list[str]],
+        steps: int,
+        penalty: float,
+        prefixes: list[list[str]],
     ) -> Any:
         k = self.decode.beam_size
         return self.engine.translate_batch(
             pieces,
+            target_prefix=[prefix or None for prefix in prefixes] if any(prefixes) else None,
             beam_size=k,
             num_hypotheses=k,
             length_penalty=penalty,
@@ -354,19 +435,23 @@ class Ct2Translator(TextTranslator):
         )
 
     def _finished(
-        self, result: Any, penalty: float, limit: int
+        self, result: Any, penalty: float, limit: int, prefix_lp: float = 0.0
     ) -> list[tuple[list[int], float, bool]]:
-        """A CTranslate2 result's hypotheses as (ids without EOS, log-probability, cut)."""
+        """A CTranslate2 result's hypotheses as (ids without EOS, log-probability, cut).
+        CTranslate2 divides the log-probability of the tokens after the prefix by the
+        penalty of the whole length (prefix and EOS included)."""
         hyps: dict[tuple[int, ...], tuple[list[int], float, bool]] = {}
         for tokens, score in zip(result.hypotheses, result.scores, strict=True):
             ids = [self._target_ids[t] for t in tokens]
-            log_prob = float(score) * len(ids) ** penalty  # the score before the penalty
+            log_prob = float(score) * len(ids) ** penalty + prefix_lp  # before the penalty
             ended = bool(ids) and ids[-1] == EOS_ID
             hyp = (ids[:-1], log_prob, False) if ended else (ids[:limit], math.nan, True)
             hyps.setdefault(tuple(hyp[0]), hyp)
         return list(hyps.values())
 
-    def _may_have_dropped(self, result: Any, penalty: float, limit: int) -> bool:
+    def _may_have_dropped(
+        self, result: Any, penalty: float, limit: int, prefixed: bool = False
+    ) -> bool:
         """Whether a hypothesis CTranslate2 dropped, ranking with ``length ** penalty`` (the
         first of :func:`ranking_penalties`), could be among GNMT's best ``nbest``.
         CTranslate2 returns ``beam_size`` when at least that many finished; one it dropped
@@ -377,11 +462,13 @@ class Ct2Translator(TextTranslator):
         hypothesis cut at the limit), so at most ``s · m ** penalty / ((6 + min(m, limit)) /
         6) ** alpha``. Compared with the ``nbest``-th GNMT score of the hypotheses returned
         that ended with EOS (those cut at the limit are scored with their EOS only later).
-        With ``nbest == beam_size`` that is always so."""
+        With ``nbest == beam_size`` that is always so, and for a sentence with a prefix
+        (``prefixed``: CTranslate2 ranks without the prefix's log-probability, which that
+        bound does not hold)."""
         k, alpha = self.decode.beam_size, self.decode.alpha
         if k == 1 or alpha == 0 or len(result.hypotheses) < k:
             return False
-        if alpha < 0 or self.nbest == k:
+        if alpha < 0 or self.nbest == k or prefixed:
             return True
         eos = self._target_pieces[EOS_ID]
         ended = sorted(
@@ -411,6 +498,15 @@ class Ct2Translator(TextTranslator):
         teacher-forced (``score_batch``): the full distribution's, as aiayn's."""
         scored = self.engine.score_batch(pieces, targets, max_input_length=0)
         return [[float(lp) for lp in result.log_probs] for result in scored]
+
+    def _score_batch(
+        self, sources: list[Sequence[int]], targets: list[Sequence[int]]
+    ) -> list[list[float]]:
+        """Teacher-forced, by CTranslate2's ``score_batch`` (:meth:`_log_probs`)."""
+        return self._log_probs(
+            [[self._source_pieces[t] for t in source] for source in sources],
+            [[self._target_pieces[t] for t in target] for target in targets],
+        )
 
     def _scored(self, tokens: list[int], log_prob: float) -> Hypothesis:
         score = log_prob / gnmt_length_penalty(len(tokens) + 1.0, self.decode.alpha)
