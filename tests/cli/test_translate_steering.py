@@ -117,7 +117,7 @@ def test_bad_files_are_one_line_errors(
         (["--constraints", str(tmp_path / "none")], "none: no such file"),
         (
             ["--constraints", str(short), "--engine", "ctranslate2"],
-            "--constraints needs --engine torch: CTranslate2 has no constrained search",
+            "CTranslate2 has no constrained search: for --constraints, use --engine torch",
         ),
     ]
     for extra, message in cases:

@@ -428,8 +428,6 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.inference.textio import empty_translation_advice, read_input
 
     check_engine_options(args)  # before anything is read or exported
-    if args.constraints is not None and args.engine == "ctranslate2":
-        raise CLIError("--constraints needs --engine torch: CTranslate2 has no constrained search")
     steered = args.constraints is not None or args.target_prefix is not None
     if steered and args.input in (None, "-") and sys.stdin.isatty():
         raise CLIError(
