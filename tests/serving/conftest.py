@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from aiayn.data.collate import PAD_ID, collate_pairs
 from aiayn.data.corpus import TOKENIZER_NAME
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.inference.steering import Steering
 from aiayn.inference.translator import Translation
 from aiayn.model.transformer import Transformer
 from aiayn.serving.app import create_app
@@ -87,12 +88,15 @@ class GatedEngine(Engine):
         self.started = threading.Event()
 
     def translate(
-        self, key: DecodeKey, sources: Sequence[Sequence[int]]
+        self,
+        key: DecodeKey,
+        sources: Sequence[Sequence[int]],
+        steering: Sequence[Steering] | None = None,
     ) -> list[list[Translation]]:
         self.started.set()
         if not self.gate.wait(timeout=20):
             raise RuntimeError("the test never opened the gate")
-        return super().translate(key, sources)
+        return super().translate(key, sources, steering)
 
 
 @asynccontextmanager

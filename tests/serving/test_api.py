@@ -97,7 +97,11 @@ def test_health_model_page_and_schema(make_app, engine: Engine):
             )
             body = schema["paths"]["/v1/translate"]["post"]["requestBody"]
             properties = body["content"]["application/json"]["schema"]["properties"]
-            assert set(properties) == {"text", "beam", "alpha", "nbest"}
+            assert set(properties) == {"text", "beam", "alpha", "nbest"} | {
+                "constraints",
+                "target_prefix",
+                "word_scores",
+            }
 
     asyncio.run(scenario())
 
@@ -382,10 +386,10 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(engine):
     from aiayn.serving.settings import ServeSettings
 
     class Failing(GatedEngine):
-        def translate(self, key, sources):
+        def translate(self, key, sources, steering=None):
             if any(len(s) == 3 for s in sources):
                 raise RuntimeError("broken")
-            return super().translate(key, sources)
+            return super().translate(key, sources, steering)
 
     failing = Failing(engine)
     failing.gate.set()

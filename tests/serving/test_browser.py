@@ -172,6 +172,29 @@ def test_the_page_shows_a_refusal(browser, server):
     assert error.text == "beam: 99 is more than the limit of 16"
 
 
+def test_the_page_meets_terminology(browser, server):
+    """Phrases typed into the terminology field are in every translation, as the API gives
+    them for the same constraints."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = browser
+    driver.get(server.url + "/")
+    lines = ["alpha bravo charlie", "delta echo"]
+    driver.find_element(By.ID, "source").send_keys("\n".join(lines))
+    driver.find_element(By.ID, "terminology").send_keys("golf; hotel india")
+    driver.find_element(By.ID, "translate").click()
+    wait = WebDriverWait(driver, 30)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".translation")) == 2)
+    shown = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".translation")]
+    phrases = ["golf", "hotel india"]
+    status, expected = server.post("/v1/translate", {"text": lines, "constraints": [phrases] * 2})
+    assert status == 200
+    assert shown == [t["text"] for t in expected["translations"]]
+    assert all("golf" in text.split() and "hotel india" in text for text in shown)
+    assert driver.find_element(By.ID, "error").text == ""
+
+
 @pytest.fixture(scope="module")
 def ct2_server(reverse_checkpoint: Path) -> Iterator[ServerProcess]:
     pytest.importorskip(
@@ -188,7 +211,7 @@ def ct2_server(reverse_checkpoint: Path) -> Iterator[ServerProcess]:
 @pytest.mark.slow
 def test_the_page_without_attention_maps(browser, ct2_server):
     """With ``--engine ctranslate2`` the page says so, translates, and offers no attention
-    view (the server has none)."""
+    view and no terminology field (the server has neither)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as visible
     from selenium.webdriver.support.ui import WebDriverWait
@@ -200,6 +223,7 @@ def test_the_page_without_attention_maps(browser, ct2_server):
     info = driver.find_element(By.ID, "model-info")
     wait.until(lambda _: "CTranslate2 (float32)" in info.text)
     assert "no attention maps with this engine" in info.text
+    assert not driver.find_element(By.ID, "terminology").is_enabled()  # no constrained search
     sentence = "alpha bravo charlie"
     status, expected = ct2_server.post("/v1/translate", {"text": [sentence]})
     assert status == 200

@@ -27,8 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "serve",
         help="serve a checkpoint over HTTP (API and page)",
         description="Serve a checkpoint over HTTP: POST /v1/translate (JSON: text, beam, "
-        "alpha, nbest), POST /v1/attention, GET /v1/health, GET /v1/model, the schema at "
-        "/openapi.json, and a page at / to translate and look at the cross-attention. "
+        "alpha, nbest, constraints, target_prefix, word_scores), POST /v1/attention, GET "
+        "/v1/health, GET /v1/model, the schema at /openapi.json, and a page at / to translate and look at the cross-attention. "
         "Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops "
         "accepting, finishes what is queued and exits 0. --engine ctranslate2 decodes with "
         "CTranslate2, as translate does, and so does --quantize int8 (no attention maps then: "
@@ -83,6 +83,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             int,
             d.max_attention_tokens,
             "source tokens of a sentence for /v1/attention",
+        ),
+        ("--max-constraints", int, d.max_constraints, "terminology phrases per text"),
+        (
+            "--max-constraint-tokens",
+            int,
+            d.max_constraint_tokens,
+            "tokens of a terminology phrase",
         ),
         ("--max-connections", int, d.max_connections, f"open connections{beyond} 503"),
     )
@@ -175,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         max_beam=args.max_beam,
         max_attention_tokens=args.max_attention_tokens,
+        max_constraints=args.max_constraints,
+        max_constraint_tokens=args.max_constraint_tokens,
         batch_tokens=args.batch_tokens,
         max_wait_ms=args.max_wait_ms,
         batching=not args.no_batching,

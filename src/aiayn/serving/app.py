@@ -10,7 +10,9 @@ Answers and their statuses:
   engine (``torch`` or ``ctranslate2``, with CTranslate2's compute type), whether the
   attention maps are available, and the server's limits;
 - ``POST /v1/translate``: ``{"text": [...], "beam": 4, "alpha": 0.6, "nbest": 1}`` ->
-  translations in input order, each with its n-best list and scores;
+  translations in input order, each with its n-best list and scores; per text, optional
+  terminology ``"constraints"`` (the PyTorch engine) and a ``"target_prefix"``, and
+  ``"word_scores": true`` for each token's log-probability;
 - ``POST /v1/attention``: ``{"text": "...", "beam": 4, "alpha": 0.6}`` -> the best
   translation and its cross-attention, per layer and head (the PyTorch engine only: 501
   with another);
@@ -40,6 +42,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn import __version__
+from aiayn.inference.steering import Steering
 from aiayn.inference.translator import Translation
 from aiayn.serving.batcher import Batcher, Closed, QueueFull
 from aiayn.serving.engine import DecodeKey, Engine
@@ -178,12 +181,15 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
         log.error("decoding failed", exc_info=err)
         return ApiError(500, "server", f"internal error: {type(err).__name__}", "internal")
 
-    def decode_key(beam: int | None, alpha: float | None, nbest: int) -> DecodeKey:
+    def decode_key(
+        beam: int | None, alpha: float | None, nbest: int, word_scores: bool = False
+    ) -> DecodeKey:
         default = engine.default_key
         key = DecodeKey(
             beam if beam is not None else default.beam,
             alpha if alpha is not None else default.alpha,
             nbest,
+            word_scores,
         )
         if key.beam > settings.max_beam:
             message = f"{key.beam} is more than the limit of {settings.max_beam}"
@@ -224,6 +230,85 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
         if problems:
             raise ApiError.of(422, problems)
         return sources
+
+    def steering_problems(
+        texts: list[str], constraints: list[list[str]] | None, prefixes: list[str] | None
+    ) -> list[ErrorDetail]:
+        """What is wrong with a request's ``constraints`` and ``target_prefix``, before they
+        are encoded: one entry per text, the phrases' count and text."""
+        problems = []
+        for name, given in (("constraints", constraints), ("target_prefix", prefixes)):
+            if given is not None and len(given) != len(texts):
+                message = f"{len(given)} entries for {len(texts)} texts: give one per text"
+                problems.append(ErrorDetail(field=name, message=message, type="length"))
+        if problems:
+            return problems
+        if constraints is not None and any(constraints):
+            if (why := engine.constraints_unavailable) is not None:
+                return [ErrorDetail(field="constraints", message=why, type="unavailable")]
+            for i, phrases in enumerate(constraints):
+                if len(phrases) > settings.max_constraints:
+                    message = (
+                        f"{len(phrases)} phrases, more than the limit of {settings.max_constraints}"
+                    )
+                    problems.append(
+                        ErrorDetail(field=f"constraints[{i}]", message=message, type="too_many")
+                    )
+                    continue
+                names = [f"constraints[{i}][{j}]" for j in range(len(phrases))]
+                problems += text_problems(phrases, names)
+                problems += [
+                    ErrorDetail(field=name, message="blank: a phrase needs text", type="blank")
+                    for name, phrase in zip(names, phrases, strict=True)
+                    if not phrase.strip()
+                ]
+        if prefixes is not None:
+            names = [f"target_prefix[{i}]" for i in range(len(prefixes))]
+            problems += text_problems(prefixes, names)
+        return problems
+
+    def steer(
+        sources: list[list[int]],
+        constraints: list[list[str]] | None,
+        prefixes: list[str] | None,
+    ) -> list[Steering] | None:
+        """The :class:`Steering` of each text (checked by steering_problems); 422 for a
+        phrase over the token limit, a prefix over the model's positions, or constraints
+        that cannot fit the text's output limit."""
+        if not (constraints and any(constraints)) and not (prefixes and any(prefixes)):
+            return None
+        steering = []
+        problems = []
+        room = engine.max_source_tokens  # the output's positions, less EOS
+        for i, source in enumerate(sources):
+            phrases = []
+            for j, phrase in enumerate(constraints[i] if constraints else []):
+                ids = engine.encode_target(phrase)
+                limit = settings.max_constraint_tokens
+                if len(ids) > limit:
+                    message = f"{len(ids)} tokens, more than the limit of {limit}"
+                    field = f"constraints[{i}][{j}]"
+                    problems.append(ErrorDetail(field=field, message=message, type="too_long"))
+                phrases.append(tuple(ids))
+            prefix = engine.encode_target(prefixes[i]) if prefixes else []
+            if len(prefix) > room:
+                message = f"{len(prefix)} tokens, more than the {room} this model outputs"
+                problems.append(
+                    ErrorDetail(field=f"target_prefix[{i}]", message=message, type="too_long")
+                )
+            one = Steering(tuple(phrases), tuple(prefix))
+            if source and (over := engine.room_after_prefix(len(source), one)) is not None:
+                message = (
+                    f"the phrases need {over} output tokens more than text[{i}] may have "
+                    "(its output limit: max_len_a, max_len_b)"
+                )
+                problems.append(
+                    ErrorDetail(field=f"constraints[{i}]", message=message, type="too_long")
+                )
+            steering.append(one)
+        if problems:
+            raise ApiError.of(422, problems)
+        return steering
 
     # HEAD too on the pages a health checker or a browser probes (curl -I).
     @app.api_route(
@@ -271,17 +356,19 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
     async def translate(request: Request) -> TranslateResponse:
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         query = validate(TranslateRequest, parse_json_object(body))
-        key = decode_key(query.beam, query.alpha, query.nbest)
+        key = decode_key(query.beam, query.alpha, query.nbest, query.word_scores)
         if len(query.text) > settings.max_texts:
             message = f"{len(query.text)} texts, more than the limit of {settings.max_texts}"
             raise ApiError(422, "text", message, "too_many")
         names = [f"text[{i}]" for i in range(len(query.text))]
         problems = text_problems(query.text, names)
+        problems += steering_problems(query.text, query.constraints, query.target_prefix)
         if problems:
             raise ApiError.of(422, problems)
         sources = await encode(query.text, names, engine.max_source_tokens, "this model takes")
+        steering = steer(sources, query.constraints, query.target_prefix)
         try:
-            results = await batcher.translate(key, sources, settings.request_timeout_s)
+            results = await batcher.translate(key, sources, settings.request_timeout_s, steering)
         except (QueueFull, Closed) as err:
             raise refused_for_load(err) from None
         except asyncio.TimeoutError:
@@ -289,7 +376,7 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
         except Exception as err:  # the model failed: logged here, a 500 for this request
             raise failed(err) from None
         return TranslateResponse(
-            translations=[_text_translation(hyps) for hyps in results],
+            translations=[_text_translation(hyps, engine) for hyps in results],
             beam=key.beam,
             alpha=key.alpha,
             nbest=key.nbest,
@@ -340,7 +427,7 @@ def create_app(engine: Engine, settings: ServeSettings | None = None) -> FastAPI
     return app
 
 
-def _text_translation(hyps: list[Translation]) -> TextTranslation:
+def _text_translation(hyps: list[Translation], engine: Engine) -> TextTranslation:
     if not hyps:
         return TextTranslation(text="", score=None, log_prob=None, hypotheses=[])
     best = hyps[0]
@@ -348,5 +435,14 @@ def _text_translation(hyps: list[Translation]) -> TextTranslation:
         text=best.text,
         score=best.score,
         log_prob=best.log_prob,
-        hypotheses=[Hypothesis(text=h.text, score=h.score, log_prob=h.log_prob) for h in hyps],
+        hypotheses=[
+            Hypothesis(
+                text=h.text,
+                score=h.score,
+                log_prob=h.log_prob,
+                tokens=engine.token_labels(h.tokens) if h.token_log_probs is not None else None,
+                token_log_probs=h.token_log_probs,
+            )
+            for h in hyps
+        ],
     )

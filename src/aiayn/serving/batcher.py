@@ -25,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aiayn.inference.steering import Steering
 from aiayn.inference.translator import Translation
 from aiayn.serving.engine import DecodeKey
 
 T = TypeVar("T")
-RunBatch = Callable[[DecodeKey, list[list[int]]], list[list[Translation]]]
+# The settings, the sources, and one Steering per source (None: nothing steered).
+RunBatch = Callable[[DecodeKey, list[list[int]], list[Steering] | None], list[list[Translation]]]
 
 log = logging.getLogger("aiayn.serve")
 
@@ -51,6 +53,7 @@ class _Job:
     future: asyncio.Future[Any]
     arrived: float
     call: Callable[[], Any] | None = None
+    steering: list[Steering] | None = None  # one per source, None: nothing steered
 
 
 @dataclass
@@ -122,12 +125,18 @@ class Batcher:
     # -- requests ------------------------------------------------------------------------------
 
     async def translate(
-        self, key: DecodeKey, sources: Sequence[Sequence[int]], timeout_s: float
+        self,
+        key: DecodeKey,
+        sources: Sequence[Sequence[int]],
+        timeout_s: float,
+        steering: Sequence[Steering] | None = None,
     ) -> list[list[Translation]]:
-        """The results of ``run_batch`` for ``sources``, decoded in a batch with others.
-        QueueFull, Closed, or TimeoutError after ``timeout_s``."""
+        """The results of ``run_batch`` for ``sources`` (``steering``: one per source, or
+        None), decoded in a batch with others. QueueFull, Closed, or TimeoutError after
+        ``timeout_s``."""
         tokens = sum(len(s) + 1 for s in sources if s)
         job = self._enqueue(key, [list(s) for s in sources], len(sources), tokens, None)
+        job.steering = list(steering) if steering is not None and any(steering) else None
         result: list[list[Translation]] = await self._wait(job, timeout_s)
         return result
 
@@ -200,8 +209,9 @@ class Batcher:
                 assert first.key is not None
                 sources = [source for job in jobs for source in job.sources]
                 self.stats.record(len(jobs), len(sources))
+                steering = _steering(jobs)
                 outputs = await loop.run_in_executor(
-                    self._executor, self.run_batch, first.key, sources
+                    self._executor, self.run_batch, first.key, sources, steering
                 )
                 start = 0
                 for job in jobs:
@@ -268,6 +278,17 @@ class Batcher:
 def _settle(future: asyncio.Future[Any], result: Any) -> None:
     if not future.done():  # a request that timed out while its batch ran
         future.set_result(result)
+
+
+def _steering(jobs: Sequence[_Job]) -> list[Steering] | None:
+    """One Steering per source of ``jobs``, or None where none of them is steered."""
+    if all(job.steering is None for job in jobs):
+        return None
+    return [
+        steer
+        for job in jobs
+        for steer in (job.steering if job.steering is not None else [Steering()] * len(job.sources))
+    ]
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:

@@ -26,7 +26,8 @@ from torch import Tensor
 from aiayn.accel import Precision
 from aiayn.config import ModelConfig, RunConfig
 from aiayn.inference.attention_maps import attention_weights, token_labeler
-from aiayn.inference.textio import one_line
+from aiayn.inference.constrained import tokens_needed
+from aiayn.inference.steering import Steering
 from aiayn.inference.translator import TextTranslator, Translation, Translator
 from aiayn.model.families import TranslationModel, build_model
 from aiayn.model.transformer import count_parameters
@@ -39,11 +40,13 @@ class AttentionUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class DecodeKey:
-    """The decoding settings of a request; requests with equal keys may share a batch."""
+    """The decoding settings of a request; requests with equal keys may share a batch.
+    ``word_scores``: the hypotheses' tokens are scored one by one (one more decoder pass)."""
 
     beam: int
     alpha: float
     nbest: int
+    word_scores: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,17 +198,50 @@ class Engine:
     # -- the model thread ---------------------------------------------------------------------
 
     def translate(
-        self, key: DecodeKey, sources: Sequence[Sequence[int]]
+        self,
+        key: DecodeKey,
+        sources: Sequence[Sequence[int]],
+        steering: Sequence[Steering] | None = None,
     ) -> list[list[Translation]]:
         """Up to ``key.nbest`` translations per source, best first, in input order; an empty
-        source gives ``[]``. Sorting by length and the token budget are the translator's."""
+        source gives ``[]``. ``steering``: one per source (the PyTorch engine meets
+        constraints; both engines take a prefix), or None. With ``key.word_scores`` each
+        translation has its ``token_log_probs``. Sorting by length and the token budget are
+        the translator's."""
         view = self._view(key)
-        results = view.search_ids(sources)
-        decode = self.translator.tokenizer.decode
-        return [
-            [Translation(one_line(decode(h.tokens)), h.score, h.log_prob, h.tokens) for h in hyps]
-            for hyps in results
-        ]
+        results = view.translations(view.search_ids(sources, steering))
+        if key.word_scores:
+            results = view.with_word_scores(sources, results)
+        return results
+
+    @property
+    def constraints_unavailable(self) -> str | None:
+        """Why this engine cannot meet terminology constraints, or None."""
+        if self.model is None:
+            return (
+                f"this server decodes with {self.name}, which has no constrained search: "
+                "constraints need --engine torch"
+            )
+        return None
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side token ids of a phrase or prefix (no BOS or EOS); ``[]`` for a blank
+        text."""
+        return self.translator.encode_target(text) if text.strip() else []
+
+    def room_after_prefix(self, source_tokens: int, steering: Steering) -> int | None:
+        """The output tokens ``steering``'s constraints need beyond what a source of
+        ``source_tokens`` tokens may have, or None where they fit (the limit as
+        :meth:`TextTranslator.output_limit` sets it)."""
+        if not steering.constraints or not source_tokens:
+            return None
+        limit = self.translator.output_limit(source_tokens, len(steering.prefix))
+        needed = tokens_needed(steering)
+        return needed - limit if needed > limit else None
+
+    def token_labels(self, tokens: Sequence[int]) -> list[str]:
+        """The pieces of output ``tokens``, then ``</s>`` (what word scores are given for)."""
+        return [self._label(i) for i in tokens] + ["</s>"]
 
     def cross_attention(self, key: DecodeKey, source: Sequence[int]) -> CrossAttention:
         """The best translation of ``source`` (non-empty, at most :attr:`max_source_tokens`)

@@ -34,6 +34,22 @@ class TranslateRequest(BaseModel):
         description=f"length penalty ((5+|Y|)/6)^alpha, 0 to {MAX_ALPHA:g} (default: the run's)",
     )
     nbest: int = Field(default=1, ge=1, description="hypotheses per text, at most the beam size")
+    constraints: list[list[str]] | None = Field(
+        default=None,
+        description="terminology: per text, the phrases (target text) its translation must "
+        "contain, each whole ([] for none); one list per text, at most the server's "
+        "max_constraints phrases of at most max_constraint_tokens tokens each (the PyTorch "
+        "engine: docs/translation.md)",
+    )
+    target_prefix: list[str] | None = Field(
+        default=None,
+        description="per text, the target text its translation starts with ('' for none); "
+        "the search continues from it and its tokens are scored",
+    )
+    word_scores: bool = Field(
+        default=False,
+        description="give each hypothesis its tokens and their log-probabilities",
+    )
 
 
 class AttentionRequest(BaseModel):
@@ -52,6 +68,14 @@ class Hypothesis(BaseModel):
     text: str
     score: float = Field(description="log-probability divided by the length penalty")
     log_prob: float = Field(description="log-probability of the tokens and the final EOS")
+    tokens: list[str] | None = Field(
+        default=None, description="with word_scores: the output's pieces, then '</s>'"
+    )
+    token_log_probs: list[float] | None = Field(
+        default=None,
+        description="with word_scores: the log-probability of each of tokens (they sum to "
+        "log_prob, to float32 rounding)",
+    )
 
 
 class TextTranslation(BaseModel):

@@ -22,7 +22,8 @@ class ServeSettings:
     ``request_timeout_s`` bounds a request from the end of its body to its answer (504
     beyond), ``body_timeout_s`` the reading of its body (408 beyond); a connection that has
     not sent a whole request head within ``header_timeout_s`` of connecting (or of its
-    previous answer) is closed.
+    previous answer) is closed. A text may carry at most ``max_constraints`` terminology
+    phrases, each of at most ``max_constraint_tokens`` tokens.
     """
 
     max_chars: int = 2000
@@ -34,6 +35,8 @@ class ServeSettings:
     header_timeout_s: float = 10.0
     max_beam: int = 16
     max_attention_tokens: int = 128
+    max_constraints: int = 8
+    max_constraint_tokens: int = 32
     batch_tokens: int | None = None
     max_wait_ms: float = 5.0
     batching: bool = True
@@ -51,6 +54,8 @@ class ServeSettings:
             "header_timeout_s",
             "max_beam",
             "max_attention_tokens",
+            "max_constraints",
+            "max_constraint_tokens",
             "retry_after_s",
             "max_connections",
         )
