@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="serve a checkpoint over HTTP (API and page)",
         description="Serve a checkpoint over HTTP: POST /v1/translate (JSON: text, beam, "
         "alpha, nbest, constraints, target_prefix, word_scores), POST /v1/attention, GET "
-        "/v1/health, GET /v1/model, the schema at /openapi.json, and a page at / to translate and look at the cross-attention. "
+        "/v1/health, GET /v1/model, the schema at /openapi.json, and a page at / to translate "
+        "and look at the cross-attention. "
         "Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops "
         "accepting, finishes what is queued and exits 0. --engine ctranslate2 decodes with "
         "CTranslate2, as translate does, and so does --quantize int8 (no attention maps then: "
