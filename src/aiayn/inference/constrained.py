@@ -57,16 +57,16 @@ from aiayn.inference.search import (
     BeamRule,
     CacheT,
     Hypothesis,
+    NBestLists,
     _device,
     _force_eos,
-    _hypotheses,
     _length_penalties,
     _limits,
     _merge,
     first_argmax,
     gnmt_length_penalty,
-    kept_in_place,
     native_first_argmax,
+    next_histories,
     top_candidates,
 )
 from aiayn.inference.steering import Steering
@@ -210,14 +210,7 @@ def steered_search(
     history = torch.zeros(batch_size * k, width, dtype=torch.long, device=dev)
     tokens = torch.full((batch_size * k,), bos_id, dtype=torch.long, device=dev)
     n_finished = torch.zeros(batch_size, dtype=torch.long, device=dev)
-    pool_score = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    pool_logp = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    pool_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
-    pool_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)
-    out_score = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    out_logp = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    out_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
-    out_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)
+    pool = NBestLists.empty(batch_size, n_keep, width, dev)
 
     nearest_limit = int(limits.min())
     lp_limit = _length_penalties(limits, alpha)
@@ -317,11 +310,11 @@ def steered_search(
         progress = now.gather(1, chosen[:, :, None].expand(b, k, n_phrases))
 
         any_finished = bool(finished.any())
-        merged_score = pool_score
+        merged_score = pool.score
         if any_finished:
             fin_logp = score[:, :n_fin].masked_fill(~finished, inf)
             fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
-            merged_score, pick = _merge(pool_score, fin_score, n_keep)
+            merged_score, pick = _merge(pool.score, fin_score, n_keep)
         lp_best = lp_limit.clamp(min=gnmt_length_penalty(t + 2.0, alpha))
         bound = live_scores.max(dim=1).values / lp_best
         done = forced | (merged_score[:, -1] >= bound)
@@ -333,23 +326,10 @@ def steered_search(
             fin_parents = (row_base + parent[:, :n_fin]).view(-1)
             fin_tok = history[fin_parents, : t + 1].view(b, n_fin, t + 1)
             fin_tok[:, :, t] = eos_id
-            pick_tok = pick[:, :, None].expand(-1, -1, t + 1)
-            pool_tok[:, :, : t + 1] = torch.cat([pool_tok[:, :, : t + 1], fin_tok], 1).gather(
-                1, pick_tok
-            )
-            pool_logp = torch.cat([pool_logp, fin_logp], 1).gather(1, pick)
-            fin_len = torch.full((b, n_fin), t, dtype=torch.long, device=dev)
-            pool_len = torch.cat([pool_len, fin_len], 1).gather(1, pick)
-            pool_score = merged_score
+            pool.add(merged_score, pick, fin_tok, fin_logp, t)
 
         if bool(done.any()):
-            gone = done.nonzero().squeeze(1)
-            where = ids[gone]
-            out_score[where] = pool_score[gone]
-            out_logp[where] = pool_logp[gone]
-            out_len[where] = pool_len[gone]
-            out_tok[where] = pool_tok[gone]
-            stay = kept_in_place(done)
+            stay = pool.retire(done, ids)
             if stay.numel() == 0:
                 break
             rows = parents[stay].view(-1)
@@ -357,8 +337,6 @@ def steered_search(
             ids, limits, n_finished = ids[stay], limits[stay], n_finished[stay]
             lp_limit, row_base = lp_limit[stay], row_base[: stay.numel()]
             nearest_limit = int(limits.min())
-            pool_score, pool_logp = pool_score[stay], pool_logp[stay]
-            pool_len, pool_tok = pool_len[stay], pool_tok[stay]
             live_scores, live_tok = live_scores[stay], live_tok[stay]
             progress, phrases, lengths = progress[stay], phrases[stay], lengths[stay]
             first, total = first[stay], total[stay]
@@ -366,11 +344,7 @@ def steered_search(
         else:
             rows = parents.view(-1)
             cache.reorder(rows)
-        n_rows = rows.numel()
-        history[:n_rows, :t] = history[rows, :t]
-        history = history[:n_rows]
-        history[:, t] = live_tok.reshape(-1)
-        tokens = live_tok.reshape(-1)
+        history, tokens = next_histories(history, rows, live_tok, t)
         t += 1
 
-    return _hypotheses(out_tok, out_len, out_score, out_logp)
+    return pool.hypotheses()

@@ -233,6 +233,74 @@ def top_candidates(log_probs: Tensor, live_scores: Tensor, m: int) -> tuple[Tens
     return top_score, index.gather(1, pick)
 
 
+@dataclass
+class NBestLists:
+    """The n-best lists of finished hypotheses of a batched beam search's active sentences
+    (``score``, ``logp``, ``length``: (b, N); ``tokens``: (b, N, L); -inf scores where a
+    list has room), and the lists of the sentences that are done, by input position
+    (``out_*``). Shared by :func:`beam_search` and
+    :func:`aiayn.inference.constrained.steered_search`."""
+
+    score: Tensor
+    logp: Tensor
+    length: Tensor
+    tokens: Tensor
+    out_score: Tensor
+    out_logp: Tensor
+    out_len: Tensor
+    out_tok: Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, n_keep: int, width: int, device: torch.device) -> NBestLists:
+        def scores() -> Tensor:  # float32 whatever the default dtype
+            return torch.full(
+                (batch_size, n_keep), float("-inf"), device=device, dtype=torch.float32
+            )
+
+        def lengths() -> Tensor:
+            return torch.zeros(batch_size, n_keep, dtype=torch.long, device=device)
+
+        def tokens() -> Tensor:
+            return torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=device)
+
+        return cls(scores(), scores(), lengths(), tokens(), scores(), scores(), lengths(), tokens())
+
+    def add(
+        self, merged_score: Tensor, pick: Tensor, fin_tok: Tensor, fin_logp: Tensor, t: int
+    ) -> None:
+        """Take the finished hypotheses ``fin_tok`` (b, n_fin, t + 1: EOS last) of
+        log-probability ``fin_logp`` into the lists, as :func:`_merge` of their scores chose
+        (``merged_score``, ``pick``)."""
+        b, n_fin = fin_logp.shape
+        pick_tok = pick[:, :, None].expand(-1, -1, t + 1)
+        self.tokens[:, :, : t + 1] = torch.cat([self.tokens[:, :, : t + 1], fin_tok], 1).gather(
+            1, pick_tok
+        )
+        self.logp = torch.cat([self.logp, fin_logp], 1).gather(1, pick)
+        fin_len = torch.full((b, n_fin), t, dtype=torch.long, device=fin_logp.device)
+        self.length = torch.cat([self.length, fin_len], 1).gather(1, pick)
+        self.score = merged_score
+
+    def retire(self, done: Tensor, ids: Tensor) -> Tensor:
+        """Move the lists of the sentences ``done`` (b,) to the results at their input
+        positions ``ids[done]``, keep the others' and return their rows
+        (:func:`kept_in_place`)."""
+        gone = done.nonzero().squeeze(1)
+        where = ids[gone]
+        self.out_score[where] = self.score[gone]
+        self.out_logp[where] = self.logp[gone]
+        self.out_len[where] = self.length[gone]
+        self.out_tok[where] = self.tokens[gone]
+        stay = kept_in_place(done)
+        self.score, self.logp = self.score[stay], self.logp[stay]
+        self.length, self.tokens = self.length[stay], self.tokens[stay]
+        return stay
+
+    def hypotheses(self) -> list[list[Hypothesis]]:
+        """The results as host-side lists (:func:`_hypotheses`)."""
+        return _hypotheses(self.out_tok, self.out_len, self.out_score, self.out_logp)
+
+
 def beam_search(
     step_fn: Callable[[Tensor, CacheT], Tensor],
     cache: CacheT,
@@ -289,16 +357,8 @@ def beam_search(
     history = torch.zeros(batch_size * k, width, dtype=torch.long, device=dev)  # (b*K, L)
     tokens = torch.full((batch_size * k,), bos_id, dtype=torch.long, device=dev)
     n_finished = torch.zeros(batch_size, dtype=torch.long, device=dev)
-    # The n-best list of finished hypotheses of each active sentence.
-    pool_score = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)  # (b, N)
-    pool_logp = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    pool_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
-    pool_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)  # (b, N, L)
-    # Results, by input position.
-    out_score = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    out_logp = torch.full((batch_size, n_keep), inf, device=dev, dtype=f32)
-    out_len = torch.zeros(batch_size, n_keep, dtype=torch.long, device=dev)
-    out_tok = torch.zeros(batch_size, n_keep, width, dtype=torch.long, device=dev)
+    # The n-best list of finished hypotheses of each active sentence, and the results.
+    pool = NBestLists.empty(batch_size, n_keep, width, dev)
 
     # The nearest length limit of the active sentences, on the host: until a sentence reaches
     # its limit no step needs the EOS-forcing mask (a (b, K, V) pass saved on most steps).
@@ -336,13 +396,13 @@ def beam_search(
         parents = row_base + top_beam.gather(1, order)  # (b, K) cache rows they extend
 
         # Merge the newly finished hypotheses into the n-best lists (scores only, for now).
-        merged_score = pool_score
+        merged_score = pool.score
         if host:
             any_finished = bool(finished.any())
         if not host or any_finished:
             fin_logp = top_score[:, :n_fin].masked_fill(~finished, inf)
             fin_score = fin_logp / gnmt_length_penalty(t + 1.0, alpha)
-            merged_score, pick = _merge(pool_score, fin_score, n_keep)
+            merged_score, pick = _merge(pool.score, fin_score, n_keep)
         # The best a live hypothesis can still reach: divide by the largest length penalty.
         # A live hypothesis will hold between t + 2 and limit + 1 positions (EOS included).
         lp_best = lp_limit.clamp(min=gnmt_length_penalty(t + 2.0, alpha))
@@ -360,23 +420,10 @@ def beam_search(
             fin_parents = (row_base + top_beam[:, :n_fin]).view(-1)  # (b * n_fin,)
             fin_tok = history[fin_parents, : t + 1].view(b, n_fin, t + 1)
             fin_tok[:, :, t] = eos_id
-            pick_tok = pick[:, :, None].expand(-1, -1, t + 1)
-            pool_tok[:, :, : t + 1] = torch.cat([pool_tok[:, :, : t + 1], fin_tok], 1).gather(
-                1, pick_tok
-            )
-            pool_logp = torch.cat([pool_logp, fin_logp], 1).gather(1, pick)
-            fin_len = torch.full((b, n_fin), t, dtype=torch.long, device=dev)
-            pool_len = torch.cat([pool_len, fin_len], 1).gather(1, pick)
-            pool_score = merged_score
+            pool.add(merged_score, pick, fin_tok, fin_logp, t)
 
         if any_done:
-            gone = done.nonzero().squeeze(1)
-            where = ids[gone]
-            out_score[where] = pool_score[gone]
-            out_logp[where] = pool_logp[gone]
-            out_len[where] = pool_len[gone]
-            out_tok[where] = pool_tok[gone]
-            stay = kept_in_place(done)
+            stay = pool.retire(done, ids)
             if stay.numel() == 0:
                 break
             rows = parents[stay].view(-1)
@@ -384,20 +431,14 @@ def beam_search(
             ids, limits, n_finished = ids[stay], limits[stay], n_finished[stay]
             lp_limit, row_base = lp_limit[stay], row_base[: stay.numel()]
             nearest_limit = int(limits.min())
-            pool_score, pool_logp = pool_score[stay], pool_logp[stay]
-            pool_len, pool_tok = pool_len[stay], pool_tok[stay]
             live_scores, live_tok = live_scores[stay], live_tok[stay]
         else:
             rows = parents.view(-1)
             cache.reorder(rows)
-        n_rows = rows.numel()
-        history[:n_rows, :t] = history[rows, :t]
-        history = history[:n_rows]
-        history[:, t] = live_tok.reshape(-1)
-        tokens = live_tok.reshape(-1)
+        history, tokens = next_histories(history, rows, live_tok, t)
         t += 1
 
-    return _hypotheses(out_tok, out_len, out_score, out_logp)
+    return pool.hypotheses()
 
 
 # Beam and greedy search over at most this many sentences on the CPU keep their bookkeeping
@@ -405,6 +446,20 @@ def beam_search(
 # operations of a step, each on a few elements, cost more than the arithmetic they do
 # (docs/performance.md).
 HOST_SEARCH_SENTENCES = 1
+
+
+def next_histories(
+    history: Tensor, rows: Tensor, live_tok: Tensor, t: int
+) -> tuple[Tensor, Tensor]:
+    """The token histories (rows, L) of the next beam, whose hypotheses extend the rows
+    ``rows`` of ``history`` by ``live_tok`` (b, K) at position ``t``, and those tokens, the
+    next step's input (in place where the rows allow it)."""
+    n_rows = rows.numel()
+    history[:n_rows, :t] = history[rows, :t]
+    history = history[:n_rows]
+    tokens = live_tok.reshape(-1)
+    history[:, t] = tokens
+    return history, tokens
 
 
 def _length_penalties(lengths: Tensor, alpha: float) -> Tensor:
