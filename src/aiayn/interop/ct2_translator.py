@@ -44,7 +44,10 @@ How aiayn's decoding maps onto CTranslate2's (docs/interop.md):
   shorter). CTranslate2's score leaves the prefix out (it divides the log-probability of the
   tokens after it by the penalty of the whole length): the prefix's log-probability, scored
   teacher-forced, is added, so that the prefix is scored as aiayn's search scores it.
-  Constraints are refused: CTranslate2 has no constrained search;
+  CTranslate2 also ranks without it: where more than ``beam_size`` finish, the hypotheses it
+  keeps need not bracket GNMT's best as :func:`ranking_penalties` shows without a prefix, so
+  a prefixed sentence is always decoded under both powers (``alpha`` > 0), and the union is
+  ranked by GNMT's score. Constraints are refused: CTranslate2 has no constrained search;
 - scores of given targets (``score_pairs``, ``translate --word-scores``) are CTranslate2's
   ``score_batch``: the full distribution's log-probabilities, aiayn's.
 """
