@@ -571,7 +571,12 @@ def model_card(source: _Source, facts: RunFacts, evaluations: Sequence[Evaluatio
         + (f"{train['tokens']:,}" if isinstance(train.get("tokens"), int) else "not recorded"),
         f"- training time: {_minutes(train.get('minutes'))}",
         f"- host: {host if isinstance(host, str) else 'not recorded by the run'}"
-        + (f", {facts.info['world_size']} process(es)" if "world_size" in facts.info else ""),
+        + (f", {facts.info['world_size']} process" if facts.info.get("world_size") == 1 else "")
+        + (
+            f", {facts.info['world_size']} processes"
+            if isinstance(facts.info.get("world_size"), int) and facts.info["world_size"] > 1
+            else ""
+        ),
     ]
     if "ppl" in valid:
         lines.append(f"- last validation perplexity: {valid['ppl']:.2f} (update {valid['step']})")
@@ -583,9 +588,8 @@ def model_card(source: _Source, facts: RunFacts, evaluations: Sequence[Evaluatio
         lines.append("- the checkpoint is not in a run directory: no training record")
     parts.append("\n".join(lines) + "\n")
     parts.append(
-        "The run's configuration, as the checkpoint stores it:\n\n```toml\n"
-        + config_to_toml(config).rstrip()
-        + "\n```\n"
+        "<details><summary>The run's configuration, as the checkpoint stores it</summary>"
+        "\n\n```toml\n" + config_to_toml(config).rstrip() + "\n```\n\n</details>\n"
     )
 
     parts.append("## Scores\n")
@@ -609,26 +613,32 @@ from transformers import MarianMTModel, MarianTokenizer
 tokenizer = MarianTokenizer.from_pretrained("DIR")  # this directory, or its hub name
 model = MarianMTModel.from_pretrained("DIR").eval()
 batch = tokenizer(["A man rides a bicycle down the street."], return_tensors="pt", padding=True)
-out = model.generate(**batch, num_beams=1)  # generation_config.json: beam {decode.beam_size}
-print(tokenizer.batch_decode(out, skip_special_tokens=True))
+greedy = model.generate(**batch, num_beams=1)  # the tokens `aiayn translate --beam 1` gives
+beam = model.generate(**batch)  # generation_config.json: beam {decode.beam_size}
+print(tokenizer.batch_decode(greedy, skip_special_tokens=True))
 ```
 
 `generation_config.json` never outputs `<pad>` ({pad}) or `<s>` ({HF_BOS}) and forces `</s>` at
 `max_length`. aiayn's output limit is `{decode.max_len_a:g} × source tokens + \
-{decode.max_len_b}`; give it as
-`max_new_tokens` (plus one for `</s>`) where it matters.
+{decode.max_len_b}`; give it as `max_new_tokens` (plus one for `</s>`) where it matters.
+CTranslate2 converts the directory as any Marian model
+(`ct2-transformers-converter --model DIR --output_dir DIR-ct2`; the source tokens end with
+`</s>`); its vocabulary then lacks `<pad>`, so its probabilities are renormalised without it.
 
 ## How it maps
 
+- Vocabulary: `</s>` 0, `<unk>` 1, `<s>` 2, the other pieces in aiayn's order, `<pad>` last
+  ({pad}), as Marian lays its vocabularies out; `vocab.json` maps the sentencepiece pieces to
+  these ids.
 - The decoder starts from `<s>`, whose input row is zero; row 0 of the decoder's position
   table holds its embedding (CTranslate2's converter starts Marian models from a zero vector,
-  and reads this directory alike).
+  and reads this directory alike). `lm_head` keeps `<s>`'s output row: it is untied.
 - Both position tables are weights of `model.safetensors`: the model's own
   ({m.positional}{", " + m.positional_layout if m.positional == "sinusoidal" else ""}).
 - transformers' Marian LayerNorms use ε = 1e-5, the model {m.layer_norm_eps:g}: the residual
-  stream is stored scaled by √(1e-5 / ε) = {stream_scale(m.layer_norm_eps):.6g}, which gives the
-  same normalised values.
-
+  stream is stored scaled by √(1e-5 / ε) = {stream_scale(m.layer_norm_eps):.6g}, which gives
+  the same normalised values.
+{"- `<s>` is no output of this model: its logit bias is -10000." if not m.bos_output else ""}
 ## Limits
 
 - Trained on the data above only: text unlike it (other domains, long sentences, other
@@ -636,9 +646,10 @@ print(tokenizer.batch_decode(out, skip_special_tokens=True))
 - `save_pretrained` leaves Marian's position tables out, so a re-saved copy loses the tables
   this model needs: copy the files, or re-export with aiayn.
 - transformers' beam search is not aiayn's: it divides by `length ** length_penalty` (here
-  {decode.alpha:g}) where aiayn divides by GNMT's `((5 + length) / 6) ** α`, and lets only the
-  best `num_beams` candidates finish; with α = 0 and `length_penalty=0, early_stopping=True`
-  it is aiayn's `fairseq` rule. Greedy search gives the same tokens.
+  {decode.alpha:g}) where aiayn divides by GNMT's `((5 + length) / 6) ** α`, lets only the
+  best `num_beams` candidates finish, and scores a forced `</s>` as free; with α = 0,
+  `length_penalty=0, early_stopping=True, forced_eos_token_id=None` it searches as aiayn's
+  `fairseq` rule. Greedy search gives the same tokens.
 - `<unk>` is skipped by `skip_special_tokens=True`, where aiayn writes sentencepiece's ` ⁇ `.
 """
     )
