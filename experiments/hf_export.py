@@ -125,6 +125,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     import transformers
     from transformers import MarianMTModel, MarianTokenizer
 
+    from aiayn.data.collate import UNK_ID
     from aiayn.evaluation.bleu import sacrebleu_bleu, sacrebleu_chrf
     from aiayn.inference.search import max_output_lengths
     from aiayn.inference.textio import read_lines
@@ -180,8 +181,13 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             },
             "identical_tokens": sum(same),
             "identical_text": sum(a == b for a, b in zip(ours_text, theirs_text, strict=True)),
-            "at_limit": sum(
-                len(ids) >= lim for ids, lim in zip(ours_ids, limits, strict=True) if ids
+            # Lines that differ where aiayn's output reached its limit (EOS forced after it).
+            "differing_at_limit": sum(len(ours_ids[i - 1]) >= limits[i - 1] for i in differ),
+            # Lines of the same tokens whose text differs where they hold UNK (aiayn writes
+            # sentencepiece's " ⁇ ", transformers' skip_special_tokens drops <unk>).
+            "text_differs_at_unk": sum(
+                a == b and x != y and UNK_ID in a
+                for a, b, x, y in zip(ours_ids, theirs_ids, ours_text, theirs_text, strict=True)
             ),
             "differing_lines": differ[:20],
         }
@@ -240,6 +246,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"{t['bleu']:.2f} / {t['chrf']:.2f} | {a['seconds']:.1f} | {t['seconds']:.1f} |"
         )
     out += [
+        "",
+        "Lines whose tokens differ, of them where aiayn's output reached its limit (EOS forced "
+        "after `max_len_a` · source tokens + `max_len_b`), and lines of the same tokens whose "
+        "text differs at `<unk>` (aiayn writes ` ⁇ `, `skip_special_tokens` drops it): "
+        + "; ".join(
+            f"{mode}: {n - r['identical_tokens']}, {r['differing_at_limit']} at the limit, "
+            f"{r['text_differs_at_unk']} at `<unk>`"
+            for mode, r in report["modes"].items()
+        )
+        + ".",
         "",
         "Beam 4 with each library's settings: transformers reads `length_penalty`, "
         "`early_stopping` and `num_beams` from the exported `generation_config.json`. Lines "

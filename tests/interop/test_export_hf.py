@@ -254,6 +254,32 @@ def test_import_marian_reads_it_back(
     assert (theirs - ours)[real].abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["shared", "separate vocabularies"])
+def test_a_model_imported_from_marian_exports_back(separate: bool, tmp_path: Path) -> None:
+    """Marian → import-marian → export-hf: transformers' greedy outputs are the original's."""
+    from tests.interop.test_marian import SENTENCES, _hf_tokenizer, _marian_dir
+
+    directory = _marian_dir(tmp_path, "swish", separate, True)
+    model, config, tokenizer = import_marian(directory)
+    out = export_hf(model, tmp_path / "hf", tokenizer=tokenizer, config=config)
+    assert (out / "target_vocab.json").is_file() == separate
+    texts = []
+    for path, hf_tokenizer in (
+        (directory, _hf_tokenizer(directory)),
+        (out, transformers.MarianTokenizer.from_pretrained(out)),
+    ):
+        hf = transformers.MarianMTModel.from_pretrained(path).eval()
+        inputs = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)
+        never = [[hf.config.pad_token_id]] + ([[HF_BOS]] if path == out else [])
+        with torch.inference_mode():
+            generated = hf.generate(
+                **inputs, num_beams=1, max_new_tokens=20, forced_eos_token_id=None,
+                bad_words_ids=never,
+            )  # fmt: skip
+        texts.append(hf_tokenizer.batch_decode(generated, skip_special_tokens=True))
+    assert texts[1] == texts[0] and len(set(texts[0])) > 1
+
+
 def test_ctranslate2_converts_it_as_export_ct2(
     tokenizer: Tokenizer, lines: list[str], tmp_path: Path
 ) -> None:

@@ -363,6 +363,9 @@ def _tokenizer_files(
         "source_lang": languages[0],
         "target_lang": languages[1],
         "separate_vocabs": separate,
+        # <s> starts the decoder: a special token, so that skip_special_tokens drops it
+        # (MarianTokenizer appends only </s> to its inputs).
+        "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",
         "pad_token": "<pad>",
