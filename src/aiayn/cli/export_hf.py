@@ -17,8 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "MarianMTModel.from_pretrained loads; vocab.json, source.spm, target.spm and "
         "tokenizer_config.json, which MarianTokenizer.from_pretrained loads; and a model card "
         "(README.md) written from the run. transformers then translates as `aiayn translate` "
-        "does (docs/interop.md). Nothing is uploaded: `huggingface-cli upload NAME DIR` "
-        "publishes the directory.",
+        "does (docs/interop.md). Nothing is uploaded: `hf upload NAME DIR .` "
+        "(huggingface_hub's CLI) publishes the directory.",
     )
     add_checkpoint_argument(parser)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory")
