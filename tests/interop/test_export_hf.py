@@ -448,3 +448,6 @@ def test_other_families_are_refused_in_one_line(
         assert main(["export-hf", str(path), "--out", str(tmp_path / preset)]) == 2
         err = capsys.readouterr().err
         assert words in err and "Hugging Face" in err and len(err.splitlines()) == 1
+        if preset == "rnnsearch":  # the model object too
+            with pytest.raises(UserError, match="object does not export to Hugging Face"):
+                export_hf(build_model(config.model), tmp_path / "object", tokenizer=tokenizer)  # type: ignore[arg-type]

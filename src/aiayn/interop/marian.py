@@ -12,6 +12,11 @@ import renumbers each vocabulary: the four special ids first, then Marian's othe
 their order. aiayn's BOS row is a copy of Marian's decoder-start row (its padding token), and
 ``bos_output = false`` keeps BOS out of the output distribution when decoding, so that the
 imported model computes the same logits and log-probabilities as the original.
+
+A directory written by ``aiayn export-hf`` (:mod:`aiayn.interop.hf`) reads back as well: its
+decoder starts from a token of its own, ``<s>``, which becomes BOS (an output like any other
+there), and its weights hold position tables that are not Marian's sinusoids, which become
+learned tables (transformers computes with them too).
 """
 
 from __future__ import annotations
