@@ -139,6 +139,8 @@ class _Source:
     config: RunConfig
     tokenizer: Tokenizer
     path: Path | None
+    # Whether the run's config is known (a checkpoint's, or given with a model object).
+    recorded: bool = True
 
 
 def _source(
@@ -150,7 +152,7 @@ def _source(
         if tokenizer is None:
             raise ValueError("exporting a Transformer object needs its tokenizer")
         run = config if config is not None else RunConfig(model=model_or_checkpoint.config)
-        return _Source(model_or_checkpoint, run, tokenizer, None)
+        return _Source(model_or_checkpoint, run, tokenizer, None, recorded=config is not None)
     if isinstance(model_or_checkpoint, nn.Module):
         raise UserError(
             f"a {type(model_or_checkpoint).__name__} object does not export to Hugging Face: "
@@ -567,7 +569,9 @@ def model_card(source: _Source, facts: RunFacts, evaluations: Sequence[Evaluatio
     valid = facts.last.get("valid", {})
     host = facts.info.get("host")
     lines = [
-        f"- recipe: preset `{config.preset}`, the configuration below",
+        f"- recipe: preset `{config.preset}`, the configuration below"
+        if source.recorded
+        else "- recipe: not recorded (exported from a model object without its run's config)",
         f"- updates: {train.get('step', 'not recorded')}, epochs: "
         f"{train['epoch'] + 1 if isinstance(train.get('epoch'), int) else 'not recorded'}, "
         f"target tokens seen: "
@@ -590,8 +594,13 @@ def model_card(source: _Source, facts: RunFacts, evaluations: Sequence[Evaluatio
     if run is None:
         lines.append("- the checkpoint is not in a run directory: no training record")
     parts.append("\n".join(lines) + "\n")
+    summary = (
+        "The run's configuration, as the checkpoint stores it"
+        if source.recorded
+        else "The model's configuration (the other sections: defaults, not the run's)"
+    )
     parts.append(
-        "<details><summary>The run's configuration, as the checkpoint stores it</summary>"
+        f"<details><summary>{summary}</summary>"
         "\n\n```toml\n" + config_to_toml(config).rstrip() + "\n```\n\n</details>\n"
     )
 
