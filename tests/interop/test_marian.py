@@ -141,6 +141,9 @@ def _marian_dir(
                 param.add_(torch.randn_like(param) * 0.1)
             else:
                 param.normal_(0.0, WEIGHT_STD)
+        for name, param in model.named_parameters():  # Marian's sinusoids, as it saves them
+            if "embed_positions" in name:
+                param.copy_(model.get_submodule(name.removesuffix(".weight")).create_weight())
         if logits_bias:
             model.final_logits_bias.normal_(0.0, 1.0)
             # EOS likelier, so that outputs end at varied lengths before the limit.

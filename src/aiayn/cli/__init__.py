@@ -26,6 +26,7 @@ from aiayn.cli import (
     classify,
     demo,
     export_ct2,
+    export_hf,
     generate,
     import_marian,
     params,
@@ -40,7 +41,7 @@ from aiayn.errors import CLIError, ConfigError, UserError
 
 _COMMANDS = [
     *(demo, params, prepare, train, average, plot, translate, score, bleu, attention),
-    *(generate, classify, serve, import_marian, export_ct2, cache),
+    *(generate, classify, serve, import_marian, export_ct2, export_hf, cache),
 ]
 
 

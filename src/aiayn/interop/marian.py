@@ -12,6 +12,11 @@ import renumbers each vocabulary: the four special ids first, then Marian's othe
 their order. aiayn's BOS row is a copy of Marian's decoder-start row (its padding token), and
 ``bos_output = false`` keeps BOS out of the output distribution when decoding, so that the
 imported model computes the same logits and log-probabilities as the original.
+
+A directory written by ``aiayn export-hf`` (:mod:`aiayn.interop.hf`) reads back as well: its
+decoder starts from a token of its own, ``<s>``, which becomes BOS (an output like any other
+there), and its weights hold position tables that are not Marian's sinusoids, which become
+learned tables (transformers computes with them too).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from aiayn.config import ModelConfig, RunConfig, config_from_dict
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.data.tokenizer import SPECIAL_PIECES, PieceVocabTokenizer
 from aiayn.errors import UserError
+from aiayn.model.embedding import sinusoid_table
 from aiayn.model.transformer import Transformer
 from aiayn.training.checkpoint import bytes_to_tensor, model_checkpoint, model_state, save_atomic
 
@@ -55,7 +61,7 @@ def renumber(marian: dict[str, int], pad: int, unk: int, eos: int, start: int) -
     pieces = [SPECIAL_PIECES[i] for i in sorted(specials)]
     rows = [specials[i] for i in sorted(specials)]
     for piece, i in by_id:
-        if i not in (pad, unk, eos):
+        if i not in (pad, unk, eos, start):  # start: pad, or a token of its own (export-hf's)
             pieces.append(piece)
             rows.append(i)
     return MarianVocab(pieces, rows)
@@ -170,7 +176,14 @@ class _Weights:
         raise UserError(f"{self.directory}: the weights lack {name}")
 
 
-def _config(hf: dict[str, Any], src: MarianVocab, tgt: MarianVocab, shared: bool) -> ModelConfig:
+def _config(
+    hf: dict[str, Any],
+    src: MarianVocab,
+    tgt: MarianVocab,
+    shared: bool,
+    learned: bool = False,
+    bos_output: bool = False,
+) -> ModelConfig:
     pairs = [
         ("encoder_layers", "decoder_layers"),
         ("encoder_attention_heads", "decoder_attention_heads"),
@@ -198,7 +211,7 @@ def _config(hf: dict[str, Any], src: MarianVocab, tgt: MarianVocab, shared: bool
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         relu_dropout=float(hf.get("activation_dropout", 0.0)),
         attention_bias=True,
-        positional="sinusoidal",
+        positional="learned" if learned else "sinusoidal",
         positional_layout="halves",
         max_positions=int(hf.get("max_position_embeddings", 512)),
         share_embeddings=shared,
@@ -207,7 +220,7 @@ def _config(hf: dict[str, Any], src: MarianVocab, tgt: MarianVocab, shared: bool
         layer_norm_eps=1e-5,
         activation=activation,  # type: ignore[arg-type]
         final_logits_bias=True,
-        bos_output=False,
+        bos_output=bos_output,
     )
 
 
@@ -260,16 +273,26 @@ def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceV
     except UserError as err:
         raise UserError(f"{tgt_file}: {err}") from None
     src_pad = int(src_ids.get("<pad>", pad))
+    # A decoder that starts from a token of its own (an `aiayn export-hf` directory: <s>) has
+    # BOS on the source side too; Marian's start from <pad>.
+    src_start = int(src_ids.get("<s>", src_pad)) if start != pad else src_pad
     try:
         src = renumber(
-            src_ids, src_pad, int(src_ids.get("<unk>", 1)), int(src_ids.get("</s>", eos)), src_pad
+            src_ids,
+            src_pad,
+            int(src_ids.get("<unk>", 1)),
+            int(src_ids.get("</s>", eos)),
+            src_start,
         )
     except UserError as err:
         raise UserError(f"{directory / 'vocab.json'}: {err}") from None
-    config = _config(hf, src, tgt, shared)
     w = _Weights(_read_weights(directory), directory)
+    tables = _position_tables(w, hf)
+    # A decoder that starts from a token of its own outputs it like any other (BOS, which
+    # aiayn never outputs but whose probability its softmax includes); Marian's <pad> is none.
+    config = _config(hf, src, tgt, shared, learned=tables is not None, bos_output=start != pad)
     try:
-        model = _model(w, config, src, tgt, shared)
+        model = _model(w, config, src, tgt, shared, tables)
     except (IndexError, RuntimeError) as err:  # a row past the end, a shape that differs
         first = str(err).strip().splitlines()[0]
         raise UserError(
@@ -285,11 +308,38 @@ def import_marian(directory: str | Path) -> tuple[Transformer, RunConfig, PieceV
     return model, dataclasses.replace(run, model=config), tokenizer
 
 
+def _position_tables(w: _Weights, hf: dict[str, Any]) -> tuple[Tensor, Tensor] | None:
+    """The encoder's and decoder's position tables where the weights hold tables that are not
+    Marian's sinusoids (transformers loads them: an `aiayn export-hf` directory's), else None
+    (the model then computes the sinusoids, as transformers does without them)."""
+    names = ("encoder.embed_positions.weight", "decoder.embed_positions.weight")
+    if not all(w.has(name) for name in names):
+        return None
+    tables = (w[names[0]], w[names[1]])
+    shape = (int(hf.get("max_position_embeddings", 512)), int(hf["d_model"]))
+    if any(tuple(table.shape) != shape for table in tables):
+        raise UserError(
+            f"{w.directory}: position tables of shape {tuple(tables[0].shape)} and "
+            f"{tuple(tables[1].shape)}, not {shape} (max_position_embeddings, d_model)"
+        )
+    sinusoids = sinusoid_table(shape[0], shape[1], "halves")
+    if all(torch.allclose(table, sinusoids, rtol=0, atol=1e-6) for table in tables):
+        return None
+    return tables
+
+
 def _model(
-    w: _Weights, config: ModelConfig, src: MarianVocab, tgt: MarianVocab, shared: bool
+    w: _Weights,
+    config: ModelConfig,
+    src: MarianVocab,
+    tgt: MarianVocab,
+    shared: bool,
+    tables: tuple[Tensor, Tensor] | None = None,
 ) -> Transformer:
     """The aiayn model (eval mode) of Marian's weights, renamed and renumbered."""
     state: dict[str, Tensor] = {}
+    if tables is not None:  # learned positions: the tables as they are
+        state["src_embed.positions.learned"], state["tgt_embed.positions.learned"] = tables
     src_rows, tgt_rows = torch.tensor(src.rows), torch.tensor(tgt.rows)
     if shared:
         state["src_embed.token.weight"] = w["shared.weight"][src_rows]
