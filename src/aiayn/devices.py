@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import time
 
 import torch
@@ -34,6 +36,23 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
         except (RuntimeError, AssertionError) as err:
             raise UserError(f"device {requested!r} is not available here: {err}") from None
     return device
+
+
+def describe_host(device: torch.device) -> str:
+    """What ``device`` is, in words, for a run's record and a model card: the CUDA device's
+    name and count, or the CPU's model name (as /proc/cpuinfo has it) and its logical CPUs."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({torch.cuda.device_count()} CUDA device(s))"
+    name = platform.processor() or platform.machine() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else os.cpu_count()
+    return f"{name}, {cpus} logical CPUs" if cpus else name
 
 
 def inference_attention(device: torch.device | str) -> contextlib.AbstractContextManager[None]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from aiayn.cli import main
+from aiayn.devices import describe_host
 from aiayn.inference import loading
 from tests.helpers import ROOT, TINY
 
@@ -126,6 +127,9 @@ def test_resume_falls_back_past_a_truncated_checkpoint(data_dir, tmp_path, capsy
     over = ["train.max_steps=6", "train.save_interval_steps=3", "train.valid_interval=0"]
     args = ["train", "--config", TINY, "--data", str(data_dir), "--out", str(run), "--no-progress"]
     assert main([*args, *over, "train.average_last=0"]) == 0
+    recorded = json.loads((run / "run.json").read_text())
+    assert recorded["world_size"] == 1 and recorded["data"] == str(data_dir.resolve())
+    assert recorded["host"] == describe_host(torch.device("cpu"))  # the model card's host
     newest = loading.step_checkpoint_path(run, 6)
     newest.write_bytes(newest.read_bytes()[:1000])
     capsys.readouterr()

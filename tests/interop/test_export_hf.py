@@ -339,7 +339,8 @@ def a_run(tokenizer: Tokenizer, folder: Path) -> Path:
         "splits": {"train": {"pairs": 4800, "inputs": {"en": "/x/train.en", "de": "/x/train.de"}}},
     }
     (data / "manifest.json").write_text(json.dumps(manifest))
-    (run / "run.json").write_text(json.dumps({"data": str(data), "world_size": 1}))
+    record = {"data": str(data), "world_size": 1, "host": "Test CPU, 2 logical CPUs"}
+    (run / "run.json").write_text(json.dumps(record))
     records = [
         {"kind": "train", "step": 60, "epoch": 0, "minutes": 1.5, "tokens": 4800},
         {"kind": "valid", "step": 60, "minutes": 1.6, "ppl": 1.25},
@@ -366,6 +367,7 @@ def test_export_command_and_model_card(
     assert "language:\n- en\n- de" in card and "# en→de" in card
     assert "| train | 4,800 | train.en | train.de |" in card
     assert "training time: 1.5 minutes" in card and "updates: 60" in card
+    assert "host: Test CPU, 2 logical CPUs" in card
     assert "last validation perplexity: 1.25" in card
     assert 'preset = "tiny"' in card
     assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in card  # BLEU's signature

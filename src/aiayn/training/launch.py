@@ -27,7 +27,7 @@ from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.corpus import Corpus, load_manifest, tokenizer_path
 from aiayn.data.sampling import BpeDropoutPairs, check_bpe_dropout
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.devices import busy_cpu_slowdown
+from aiayn.devices import busy_cpu_slowdown, describe_host
 from aiayn.errors import ConfigError
 from aiayn.inference import loading
 from aiayn.lock import LOCK_NAME, RunDirectoryBusy, run_lock
@@ -271,7 +271,11 @@ def train_run(
                     print(f"{part} initialised from {config.train.init_from}", file=sys.stderr)
             if info.is_main:  # only once the config is known to fit the data and the checkpoint
                 (run_dir / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
-                run_info = {"data": str(data_dir.resolve()), "world_size": info.world_size}
+                run_info = {
+                    "data": str(data_dir.resolve()),
+                    "world_size": info.world_size,
+                    "host": describe_host(info.device),  # of the run's latest start
+                }
                 (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
             return train_and_average(trainer)
     except BaseException:
