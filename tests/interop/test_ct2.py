@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="CTranslate2 is not installed (pip install 'aiayn[interop]')"
@@ -32,7 +31,7 @@ ctranslate2 = pytest.importorskip(
 from aiayn.cli import main  # noqa: E402
 from aiayn.config import DecodeConfig, RunConfig, load_config  # noqa: E402
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID, collate_pairs  # noqa: E402
-from aiayn.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from aiayn.data.tokenizer import Tokenizer  # noqa: E402
 from aiayn.errors import UserError  # noqa: E402
 from aiayn.inference.search import gnmt_length_penalty  # noqa: E402
 from aiayn.inference.translator import Translation, Translator  # noqa: E402
@@ -46,62 +45,9 @@ from aiayn.training.checkpoint import (  # noqa: E402
     model_state,
     save_atomic,
 )
-from tests.helpers import WORDS  # noqa: E402
+from tests.interop.reversal import trained_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def sentence(rng: random.Random, low: int = 1, high: int = 8) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """One token per word of tests.helpers.WORDS."""
-    folder = tmp_path_factory.mktemp("spm")
-    rng = random.Random(5)
-    text = folder / "text.txt"
-    text.write_text("\n".join(sentence(rng) for _ in range(300)), encoding="utf-8")
-    return train_tokenizer([text], len(WORDS) + 4, folder / "spm", "word")
-
-
-@pytest.fixture(scope="module")
-def lines() -> list[str]:
-    rng = random.Random(7)
-    return [sentence(rng) for _ in range(10)]
-
-
-_MODELS: dict[tuple[str, ...], Transformer] = {}
-
-
-def trained_model(tokenizer: Tokenizer, *overrides: str, steps: int = 60) -> Transformer:
-    """A tiny model trained for ``steps`` updates of 16 pairs to reverse word sequences (kept
-    for the module: the same arguments give the same model)."""
-    key = (*overrides, str(steps), str(tokenizer.vocab_size))
-    if key in _MODELS:
-        return _MODELS[key]
-    config = load_config(
-        overrides=[
-            "preset=tiny",
-            f"model.vocab_size={tokenizer.vocab_size}",
-            "model.dropout=0",
-            *overrides,
-        ]
-    )
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    model = Transformer(config.model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
-    for _ in range(steps):
-        src = [tokenizer.encode(sentence(rng)) for _ in range(16)]
-        batch = collate_pairs(src, [s[::-1] for s in src])
-        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    _MODELS[key] = model.eval()
-    return model
 
 
 def same_hypotheses(ours: list[Translation], theirs: list[Translation]) -> None:

@@ -17,26 +17,15 @@ pytest.importorskip(
 
 from aiayn.config import DecodeConfig
 from aiayn.data.collate import EOS_ID, collate_pairs
-from aiayn.data.tokenizer import Tokenizer, train_tokenizer
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.inference.steering import Steering
 from aiayn.inference.translator import Translator
 from aiayn.interop.ct2 import export_ct2
 from aiayn.interop.ct2_translator import Ct2Translator
 from aiayn.model.transformer import Transformer
-from tests.helpers import WORDS
-from tests.interop.test_ct2 import sentence, trained_model
+from tests.interop.reversal import sentence, trained_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """One token per word of tests.helpers.WORDS."""
-    folder = tmp_path_factory.mktemp("spm")
-    rng = random.Random(5)
-    text = folder / "text.txt"
-    text.write_text("\n".join(sentence(rng) for _ in range(300)), encoding="utf-8")
-    return train_tokenizer([text], len(WORDS) + 4, folder / "spm", "word")
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ their hypotheses end with EOS at various lengths."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'aiayn[interop]')"
@@ -28,7 +26,7 @@ transformers = pytest.importorskip(
 from aiayn.cli import main  # noqa: E402
 from aiayn.config import DecodeConfig, RunConfig, load_config  # noqa: E402
 from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, collate_pairs  # noqa: E402
-from aiayn.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from aiayn.data.tokenizer import Tokenizer  # noqa: E402
 from aiayn.errors import UserError  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.interop.hf import HF_BOS, export_hf, hf_ids, hf_order  # noqa: E402
@@ -40,7 +38,7 @@ from aiayn.training.checkpoint import (  # noqa: E402
     model_state,
     save_atomic,
 )
-from tests.helpers import WORDS  # noqa: E402
+from tests.interop.reversal import trained_model  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -48,59 +46,6 @@ pytestmark = [
 ]
 _PAD = torch.tensor([PAD_ID])
 transformers.logging.set_verbosity_error()
-
-
-def sentence(rng: random.Random, low: int = 1, high: int = 8) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """One token per word of tests.helpers.WORDS."""
-    folder = tmp_path_factory.mktemp("spm")
-    rng = random.Random(5)
-    text = folder / "text.txt"
-    text.write_text("\n".join(sentence(rng) for _ in range(300)), encoding="utf-8")
-    return train_tokenizer([text], len(WORDS) + 4, folder / "spm", "word")
-
-
-@pytest.fixture(scope="module")
-def lines() -> list[str]:
-    rng = random.Random(7)
-    return [sentence(rng) for _ in range(10)]
-
-
-_MODELS: dict[tuple[str, ...], Transformer] = {}
-
-
-def trained_model(tokenizer: Tokenizer, *overrides: str, steps: int = 60) -> Transformer:
-    """A tiny model trained for ``steps`` updates of 16 pairs to reverse word sequences (kept
-    for the module)."""
-    key = (*overrides, str(steps))
-    if key in _MODELS:
-        return _MODELS[key]
-    config = load_config(
-        overrides=[
-            "preset=tiny",
-            f"model.vocab_size={tokenizer.vocab_size}",
-            "model.dropout=0",
-            *overrides,
-        ]
-    )
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    model = Transformer(config.model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
-    for _ in range(steps):
-        src = [tokenizer.encode(sentence(rng)) for _ in range(16)]
-        batch = collate_pairs(src, [s[::-1] for s in src])
-        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    _MODELS[key] = model.eval()
-    return model
 
 
 def hf_logits(hf: Any, sources: list[list[int]], targets: list[list[int]], size: int) -> Any:
