@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 import tempfile
 import time
@@ -291,8 +292,9 @@ def main() -> None:
     name = args.name or f"hf-export-{host_slug()}"
     with tempfile.TemporaryDirectory(prefix="aiayn-hf-export-") as scratch:
         report = measure(args, Path(scratch))
-    (folder / f"{name}.json").write_text(json_text(report))
-    text = markdown(report)
+    saved = json_text(report)
+    (folder / f"{name}.json").write_text(saved)
+    text = markdown(json.loads(saved))  # what the JSON holds, as its test renders it
     (folder / f"{name}.md").write_text(text)
     print(text)
 
