@@ -53,7 +53,6 @@ from torch import Tensor
 
 from aiayn.data.collate import BOS_ID, EOS_ID
 from aiayn.inference.search import (
-    BEAM_RULES,
     BeamRule,
     CacheT,
     Hypothesis,
@@ -63,6 +62,7 @@ from aiayn.inference.search import (
     _length_penalties,
     _limits,
     _merge,
+    check_beam_arguments,
     first_argmax,
     gnmt_length_penalty,
     native_first_argmax,
@@ -170,12 +170,7 @@ def steered_search(
     their scores include. ValueError where a sentence's steering needs more tokens than its
     limit (:func:`tokens_needed`)."""
     batch_size = len(steering)
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    if rule not in BEAM_RULES:
-        raise ValueError(f"rule must be one of {', '.join(map(repr, BEAM_RULES))}, got {rule!r}")
+    check_beam_arguments(beam_size, nbest, rule)
     dev = _device(device, max_len)
     limits = _limits(max_len, batch_size, dev)
     if batch_size == 0:

@@ -301,6 +301,17 @@ class NBestLists:
         return _hypotheses(self.out_tok, self.out_len, self.out_score, self.out_logp)
 
 
+def check_beam_arguments(beam_size: int, nbest: int, rule: str) -> None:
+    """ValueError for a beam size below 1, an n-best outside 1 to the beam size, or a rule
+    not in :data:`BEAM_RULES` (the beam searches' arguments)."""
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    if rule not in BEAM_RULES:
+        raise ValueError(f"rule must be one of {', '.join(map(repr, BEAM_RULES))}, got {rule!r}")
+
+
 def beam_search(
     step_fn: Callable[[Tensor, CacheT], Tensor],
     cache: CacheT,
@@ -327,12 +338,7 @@ def beam_search(
     (batch_size,) tensor; the cache must hold ``max_len + 1`` positions. Returns, per sentence
     in input order, up to ``nbest`` hypotheses, best score first.
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    if rule not in BEAM_RULES:
-        raise ValueError(f"rule must be one of {', '.join(map(repr, BEAM_RULES))}, got {rule!r}")
+    check_beam_arguments(beam_size, nbest, rule)
     # Of the best 2K candidates, the first ``n_fin`` may finish: all of them by the paper's
     # rule, the best K by fairseq's (which also stops a sentence once K have finished).
     fairseq = rule == "fairseq"
