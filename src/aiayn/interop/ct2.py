@@ -39,7 +39,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -173,17 +173,21 @@ def _check_exportable(model: Transformer) -> None:
             raise UserError(f"CTranslate2 has full attention only, not model.{name}={pattern!r}")
 
 
-def _check_vocabulary(tokens: list[str], side: str) -> None:
-    """CTranslate2 looks tokens up by their piece, the first of equal ones: a piece listed
-    twice would lose the other id (its embedding row, its output)."""
+def check_unique_pieces(pieces: Sequence[str], side: str, why: str) -> None:
+    """UserError where the ``side`` vocabulary lists a piece twice: a format that looks ids
+    up by their piece would lose the other (``why`` says how, for the message)."""
     first: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if token in first:
+    for i, piece in enumerate(pieces):
+        if piece in first:
             raise UserError(
-                f"the {side} vocabulary lists {token!r} twice (ids {first[token]} and {i}): "
-                "CTranslate2 looks tokens up by their piece and would use only the first"
+                f"the {side} vocabulary lists {piece!r} twice (ids {first[piece]} and {i}): {why}"
             )
-        first[token] = i
+        first[piece] = i
+
+
+# CTranslate2 looks tokens up by their piece, the first of equal ones: a piece listed twice
+# would lose the other id (its embedding row, its output).
+_CT2_DUPLICATE = "CTranslate2 looks tokens up by their piece and would use only the first"
 
 
 def transformer_spec(
@@ -194,8 +198,8 @@ def transformer_spec(
     ct2 = import_ctranslate2()
     specs = ct2.specs
     _check_exportable(model)
-    _check_vocabulary(source_vocabulary, "source")
-    _check_vocabulary(target_vocabulary, "target")
+    check_unique_pieces(source_vocabulary, "source", _CT2_DUPLICATE)
+    check_unique_pieces(target_vocabulary, "target", _CT2_DUPLICATE)
     config = model.config
     activation = specs.common_spec.Activation[_ACTIVATIONS[getattr(config, "activation", "relu")]]
     head_dim = config.head_dim_k if config.head_dim_k * config.n_heads != config.d_model else None

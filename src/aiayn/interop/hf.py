@@ -62,7 +62,14 @@ from aiayn.data.collate import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.data.tokenizer import PieceVocabTokenizer, Tokenizer
 from aiayn.errors import UserError
 from aiayn.inference.loading import LoadedModel, load_model
-from aiayn.interop.ct2 import NO_OUTPUT_BIAS, _publish, _temporary_dir, file_key, vocabularies
+from aiayn.interop.ct2 import (
+    NO_OUTPUT_BIAS,
+    _publish,
+    _temporary_dir,
+    check_unique_pieces,
+    file_key,
+    vocabularies,
+)
 from aiayn.model.transformer import Transformer
 
 # transformers' Marian layers: nn.LayerNorm(d_model), whose ε is PyTorch's default.
@@ -121,16 +128,8 @@ def check_exportable(model: Transformer) -> None:
         )
 
 
-def _check_vocabulary(pieces: Sequence[str], side: str) -> None:
-    """vocab.json maps each piece to one id: a piece listed twice would lose the other."""
-    seen: dict[str, int] = {}
-    for i, piece in enumerate(pieces):
-        if piece in seen:
-            raise UserError(
-                f"the {side} vocabulary lists {piece!r} twice (ids {seen[piece]} and {i}): "
-                "vocab.json maps a piece to one id, so the model does not export"
-            )
-        seen[piece] = i
+# vocab.json maps each piece to one id: a piece listed twice would lose the other.
+_HF_DUPLICATE = "vocab.json maps a piece to one id, so the model does not export"
 
 
 @dataclass(frozen=True)
@@ -344,8 +343,8 @@ def _tokenizer_files(
     """vocab.json (target_vocab.json for a separate target side), source.spm, target.spm and
     tokenizer_config.json."""
     source, target = vocabularies(tokenizer)
-    _check_vocabulary(source, "source")
-    _check_vocabulary(target, "target")
+    check_unique_pieces(source, "source", _HF_DUPLICATE)
+    check_unique_pieces(target, "target", _HF_DUPLICATE)
     separate = not config.model.share_embeddings
     files: dict[str, bytes] = {}
 
