@@ -1,13 +1,18 @@
-"""The decoding engines of ``aiayn translate`` and ``aiayn serve``: their options, declared
-once for both commands, and the checks of what each engine takes, made before a checkpoint
-is read or exported. Light on purpose (no PyTorch, no CTranslate2 at import): the CLI's
-``--help`` reads it."""
+"""The decoding engines of ``aiayn translate``, ``score`` and ``serve``: their options,
+declared once for the commands, the checks of what each engine takes, made before a
+checkpoint is read or exported, and the translator an engine opens (:func:`open_translator`).
+Light on purpose (no PyTorch, no CTranslate2 at import): the CLI's ``--help`` reads it."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from aiayn.errors import CLIError
+
+if TYPE_CHECKING:
+    from aiayn.inference.translator import TextTranslator
 
 ENGINES = ("torch", "ctranslate2")
 
@@ -146,3 +151,49 @@ def _require_ctranslate2() -> None:
             "--quantize int8 decodes with CTranslate2's int8 weights, and CTranslate2 is not "
             "installed: pip install 'aiayn[interop]'"
         ) from None
+
+
+def open_translator(
+    args: argparse.Namespace, decode_overrides: Mapping[str, Any], nbest: int = 1
+) -> tuple[TextTranslator, str]:
+    """The translator of ``--engine`` (CTranslate2's through the export cached beside the
+    checkpoint; PyTorch's with the process settings an aiayn command asks for) with
+    ``decode_overrides`` and ``nbest``, and where it runs: the device, and CTranslate2's
+    compute type. ValueError for settings an engine refuses."""
+    from aiayn.progress import stderr_report
+
+    if args.engine == "ctranslate2":
+        from aiayn.interop.ct2_translator import Ct2Translator
+
+        device = ct2_device(args.device)
+        ct2, _ = Ct2Translator.from_checkpoint(
+            args.checkpoint,
+            device=device,
+            decode_overrides=decode_overrides,
+            nbest=nbest,
+            quantize=args.quantize,
+            precision=args.precision,
+            threads=args.threads or 0,
+            log=stderr_report(),
+        )
+        return ct2, f"{device} (CTranslate2, {ct2.compute_type})"
+    from aiayn.devices import pick_device
+    from aiayn.inference.translator import Translator
+
+    torch_device = pick_device(args.device or "auto")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    translator, _ = Translator.from_checkpoint(
+        args.checkpoint,
+        device=torch_device,
+        decode_overrides=decode_overrides,
+        nbest=nbest,
+        pack_weights=args.pack_weights,
+        precision=args.precision,
+        compiled_step=args.compiled_step,
+        mmap=args.mmap is not False,
+        process_settings=True,
+    )
+    return translator, str(torch_device)

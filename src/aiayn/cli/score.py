@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
+from aiayn.cli.engines import add_engine_arguments, check_engine_options, open_translator
 from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError
@@ -14,7 +14,6 @@ from aiayn.progress import counted, stderr_report
 
 if TYPE_CHECKING:
     from aiayn.inference.scoring import Score
-    from aiayn.inference.translator import TextTranslator
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,44 +64,6 @@ def score_fields(log_prob: float, token_log_probs: Sequence[float], word_scores:
     return line
 
 
-def _translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
-    """The engine's translator, with the run's decode settings (``--batch-tokens`` given)."""
-    overrides = {} if args.batch_tokens is None else {"batch_tokens": args.batch_tokens}
-    if args.engine == "ctranslate2":
-        from aiayn.interop.ct2_translator import Ct2Translator
-
-        device = ct2_device(args.device)
-        ct2, _ = Ct2Translator.from_checkpoint(
-            args.checkpoint,
-            device=device,
-            decode_overrides=overrides,
-            quantize=args.quantize,
-            precision=args.precision,
-            threads=args.threads or 0,
-            log=stderr_report(),
-        )
-        return ct2, f"{device} (CTranslate2, {ct2.compute_type})"
-    from aiayn.devices import pick_device
-    from aiayn.inference.translator import Translator
-
-    torch_device = pick_device(args.device or "auto")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    translator, _ = Translator.from_checkpoint(
-        args.checkpoint,
-        device=torch_device,
-        decode_overrides=overrides,
-        pack_weights=args.pack_weights,
-        precision=args.precision,
-        compiled_step=args.compiled_step,
-        mmap=args.mmap is not False,
-        process_settings=True,
-    )
-    return translator, str(torch_device)
-
-
 def check_pairs(sources: Sequence[str], targets: Sequence[str], src: str, tgt: str) -> None:
     """One line of each file per pair, none empty: a CLIError naming the file and line."""
     for name, lines in ((src, sources), (tgt, targets)):
@@ -126,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     sources, targets = read_lines(args.src), read_lines(args.tgt)
     check_pairs(sources, targets, args.src, args.tgt)
     try:
-        translator, where = _translator(args)
+        overrides = {} if args.batch_tokens is None else {"batch_tokens": args.batch_tokens}
+        translator, where = open_translator(args, overrides)
     except ValueError as err:
         raise CLIError(str(err)) from None
     report = stderr_report()

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
+from aiayn.cli.engines import add_engine_arguments, check_engine_options, open_translator
 from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError, UserError
@@ -166,50 +166,6 @@ def _interactive(translator: TextTranslator, nbest: int, word_scores: bool = Fal
             ids = translator.tokenizer.encode(line) if line.strip() else []
             results = translator.with_word_scores([ids[: translator.max_positions - 1]], results)
         _write(sys.stdout, format_translations(results, nbest, word_scores))
-
-
-def _torch_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
-    """The PyTorch engine's translator and the device it runs on."""
-    from aiayn.devices import pick_device
-    from aiayn.inference.translator import Translator
-
-    device = pick_device(args.device or "auto")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    translator, _ = Translator.from_checkpoint(
-        args.checkpoint,
-        device=device,
-        decode_overrides=_decode_overrides(args),
-        nbest=args.nbest,
-        pack_weights=args.pack_weights,
-        precision=args.precision,
-        compiled_step=args.compiled_step,
-        mmap=args.mmap is not False,
-        process_settings=True,
-    )
-    return translator, str(device)
-
-
-def _ct2_translator(args: argparse.Namespace) -> tuple[TextTranslator, str]:
-    """The CTranslate2 engine's translator (through the export cached beside the checkpoint)
-    and the device it runs on."""
-    from aiayn.interop.ct2_translator import Ct2Translator
-
-    device = ct2_device(args.device)
-    log = stderr_report()
-    translator, _ = Ct2Translator.from_checkpoint(
-        args.checkpoint,
-        device=device,
-        decode_overrides=_decode_overrides(args),
-        nbest=args.nbest,
-        quantize=args.quantize,
-        precision=args.precision,
-        threads=args.threads or 0,
-        log=log,
-    )
-    return translator, f"{device} (CTranslate2, {translator.compute_type})"
 
 
 class _Stop(Exception):
@@ -435,10 +391,7 @@ def run(args: argparse.Namespace) -> int:
             "FILE (or pipe the text in)"
         )
     try:
-        if args.engine == "ctranslate2":
-            translator, where = _ct2_translator(args)
-        else:
-            translator, where = _torch_translator(args)
+        translator, where = open_translator(args, _decode_overrides(args), args.nbest)
     except ValueError as err:
         raise CLIError(str(err)) from None
     if args.input in (None, "-") and sys.stdin.isatty():
