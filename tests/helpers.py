@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import RunConfig, load_config
-from aiayn.data.collate import Batch, collate_pairs
+from aiayn.data.collate import PAD_ID, Batch, collate_pairs
 from aiayn.model.transformer import Transformer
 from aiayn.training.trainer import Trainer
 
@@ -301,3 +302,20 @@ def loader_settings(monkeypatch: Any, owner: type, argv: list[str]) -> dict[str,
         pass
     assert seen, f"aiayn {' '.join(argv)} did not reach {owner.__name__}.from_checkpoint"
     return seen
+
+
+def train_to_reverse(
+    model: Transformer, source: Callable[[], list[int]], steps: int, batch: int, lr: float
+) -> None:
+    """Train ``model`` for ``steps`` Adam updates of ``batch`` pairs, each a ``source()``
+    and its reversal (the tiny models the engine and export tests decode)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98))
+    model.train()
+    for _ in range(steps):
+        src = [source() for _ in range(batch)]
+        pairs = collate_pairs(src, [s[::-1] for s in src])
+        logits = model(pairs.src_ids, pairs.src_pad, pairs.tgt_in)
+        loss = F.cross_entropy(logits.flatten(0, 1), pairs.tgt_out.flatten(), ignore_index=PAD_ID)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

@@ -7,13 +7,11 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
 
 from aiayn.config import load_config
-from aiayn.data.collate import PAD_ID, collate_pairs
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.model.transformer import Transformer
-from tests.helpers import WORDS
+from tests.helpers import WORDS, train_to_reverse
 
 
 def sentence(rng: random.Random, low: int = 1, high: int = 8) -> str:
@@ -39,14 +37,6 @@ def trained_model(tokenizer: Tokenizer, *overrides: str, steps: int = 60) -> Tra
     torch.manual_seed(0)
     rng = random.Random(0)
     model = Transformer(config.model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
-    for _ in range(steps):
-        src = [tokenizer.encode(sentence(rng)) for _ in range(16)]
-        batch = collate_pairs(src, [s[::-1] for s in src])
-        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_to_reverse(model, lambda: tokenizer.encode(sentence(rng)), steps, batch=16, lr=1e-2)
     _MODELS[key] = model.eval()
     return model

@@ -20,10 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import torch.nn.functional as F
 from fastapi import FastAPI
 
-from aiayn.data.collate import PAD_ID, collate_pairs
 from aiayn.data.corpus import TOKENIZER_NAME
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.inference.steering import Steering
@@ -33,7 +31,7 @@ from aiayn.serving.app import create_app
 from aiayn.serving.engine import DecodeKey, Engine
 from aiayn.serving.settings import ServeSettings
 from aiayn.training.checkpoint import bytes_to_tensor, model_checkpoint, model_state
-from tests.helpers import ROOT, WORDS, tiny_config
+from tests.helpers import ROOT, WORDS, tiny_config, train_to_reverse
 
 
 def sentence(rng: random.Random, low: int = 2, high: int = 6) -> str:
@@ -56,16 +54,7 @@ def reverse_checkpoint(reverse_data_dir: Path, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     rng = random.Random(0)
     model = Transformer(config.model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.9, 0.98))
-    model.train()
-    for _ in range(STEPS):
-        src = [tokenizer.encode(sentence(rng)) for _ in range(32)]
-        batch = collate_pairs(src, [s[::-1] for s in src])
-        logits = model(batch.src_ids, batch.src_pad, batch.tgt_in)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_to_reverse(model, lambda: tokenizer.encode(sentence(rng)), STEPS, batch=32, lr=5e-3)
     torch.set_num_threads(threads)
     path = tmp_path_factory.mktemp("served") / "reverse.pt"
     spm = bytes_to_tensor(tokenizer.to_bytes())
