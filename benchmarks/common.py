@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import resource
 import statistics
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,21 @@ def training_batch(workload: Workload, seed: int = 0) -> TrainBatch:
         tgt_in=torch.cat([bos, words], dim=1),
         tgt_out=torch.cat([words, eos], dim=1),
     )
+
+
+def training_batches(workload: Workload, n: int, seed: int = 0) -> list[TrainBatch]:
+    """``n`` batches of about the workload's target tokens whose lengths vary around its
+    own (half to one and a half times), as the batches of a real training run do: every
+    product then meets row counts it has not met before."""
+    rng = random.Random(seed)
+    tokens = workload.batch * workload.tgt_len
+    batches = []
+    for i in range(n):
+        tgt_len = rng.randint(max(2, workload.tgt_len // 2), workload.tgt_len * 3 // 2)
+        src_len = rng.randint(max(2, workload.src_len // 2), workload.src_len * 3 // 2)
+        shape = replace(workload, batch=max(1, tokens // tgt_len), src_len=src_len, tgt_len=tgt_len)
+        batches.append(training_batch(shape, seed=seed + i))
+    return batches
 
 
 def decode_sources(workload: DecodeWorkload, seed: int = 1) -> Tensor:

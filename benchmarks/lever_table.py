@@ -2,10 +2,12 @@
 
 For each lever of :data:`aiayn.accel.levers.LEVERS` that applies here, the headline figures with
 every lever on (as aiayn's commands run: ``process_settings=True``) and with that one lever
-left out (``accelerate(..., disable={lever})``): training target tokens/s, beam 4 and greedy
-decoding of a batch of 64 sentences and of one sentence at a time, SMALL and BASE, and the
-peak RSS. Each measurement runs in a process of its own (so that the peak RSS is that
-configuration's), the configurations interleaved within each round::
+left out (``accelerate(..., disable={lever})``): training target tokens/s (on batches of
+varied shapes, as a real run's), beam 4 and greedy decoding of a batch of 64 sentences and of
+one sentence at a time, SMALL and BASE, and the peak RSS; on a CPU with bfloat16
+instructions, also training in bfloat16 (what ``train.precision=auto`` gives there, and the
+figure of the levers that only bfloat16 uses). Each measurement runs in a process of its own
+(so that the peak RSS is that configuration's), the configurations interleaved within each round::
 
     make bench-levers                                   # SMALL and BASE, 3 rounds
     python -m benchmarks.lever_table --quick            # SMALL, 1 round, few sentences
@@ -42,6 +44,7 @@ WEIGHTS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "
 # The figures, in the table's order: (key, column header, higher is better)
 FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("train", "training tokens/s", True),
+    ("train-bf16", "training tokens/s, bf16", True),
     ("beam-batch", "beam 4, batch 64", True),
     ("greedy-batch", "greedy, batch 64", True),
     ("beam-single", "beam 4, one sentence", False),
@@ -49,6 +52,7 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("rss", "peak RSS", False),
 )
 DECODE_MODES = ("beam-batch", "greedy-batch", "beam-single", "greedy-single")
+TRAIN_KINDS = ("train", "train-bf16")
 SPEED_GAIN = 1.05  # a speed figure this much better: the lever earns its place
 MEMORY_GAIN = 1.20  # or the peak RSS this much lower
 NOT_APPLIED = "—"
@@ -78,15 +82,18 @@ def _accelerate_with(disable: frozenset[str], record: list[Any]) -> None:
     aiayn.accel.accelerate = accelerate  # type: ignore[assignment]
 
 
-def _child_train(workload: str, warmup: int, steps: int) -> dict[str, Any]:
+def _child_train(workload: str, warmup: int, steps: int, bf16: bool) -> dict[str, Any]:
     """Timed updates as ``benchmarks.train_bench`` measures aiayn's (the Trainer's update on
-    the CPU in fp32: the loss fused with the projection where the acceleration fuses it)."""
-    from benchmarks.common import WORKLOADS, median, time_calls, training_batch
+    the CPU in fp32, or bf16: the loss fused with the projection where the acceleration fuses
+    it), each on a batch of another shape, as in a real run (``training_batches``)."""
+    from benchmarks.common import WORKLOADS, time_calls, training_batches
     from benchmarks.train_bench import aiayn_update
 
     w = WORKLOADS[workload]
-    times = time_calls(aiayn_update(w, training_batch(w)), warmup, steps)
-    return {"train": w.tgt_tokens / median(times), "times_s": times}
+    batches = training_batches(w, warmup + steps)
+    times = time_calls(aiayn_update(w, batches, bf16=bf16), warmup, steps)
+    tokens = sum(int(b.tgt_out.numel()) for b in batches[warmup:])
+    return {"train-bf16" if bf16 else "train": tokens / sum(times), "times_s": times}
 
 
 def _child_decode(workload: str, repeats: int, single: int, weights: Path) -> dict[str, Any]:
@@ -119,9 +126,9 @@ def child(args: argparse.Namespace) -> None:
     set_threads()
     record: list[Any] = []
     _accelerate_with(frozenset(args.disable), record)
-    if args.child == "train":
+    if args.child in TRAIN_KINDS:
         warmup, steps = args.steps
-        figures = _child_train(args.workload, warmup, steps)
+        figures = _child_train(args.workload, warmup, steps, bf16=args.child == "train-bf16")
     else:
         figures = _child_decode(args.workload, args.repeats, args.single, args.weights)
     levers = [name for acceleration in record for name in acceleration.levers]
@@ -179,9 +186,13 @@ def _compile_step(workload: str, weights_dir: Path) -> None:
 def measure(
     workloads: Sequence[str], wanted: Sequence[str], rounds: int, kind: str
 ) -> dict[str, Any]:
-    """Every measurement: for each workload, kind (train, decode) and configuration (``on``:
-    every lever; else the lever left out), one result per round."""
+    """Every measurement: for each workload, kind (train, train-bf16 where this CPU has
+    bfloat16 instructions, decode) and configuration (``on``: every lever; else the lever left
+    out), one result per round."""
+    from aiayn.accel import cpu_has_bfloat16
     from benchmarks.common import rotated
+
+    kinds = ["train", *(["train-bf16"] if cpu_has_bfloat16() else []), "decode"]
 
     runs: dict[str, Any] = {}
     for workload in workloads:
@@ -192,14 +203,15 @@ def measure(
         repeats, single = DECODE_REPEATS[kind][workload]
         flags = {
             "train": ["--steps", str(warmup), str(steps)],
+            "train-bf16": ["--steps", str(warmup), str(steps)],
             "decode": ["--repeats", str(repeats), "--single", str(single)],
         }
         flags["decode"] += ["--weights", str(weights_dir / "aiayn-weights.pt")]
-        runs[workload] = {"train": {}, "decode": {}}
+        runs[workload] = {what: {} for what in kinds}
         applies: dict[str, list[str]] = {}
         for r in range(rounds):
             print(f"{workload}, round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-            for what in ("train", "decode"):
+            for what in kinds:
                 base = ["--child", what, "--workload", workload, *flags[what]]
                 done = runs[workload][what]
                 if r == 0:  # every lever on first: which levers apply here
@@ -227,25 +239,27 @@ def _ratios(on: list[dict[str, Any]], off: list[dict[str, Any]], key: str) -> li
 
 def lever_rows(runs: dict[str, Any], wanted: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
     """For each workload, one row per lever: each figure's ratios over rounds (None where the
-    lever does not apply to it here) and whether it earns its place (None: it applies to
-    no figure measured here)."""
+    lever does not apply to it here, or it was not measured) and whether it earns its place
+    (None: it applies to no figure measured here). The peak RSS is the decoding process's
+    where the lever decodes, else the first training process's it applies to."""
     from aiayn.accel.levers import BY_NAME
 
     table: dict[str, list[dict[str, Any]]] = {}
     for workload, kinds in runs.items():
         rows = []
         for name in wanted:
+            applied = {
+                what: name in runs_ and name in runs_["on"][0]["levers"]
+                for what, runs_ in kinds.items()
+            }
+            memory = next((w for w in ("decode", *TRAIN_KINDS) if applied.get(w)), None)
             cells: dict[str, list[float] | None] = {}
-            in_train = name in kinds["train"] and name in kinds["train"]["on"][0]["levers"]
-            in_decode = name in kinds["decode"] and name in kinds["decode"]["on"][0]["levers"]
             for key, _, _ in FIGURES:
-                what = "train" if key == "train" else "decode"
-                if key == "rss":  # the decoding process's where the lever decodes
-                    what = "decode" if in_decode else "train"
-                applied = in_decode if what == "decode" else in_train
-                if key in DECODE_MODES:
-                    applied = in_decode
-                cells[key] = _ratios(kinds[what]["on"], kinds[what][name], key) if applied else None
+                what = memory if key == "rss" else key if key in TRAIN_KINDS else "decode"
+                if key != "rss" and what not in kinds:
+                    continue  # not measured on this host: no column
+                on = what is not None and applied.get(what)
+                cells[key] = _ratios(kinds[what]["on"], kinds[what][name], key) if on else None
             mode = BY_NAME[name].mode
             rows.append({"lever": name, "mode": mode, "cells": cells, "earns": earns(cells)})
         table[workload] = rows
@@ -293,13 +307,14 @@ def render(report: dict[str, Any]) -> str:
         "`make bench-levers` (benchmarks/lever_table.py); the levers are listed in "
         "`aiayn.accel.levers`.",
     ]
-    columns = [header for _, header, _ in FIGURES]
     for workload, rows in report["rows"].items():
+        keys = [key for key, _, _ in FIGURES if key in rows[0]["cells"]]
+        columns = [header for key, header, _ in FIGURES if key in keys]
         lines += ["", f"### {workload.upper()}", ""]
         lines.append("| lever | mode | " + " | ".join(columns) + " | earns its place |")
         lines.append("|---|---|" + "---:|" * len(columns) + "---|")
         for row in rows:
-            figures = " | ".join(cell(row["cells"][key]) for key, _, _ in FIGURES)
+            figures = " | ".join(cell(row["cells"][key]) for key in keys)
             verdict = {True: "yes", False: "no", None: NOT_APPLIED}[row["earns"]]
             # A table keeps the levers of its run: the mode as it was recorded then.
             mode = row.get("mode") or (
@@ -320,8 +335,12 @@ def _baseline(kinds: dict[str, Any]) -> str:
     def mid(key: str) -> float:
         return statistics.median(r["figures"][key] for r in decode)
 
+    bf16 = ""
+    if "train-bf16" in kinds:
+        tokens = statistics.median(r["figures"]["train-bf16"] for r in kinds["train-bf16"]["on"])
+        bf16 = f", in bf16 {tokens:,.0f}"
     return (
-        f"training {statistics.median(train):,.0f} target tokens/s; beam 4, batch 64 "
+        f"training {statistics.median(train):,.0f} target tokens/s{bf16}; beam 4, batch 64 "
         f"{mid('beam-batch'):.1f} sentences/s; greedy, batch 64 {mid('greedy-batch'):.1f} "
         f"sentences/s; beam 4, one sentence {mid('beam-single'):.1f} ms; greedy, one sentence "
         f"{mid('greedy-single'):.1f} ms; peak RSS decoding "
@@ -342,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", choices=("small", "base"))
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     # One measurement, in a process of its own (what the rounds run).
-    parser.add_argument("--child", choices=("train", "decode"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=(*TRAIN_KINDS, "decode"), help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="small", help=argparse.SUPPRESS)
     parser.add_argument("--disable", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--steps", nargs=2, type=int, default=(3, 10), help=argparse.SUPPRESS)

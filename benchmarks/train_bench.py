@@ -10,8 +10,9 @@ tokens per second from their median, and this process's peak RSS.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +40,14 @@ Update = Callable[[], None]
 ADAM_BETAS, ADAM_EPS, PEER_LR = (0.9, 0.98), 1e-9, 1e-4
 
 
-def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
+def aiayn_update(
+    w: Workload, batch: TrainBatch | Sequence[TrainBatch], bf16: bool = False
+) -> Update:
     """The core of ``aiayn.training.trainer.Trainer._update`` for one batch on the CPU in fp32:
     the library's model, its fused projection + label-smoothed loss
     (``projected_label_smoothed_nll``) where the acceleration fuses them (else the loss over
-    the logits), ``build_optimizer`` (fused Adam) and ``build_schedule``. With ``bf16``, what
+    the logits), ``build_optimizer`` (fused Adam) and ``build_schedule``; given several
+    batches, each update takes the next (in turn). With ``bf16``, what
     ``train.precision=bf16`` does on the CPU (opt-in, outside the fp32 workloads): the model
     under bfloat16 autocast and the fused loss with bfloat16 products."""
     from aiayn.accel import accelerate
@@ -62,13 +66,15 @@ def aiayn_update(w: Workload, batch: TrainBatch, bf16: bool = False) -> Update:
     acceleration = accelerate(model, "train", precision=precision, process_settings=True)
     optimizer = build_optimizer(model, train)
     schedule = build_schedule(optimizer, config.d_model, train)
-    n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
+    batches = itertools.cycle([batch] if isinstance(batch, TrainBatch) else batch)
     eps = train.label_smoothing
     fused = model.out_proj.weight if acceleration.fused_loss else None
 
     dtype = torch.bfloat16 if bf16 else None
 
     def update() -> None:
+        batch = next(batches)
+        n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=fused is None)

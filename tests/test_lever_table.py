@@ -84,7 +84,7 @@ def test_the_markdown_is_the_agreed_table() -> None:
         "| lever | mode | training tokens/s | beam 4, batch 64 | greedy, batch 64 | "
         "beam 4, one sentence | greedy, one sentence | peak RSS | earns its place |"
     )
-    assert lines[at + 3] == "|---|---|" + "---:|" * len(FIGURES) + "---|"
+    assert lines[at + 3] == "|---|---|" + "---:|" * (len(FIGURES) - 1) + "---|"  # no bf16
     assert lines[at + 4] == (
         "| grid dropout | train, decode | 1.01× (1.00–1.02) | 1.10× (1.10–1.10) | "
         "1.10× (1.10–1.10) | 1.10× (1.10–1.10) | 1.10× (1.10–1.10) | 1.00× (1.00–1.00) | yes |"
@@ -103,3 +103,58 @@ def test_the_markdown_is_the_agreed_table() -> None:
 def test_every_lever_can_be_named() -> None:
     rows = lever_rows(_runs(), list(NAMES))["small"]
     assert [row["lever"] for row in rows] == list(NAMES)
+
+
+def test_a_bf16_training_run_adds_its_column_and_judges_the_bf16_levers() -> None:
+    """Where the host trains in bfloat16 too, its figure is a column; a lever only bfloat16
+    uses is judged by it, its RSS the bf16 training process's."""
+    runs = _runs()
+    on = ["grid dropout", "attention in float32"]
+    runs["small"]["train-bf16"] = {
+        "on": [_run({"train-bf16": 5000.0}, 500, on)] * 2,
+        "grid dropout": [_run({"train-bf16": 5000.0}, 500, [])] * 2,
+        "attention in float32": [_run({"train-bf16": 4000.0}, 550, [])] * 2,
+    }
+    wanted = ["grid dropout", "attention in float32", "fused projection + loss"]
+    rows = {row["lever"]: row for row in lever_rows(runs, wanted)["small"]}
+    attention = rows["attention in float32"]
+    assert attention["cells"]["train-bf16"] == [1.25, 1.25] and attention["earns"] is True
+    assert attention["cells"]["train"] is None and attention["cells"]["beam-batch"] is None
+    assert attention["cells"]["rss"] == [1.1, 1.1]
+    assert rows["grid dropout"]["cells"]["train-bf16"] == [1.0, 1.0]
+    assert rows["fused projection + loss"]["cells"]["train-bf16"] is None  # not applied there
+    report = {
+        "header": {
+            "cpu": "C",
+            "host": "c",
+            "torch": "2.13",
+            "rounds": 2,
+            "date": "d",
+            "quick": False,
+        },
+        "rows": lever_rows(runs, wanted),
+    }
+    lines = render(report).splitlines()
+    at = lines.index("### SMALL")
+    assert lines[at + 2].startswith(
+        "| lever | mode | training tokens/s | training tokens/s, bf16 |"
+    )
+    assert lines[at + 3] == "|---|---|" + "---:|" * len(FIGURES) + "---|"
+    assert lines[at + 5].startswith(
+        "| attention in float32 | train, decode | — | 1.25× (1.25–1.25) |"
+    )
+
+
+def test_training_batches_vary_in_shape_and_keep_the_workloads_tokens() -> None:
+    from benchmarks.common import SMALL, training_batches
+
+    batches = training_batches(SMALL, 12)
+    shapes = {tuple(b.tgt_in.shape) for b in batches}
+    assert len(shapes) > 6  # a real run's batches: rows a product has not met before
+    tokens = SMALL.batch * SMALL.tgt_len
+    for b in batches:
+        assert b.tgt_in.shape == b.tgt_out.shape and b.src_ids.size(0) == b.tgt_in.size(0)
+        assert tokens - b.tgt_in.size(1) < b.tgt_in.numel() <= tokens
+    assert [b.tgt_in.shape for b in training_batches(SMALL, 12)] == [
+        b.tgt_in.shape for b in batches
+    ]
