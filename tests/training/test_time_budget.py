@@ -193,3 +193,39 @@ def test_no_checkpoint_in_the_span_averages_nothing(monkeypatch, tmp_path, capsy
     assert "no checkpoint was saved at or after 50% of train.max_minutes=1" in (
         capsys.readouterr().err
     )
+
+
+def test_a_resumed_run_averages_the_span_the_uninterrupted_one_does(monkeypatch, tmp_path):
+    """Stopped inside the span (at update 20 of 32; the span begins at 16), resumed: the
+    checkpoints' progress travels in the checkpoints, so the span's earlier ones stay kept and
+    are averaged as in the run never stopped."""
+    over = [
+        "train.max_minutes=1",
+        "train.save_interval_steps=2",
+        "train.keep_last=2",
+        "train.average_from=0.5",
+    ]
+    straight = host_trainer(monkeypatch, tmp_path / "a", SimulatedHost(1.875), *over)
+    train_and_average(straight)
+    first = host_trainer(
+        monkeypatch, tmp_path / "b", SimulatedHost(1.875), *over, "train.max_steps=20"
+    )
+    assert train_and_average(first).step == 20
+    path, state = loading.latest_valid_checkpoint(tmp_path / "b")
+    assert state["progress"]["checkpoint_progress"] == {16: 0.5, 18: 18 / 32, 20: 20 / 32}
+    second = host_trainer(monkeypatch, tmp_path / "b", SimulatedHost(1.875, start=7.0), *over)
+    second.load_state_dict(state, path)
+    assert train_and_average(second).step == 32
+
+    def kept(run):
+        return [p.name for p in loading.list_step_checkpoints(run)]
+
+    assert (
+        kept(tmp_path / "b")
+        == kept(tmp_path / "a")
+        == [f"step_{k:08d}.pt" for k in range(16, 33, 2)]
+    )
+    a = loading.load_checkpoint(tmp_path / "a" / loading.AVERAGED_NAME)
+    b = loading.load_checkpoint(tmp_path / "b" / loading.AVERAGED_NAME)
+    assert a["metrics"] == b["metrics"] and a["metrics"]["averaged"] == 9
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

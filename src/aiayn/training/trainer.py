@@ -621,11 +621,9 @@ class Trainer:
         rule = f"saved at or after {self._average_point()}"
         if not chosen:
             return [], f"no checkpoint was {rule}"
-        steps = [_step_of(p) for p in chosen]
-        return (
-            chosen,
-            f"{counted(len(chosen), 'checkpoint')} {rule}: updates {steps[0]}-{steps[-1]}",
-        )
+        first, last = _step_of(chosen[0]), _step_of(chosen[-1])
+        updates = f"update {last}" if first == last else f"updates {first}-{last}"
+        return chosen, f"{counted(len(chosen), 'checkpoint')} {rule}: {updates}"
 
     def _average_point(self) -> str:
         """Where ``train.average_from``'s span begins, in words."""
