@@ -642,6 +642,33 @@ def test_a_switch_between_paths_hands_back_what_is_idle(
     acceleration.undo()
 
 
+@pytest.mark.slow
+def test_left_out_the_weights_stay_the_loaders_copy(
+    model: Transformer, step: CompiledStep, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without "compiled weights read in place" the steps keep their loader's copy of the
+    weights, hand no pages back, and decode as with the weights in place."""
+    import aiayn.accel.decoding as decoding
+
+    released: list[Path] = []
+    monkeypatch.setattr(decoding, "release_file_pages", lambda p, cached: released.append(p) or 0)
+    copy = packing_model()  # the module model's weights: its libraries serve it
+    lever = "compiled weights read in place"
+    acceleration = accelerate(copy, "decode", precision="fp32", disable={lever})
+    few = use_compiled_step(copy, acceleration, False, print)
+    assert few is not None and few.constants is None and step.constants is not None
+    assert "compiled decoder step" in acceleration.levers and lever not in acceleration.levers
+    with torch.inference_mode():
+        copy.init_cache(torch.zeros(MAX_ROWS + 1, 3, 32), None, 5)  # another library serves
+    assert released == [] and not few.idle
+    assert decode(copy, few, 1, 4) == decode(model, step, 1, 4)
+    acceleration.undo()
+    placed = accelerate(copy, "decode", precision="fp32")
+    assert use_compiled_step(copy, placed, False, print) is not None
+    assert lever in placed.levers
+    placed.undo()
+
+
 def test_what_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     base = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_layers=1)
     assert unsupported(packing_model()) is None

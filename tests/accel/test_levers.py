@@ -108,9 +108,11 @@ def test_a_compiled_step_left_out_is_not_loaded() -> None:
     said: list[str] = []
     assert use_compiled_step(model, acceleration, True, said.append) is None
     assert not said and "compiled decoder step" not in acceleration.levers
-    # aiayn's AVX2 product is loaded by the compiled step's loader: its levers go with it.
+    # aiayn's AVX2 product is loaded by the compiled step's loader: its levers go with it,
+    # as the reading of the steps' weights in place does.
     assert isinstance(acceleration, Acceleration) and acceleration.disabled == {
         "compiled decoder step",
+        "compiled weights read in place",
         "encoder attention by aiayn's kernel",
         "aiayn's AVX2 panels",
     }

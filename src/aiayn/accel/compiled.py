@@ -542,7 +542,9 @@ class CompiledStep:
     one model: :meth:`init_cache` and :meth:`log_probs_step` stand in for the model's while
     the model's parameters are the ones it was made from (:meth:`serves`)."""
 
-    def __init__(self, path: Path, model: Transformer, rows: int = FEW_ROWS) -> None:
+    def __init__(
+        self, path: Path, model: Transformer, rows: int = FEW_ROWS, in_place: bool = True
+    ) -> None:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.path = path
         # The beams of a sentence it decodes (one: a set of keys and values a row), and
@@ -553,17 +555,19 @@ class CompiledStep:
         # back then (BufferedDecoding).
         self.idle = False
         # The decoder layers' weights read from the library's file, not the loader's copy
-        # (where the library was indexed when it was built and the index is the user's).
+        # (``in_place``, where the library was indexed when it was built and the index is the
+        # user's): the lever "compiled weights read in place".
         index = index_path(path)
-        trusted_index = index.is_file() and trusted(index)
+        trusted_index = in_place and index.is_file() and trusted(index)
         self.constants = map_constants(self.runner, path, index) if trusted_index else None
         self._parameters = _identity(model)
         # What the step takes from the model rather than holding a copy (DecoderStep).
         self.token_table = model.tgt_embed.token.weight.detach()  # its storage, once
         self.out_proj = model.out_proj
-        # The file's pages leave the process: the loader's mapping and the views' share them,
-        # and MADV_PAGEOUT skips a page that two mappings hold.
-        release_file_pages(path, cached=True)
+        if self.constants is not None:
+            # The file's pages leave the process: the loader's mapping and the views' share
+            # them, and MADV_PAGEOUT skips a page that two mappings hold.
+            release_file_pages(path, cached=True)
 
     def serves(self, model: nn.Module, memory: Tensor) -> bool:
         """Whether this step is ``model``'s as it is now (the same parameter tensors,
@@ -773,13 +777,15 @@ def _any_compiled(folder: Path) -> bool:
     return any(folder.glob("decoder-step-*.so"))
 
 
-def _load(path: Path, model: Transformer, rows: int = FEW_ROWS) -> CompiledStep | None:
+def _load(
+    path: Path, model: Transformer, rows: int = FEW_ROWS, in_place: bool = True
+) -> CompiledStep | None:
     if not path.is_file():
         return None
     require_trusted(path)
     if extern_calls(path).exists():  # the runner reads it where it is there
         require_trusted(extern_calls(path))
-    return CompiledStep(path, model, rows)
+    return CompiledStep(path, model, rows, in_place)
 
 
 def extern_calls(library: Path) -> Path:
@@ -821,14 +827,18 @@ def _warn(message: str) -> None:
 
 
 def _load_or_compile(
-    model: Transformer, path: Path, rows: int, on_compile: Callable[[], None] | None
+    model: Transformer,
+    path: Path,
+    rows: int,
+    on_compile: Callable[[], None] | None,
+    in_place: bool = True,
 ) -> CompiledStep:
-    step = _load(path, model, rows)
+    step = _load(path, model, rows, in_place)
     if step is None:
         if on_compile is not None:
             on_compile()
         _export_and_compile(model, path, rows)
-        step = CompiledStep(path, model, rows)
+        step = CompiledStep(path, model, rows, in_place)
     return step
 
 
@@ -855,14 +865,15 @@ def attach_steps(
         return None
     _load_panels(folder, build, warn)  # the packs made after this call take it too
     steps: list[CompiledStep] = []
+    in_place = acceleration.wants("compiled weights read in place")
     try:
         paths = step_paths(model, folder)  # the weights' digest, once for both
         for rows, name in zip(LIBRARIES, _ATTRIBUTES, strict=True):
             path = paths[rows]
             step = (
-                _load_or_compile(model, path, rows, say_compiling)
+                _load_or_compile(model, path, rows, say_compiling, in_place)
                 if build
-                else _load(path, model, rows)
+                else _load(path, model, rows, in_place)
             )
             if step is not None:
                 acceleration._set(model, name, step)
@@ -872,6 +883,8 @@ def attach_steps(
         warn(f"compiled step: {first[:300]}; decoding without it")
     if steps:
         acceleration.use("compiled decoder step")
+    if any(step.constants is not None for step in steps):
+        acceleration.use("compiled weights read in place")
     return steps[0] if steps else None
 
 

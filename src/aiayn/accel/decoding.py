@@ -64,7 +64,12 @@ class BufferedDecoding(Transformer):
         if chosen is not None and (torch.is_grad_enabled() or not chosen.serves(self, memory)):
             chosen = None
         for step in (few, many, beams):
-            if step is not None and step is not chosen and not step.idle:
+            if (
+                step is not None
+                and step is not chosen
+                and not step.idle
+                and step.constants is not None
+            ):
                 # The path that serves now reads other weights (the packs, the other
                 # library's): this library's pages go back until it serves again (read from
                 # its file then).

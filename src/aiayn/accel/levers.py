@@ -77,10 +77,18 @@ LEVERS: tuple[Lever, ...] = (
         "fp32 Transformers, once compiled on the machine (Translator, translate "
         "--compiled-step): up to 16 rows, greedy decodes and beam 4 searches of more",
         "BufferedDecoding.compiled_step, compiled_batch_step, compiled_beam_step "
-        "(accel.use_compiled_step); the compiled libraries' weights read from their "
-        "file; an idle library's pages handed back while other decodes serve",
+        "(accel.use_compiled_step)",
         "the attributes removed",
         needs=("one buffer per decode",),
+    ),
+    Lever(
+        "compiled weights read in place",
+        "decode",
+        "compiled steps whose library was indexed when built (accel.library_constants)",
+        "each library's weights read from its file instead of its loader's copy; an idle "
+        "library's pages handed back while other decodes serve",
+        "the steps removed with their lever",
+        needs=("compiled decoder step",),
     ),
     Lever(
         "encoder attention by aiayn's kernel",
