@@ -394,7 +394,8 @@ class Trainer:
             float(self._signal is not None),
             float(self.info.is_main and self._time_to_save()),
             float(self.info.is_main and self._out_of_time()),
-            # The first process's clock: every process sets the same time-fitted rate.
+            # The first process's clock: every process sets the same time-fitted rate. Last:
+            # the schedule reads it as stats[-1].
             self.minutes if self.info.is_main else 0.0,
         ]
         local = [*sums.double().cpu().tolist(), float(src_tokens)]
@@ -423,7 +424,7 @@ class Trainer:
                 stepped = True
             if stepped:
                 if isinstance(self.schedule, LinearTimeLR):
-                    self.schedule.record(float(stats[6]))
+                    self.schedule.record(float(stats[-1]))  # rank 0's clock, the last flag
                 self.schedule.step()
                 self.step += 1
             self._bad_in_row = 0
