@@ -134,6 +134,26 @@ def test_patience_without_validation_is_refused():
         load_config(overrides=["train.patience=3", "train.valid_interval=0"])
 
 
+def test_the_time_fitted_schedule_and_average_say_what_they_need():
+    time_schedule = "train.lr_schedule=linear_time"
+    needs = r'train\.lr_schedule = "linear_time" decays to zero at train\.max_minutes: set train\.'
+    for minutes in ("0", "inf"):
+        with pytest.raises(ConfigError, match=needs + rf"max_minutes .*, got {minutes}$"):
+            load_config(overrides=[time_schedule, f"train.max_minutes={minutes}"])
+    # With the time, no update count is needed: max_steps = 0 is no cap.
+    config = load_config(overrides=[time_schedule, "train.max_minutes=60", "train.max_steps=0"])
+    assert config.train.max_steps == 0 and config.train.lr_schedule == "linear_time"
+    with pytest.raises(ConfigError, match=r"train\.average_from=0\.5 counts the progress of a sch"):
+        load_config(overrides=["train.average_from=0.5"])  # Eq. 3 has no end
+    for value in ("1", "-0.1"):
+        with pytest.raises(ConfigError, match=r"train\.average_from must be in \[0, 1\)"):
+            load_config(
+                overrides=[time_schedule, "train.max_minutes=60", f"train.average_from={value}"]
+            )
+    by_steps = load_config(overrides=["train.lr_schedule=linear", "train.average_from=0.67"])
+    assert by_steps.train.average_from == 0.67
+
+
 def test_zero_means_off_where_documented():
     zeros = ["train.max_steps=0", "train.valid_interval=0", "train.clip_norm=0"]
     zeros += ["train.patience=0", "train.average_last=0", "train.lr_scale=0", "decode.alpha=0"]

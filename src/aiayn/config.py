@@ -274,8 +274,11 @@ class TrainConfig:
     warmup_steps: int = 4000
     lr_scale: float = 1.0
     # "inverse_sqrt": Eq. 3 throughout. "linear": Eq. 3's warmup and peak, then a straight
-    # line to zero at max_steps (which must then be set, above warmup_steps).
-    lr_schedule: Literal["inverse_sqrt", "linear"] = "inverse_sqrt"
+    # line to zero at max_steps (which must then be set, above warmup_steps). "linear_time":
+    # Eq. 3's warmup and peak, then a straight line to zero as the training clock reaches
+    # max_minutes (which must then be set), however many updates the host makes by then
+    # (docs/training.md, "Learning-rate schedule").
+    lr_schedule: Literal["inverse_sqrt", "linear", "linear_time"] = "inverse_sqrt"
     weight_decay: float = 0.0
     # Label smoothing epsilon_ls (§5.4).
     label_smoothing: float = 0.1
@@ -308,6 +311,11 @@ class TrainConfig:
     keep_last: int = 5
     # Checkpoints averaged at the end of training (§6.1: 5 for base, 20 for big); 0 = none.
     average_last: int = 5
+    # Instead of average_last: average every checkpoint saved at or after this fraction of
+    # the schedule's progress (of max_minutes for "linear_time", of max_steps for "linear");
+    # those checkpoints are kept whatever keep_last. 0 = off (docs/training.md, "Checkpoint
+    # averaging").
+    average_from: float = 0.0
     patience: int = 0
     max_bad_steps: int = 10
     # A checkpoint the run starts from, or none: a model of the run's task goes on training
@@ -328,6 +336,7 @@ class TrainConfig:
                 "lr_scale": _NON_NEGATIVE,
                 "weight_decay": _NON_NEGATIVE,
                 "label_smoothing": _PROBABILITY,
+                "average_from": _PROBABILITY,
                 "update_tokens": _POSITIVE,
                 **{
                     name: _NON_NEGATIVE
@@ -353,6 +362,17 @@ class TrainConfig:
                 'train.lr_schedule = "linear" decays to zero at train.max_steps: set '
                 f"train.max_steps above train.warmup_steps={self.warmup_steps}, got "
                 f"{self.max_steps}"
+            )
+        if self.lr_schedule == "linear_time" and not 0 < self.max_minutes < math.inf:
+            raise ConfigError(
+                'train.lr_schedule = "linear_time" decays to zero at train.max_minutes: set '
+                f"train.max_minutes to a number of minutes above 0, got {self.max_minutes:g}"
+            )
+        if self.average_from > 0 and self.lr_schedule == "inverse_sqrt":
+            raise ConfigError(
+                f"train.average_from={self.average_from:g} counts the progress of a schedule "
+                'that ends: set train.lr_schedule = "linear_time" or "linear", or '
+                "train.average_from = 0 (train.average_last then chooses)"
             )
         if self.patience > 0 and self.valid_interval == 0:
             raise ConfigError(

@@ -136,3 +136,83 @@ def test_cli_under_torchrun(tmp_path):
     state = loading.load_checkpoint(loading.step_checkpoint_path(run, 6))
     assert len(state["sampler"]) == 2
     assert (run / "averaged.pt").is_file() and (run / "best.pt").is_file()
+
+
+def _run_timed(rank: int, world_size: int, run_dir: str, port: int) -> None:
+    """train.lr_schedule=linear_time on a simulated host whose clock runs at another speed in
+    each process (rank 0 of two: 6 s per update, rank 1: 15 s; one process: 6 s too); writes
+    each process's rates and weights."""
+    import types
+
+    from aiayn.training import trainer as trainer_module
+
+    torch.set_num_threads(1)
+    if world_size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    clock = [100.0 * (rank + 1)]
+    corpus = ListCorpus(reverse_pairs(BATCH * N_BATCHES, LENGTH, 64, seed=5))
+    real_batch = corpus.batch
+
+    def timed_batch(indices):  # one process reads two batches per update, two one each
+        clock[0] += 3.0 if world_size == 1 else (6.0, 15.0)[rank]
+        return real_batch(indices)
+
+    corpus.batch = timed_batch  # type: ignore[method-assign]
+    trainer_module.time = types.SimpleNamespace(monotonic=lambda: clock[0])  # type: ignore[assignment]
+    config = tiny_config(
+        "train.max_steps=6",
+        "model.dropout=0",
+        f"train.update_tokens={2 * TOKENS}",
+        "train.lr_schedule=linear_time",
+        "train.warmup_steps=2",
+        "train.max_minutes=1",
+    )
+    torch.manual_seed(config.train.seed)
+    batches = [list(range(i, i + BATCH)) for i in range(0, BATCH * N_BATCHES, BATCH)]
+    sampler = FixedSampler(batches, shuffle=False, rank=rank, world_size=world_size)
+    trainer = Trainer(
+        config,
+        build_model(config.model),
+        corpus,
+        sampler,
+        run_dir,
+        dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")),
+        show_progress=False,
+        tensorboard=False,
+    )
+    rates = []
+    update = trainer._update
+
+    def recorded_update():  # the rate each update takes
+        rates.append(trainer.lr)
+        return update()
+
+    trainer._update = recorded_update  # type: ignore[method-assign]
+    trainer.train()
+    torch.save(
+        {"rates": rates, "model": trainer.model.state_dict()}, Path(run_dir) / f"rank{rank}.pt"
+    )
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def test_every_process_takes_rank_0s_clock_for_the_time_schedule(tmp_path):
+    """Under torchrun the processes' clocks differ; the time-fitted rate is set from rank 0's
+    in all of them, so their weights stay equal, and equal one process's with that clock."""
+    (tmp_path / "single").mkdir()
+    (tmp_path / "ddp").mkdir()
+    _run_timed(0, 1, str(tmp_path / "single"), 0)
+    mp.spawn(_run_timed, args=(2, str(tmp_path / "ddp"), _free_port()), nprocs=2, join=True)
+    single = torch.load(tmp_path / "single" / "rank0.pt", weights_only=True)
+    zero = torch.load(tmp_path / "ddp" / "rank0.pt", weights_only=True)
+    one = torch.load(tmp_path / "ddp" / "rank1.pt", weights_only=True)
+    # Past warmup (2 updates, 12 s) the rate falls with rank 0's clock, 6 s of 60 per update.
+    peak = 32**-0.5 * 2**-0.5
+    expected = [peak / 2, peak, *(peak * (60 - 6 * (k - 1)) / (60 - 12) for k in range(3, 7))]
+    assert zero["rates"] == pytest.approx(expected, rel=1e-9)
+    assert one["rates"] == zero["rates"]
+    assert zero["rates"] == single["rates"]
+    for key, value in zero["model"].items():
+        assert torch.equal(one["model"][key], value), key
+        torch.testing.assert_close(single["model"][key], value, rtol=1e-5, atol=1e-6, msg=key)

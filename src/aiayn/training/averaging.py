@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,37 @@ def average_run(
         raise CheckpointError(
             f"the number of checkpoints to average (--last) must be positive, got {last}"
         )
+    run_dir = _run_directory(run_dir, out)
+    target = Path(out) if out is not None else run_dir / AVERAGED_NAME
+    chosen = _average_into(target, reversed(list_step_checkpoints(run_dir)), last, in_run)
+    if not chosen:
+        raise CheckpointError(f"{run_dir} has no readable checkpoints in {CHECKPOINT_DIR}/")
+    if len(chosen) < last:
+        print(
+            f"warning: only {len(chosen)} checkpoint(s) available, averaging those",
+            file=sys.stderr,
+        )
+    return target
+
+
+def average_files(
+    run_dir: str | Path, paths: Sequence[Path], out: str | Path | None = None, *, in_run: bool
+) -> list[Path]:
+    """Average the step checkpoints ``paths`` of ``run_dir`` into ``out`` (default
+    ``RUN_DIR/averaged.pt``), as :func:`average_run` does its newest ones (``train.average_from``
+    chooses them); unreadable ones are reported and passed over. Returns those averaged,
+    oldest first."""
+    run_dir = _run_directory(Path(run_dir), out)
+    target = Path(out) if out is not None else run_dir / AVERAGED_NAME
+    chosen = _average_into(target, sorted(paths, key=_step_of, reverse=True), None, in_run)
+    if not chosen:
+        raise CheckpointError(f"none of the {len(paths)} checkpoint(s) to average could be read")
+    return chosen[::-1]
+
+
+def _run_directory(run_dir: Path, out: str | Path | None) -> Path:
+    """``run_dir`` as a run directory (given as one or as its checkpoints folder), checked to
+    exist; ``out`` checked not to be a step checkpoint."""
     if run_dir.name == CHECKPOINT_DIR and not (run_dir / CHECKPOINT_DIR).is_dir():
         run_dir = run_dir.parent  # the run's checkpoints folder, as translate takes it
     if not run_dir.is_dir():
@@ -151,11 +182,20 @@ def average_run(
                 f"{out} is a run's step checkpoint, which training resumes from: write the "
                 "average to another file"
             )
+    return run_dir
+
+
+def _average_into(
+    target: Path, newest_first: Iterable[Path], limit: int | None, in_run: bool
+) -> list[Path]:
+    """Average the readable checkpoints of ``newest_first`` (up to ``limit`` of them) into
+    ``target``, which takes the newest one's config, tokenizer and step; returns those
+    averaged, newest first (none: nothing is written)."""
     total = _ModelSum()
     newest: dict[str, Any] | None = None
     chosen: list[Path] = []
-    for path in reversed(list_step_checkpoints(run_dir)):
-        if len(chosen) == last:
+    for path in newest_first:
+        if len(chosen) == limit:
             break
         try:
             state = load_checkpoint(path)
@@ -169,13 +209,7 @@ def average_run(
             newest["labels"] = state.get("labels")
         del state
     if newest is None:
-        raise CheckpointError(f"{run_dir} has no readable checkpoints in {CHECKPOINT_DIR}/")
-    if len(chosen) < last:
-        print(
-            f"warning: only {len(chosen)} checkpoint(s) available, averaging those",
-            file=sys.stderr,
-        )
-    target = Path(out) if out is not None else run_dir / AVERAGED_NAME
+        return []
     payload = model_checkpoint(
         config_from_dict(newest["config"], stored=True),
         total.mean(),
@@ -186,7 +220,7 @@ def average_run(
         labels=newest["labels"],
     )
     save_atomic(payload, target, in_run=in_run)
-    return target
+    return chosen
 
 
 def _step_of(path: Path) -> int:

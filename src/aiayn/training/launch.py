@@ -34,7 +34,7 @@ from aiayn.lock import LOCK_NAME, RunDirectoryBusy, run_lock
 from aiayn.model.families import build_model
 from aiayn.progress import counted
 from aiayn.training import checkpoint as ckpt
-from aiayn.training.averaging import average_run
+from aiayn.training.averaging import average_files, average_run
 from aiayn.training.distributed import (
     DistInfo,
     barrier,
@@ -44,6 +44,7 @@ from aiayn.training.distributed import (
 )
 from aiayn.training.pretrained import load_pretrained_encoder, pretrained_weights
 from aiayn.training.run_config import check_fits_data
+from aiayn.training.storage import writing
 from aiayn.training.tasks import TextValidSet, text_examples
 from aiayn.training.trainer import (
     ExampleSource,
@@ -275,6 +276,8 @@ def train_run(
                     "data": str(data_dir.resolve()),
                     "world_size": info.world_size,
                     "host": describe_host(info.device),  # of the run's latest start
+                    "schedule": trainer.schedule_description,
+                    "average": trainer.average_description,
                 }
                 (run_dir / RUN_INFO_NAME).write_text(json.dumps(run_info, indent=2) + "\n")
             return train_and_average(trainer)
@@ -290,27 +293,88 @@ def train_run(
 
 def train_and_average(trainer: Trainer) -> TrainResult:
     """Train (SIGINT and SIGTERM stop after the current update, with a checkpoint), then, if
-    the run was not interrupted, average its last ``train.average_last`` checkpoints into
-    ``averaged.pt`` (§6.1) and validate the average; finally :meth:`Trainer.close`. The same
-    call on every rank."""
+    the run was not interrupted, average its last ``train.average_last`` checkpoints (or those
+    that ``train.average_from`` chooses) into ``averaged.pt`` (§6.1) and validate the average;
+    record how the run ended in ``run.json``; finally :meth:`Trainer.close`. The same call on
+    every rank."""
     try:
+        averaging: dict[str, Any] = {}
         with trainer.signals_handled():  # a signal during averaging lets it finish too
             result = trainer.train()
             cfg = trainer.config.train
-            if not result.interrupted and cfg.average_last > 0 and result.step > 0:
-                result.averaged = _average(trainer, cfg.average_last)
+            if not result.interrupted and result.step > 0:
+                if cfg.average_from > 0:
+                    result.averaged, averaging = _average_from(trainer)
+                elif cfg.average_last > 0:
+                    result.averaged = _average(trainer, cfg.average_last)
+                    averaging = {"checkpoints": trainer.average_description}
         result.signal = trainer.signal_received
+        if trainer.info.is_main:
+            _record_end(trainer, result, averaging)
         return result
     finally:
         trainer.close()
+
+
+def _record_end(trainer: Trainer, result: TrainResult, averaging: dict[str, Any]) -> None:
+    """Add to ``RUN_DIR/run.json`` (where the run wrote one) how the training ended: why, the
+    updates made, the minutes, the last learning rate and the checkpoints averaged."""
+    path = trainer.run_dir / RUN_INFO_NAME
+    info = saved_run_info(trainer.run_dir)
+    if not info:
+        return
+    info["end"] = {
+        "reason": result.reason,
+        "updates": result.step,
+        "minutes": round(trainer.minutes, 2),
+        "lr": trainer.lr,
+        **({"averaged": averaging} if averaging else {}),
+    }
+    text = json.dumps(info, indent=2) + "\n"
+    temporary = path.with_name(path.name + ".tmp")  # a resumed run reads it: never torn
+    with writing(path, "the run's record", len(text)):
+        temporary.write_text(text, encoding="utf-8")
+        temporary.replace(path)
+
+
+def _average_from(trainer: Trainer) -> tuple[Path | None, dict[str, Any]]:
+    """Average the checkpoints that ``train.average_from`` chooses into ``averaged.pt`` and
+    validate the average; returns it (None where no checkpoint is in the span) and which
+    checkpoints it averaged, and why."""
+    averaged: Path | None = None
+    why, steps = "", []
+    if trainer.info.is_main:
+        paths, why = trainer.average_span()
+        if paths:
+            chosen = average_files(trainer.run_dir, paths, in_run=True)
+            if len(chosen) < len(paths):  # some could not be read
+                why = f"{why}; {len(chosen)} of them readable"
+            steps = [int(m.group(1)) for p in chosen if (m := loading.STEP_FILE.match(p.name))]
+            averaged = trainer.run_dir / loading.AVERAGED_NAME
+        else:
+            trainer.log(f"{why}: nothing averaged")
+    averaged = broadcast_object(averaged, trainer.info)
+    if averaged is not None:
+        _validate_average(trainer, averaged, why)
+    return averaged, {"checkpoints": why, "steps": steps}
 
 
 def _average(trainer: Trainer, last: int) -> Path:
     info = trainer.info
     averaged = average_run(trainer.run_dir, last, in_run=True) if info.is_main else None
     averaged = broadcast_object(averaged, info)
+    _validate_average(trainer, averaged, "")
+    return averaged
+
+
+def _validate_average(trainer: Trainer, averaged: Path, why: str) -> None:
+    """Validate the model of ``averaged`` and record it (``why``: which checkpoints it is, for
+    the log; else their count)."""
+    info = trainer.info
     if trainer.valid is None:
-        return averaged
+        if why:
+            trainer.log(f"averaged {why} -> {averaged}")
+        return
     # Rank 0 reads the file and sends the weights: no shared filesystem needed.
     weights, count = None, 0
     if info.is_main:
@@ -325,8 +389,8 @@ def _average(trainer: Trainer, last: int) -> Path:
     record = {"kind": "averaged", "step": trainer.step, "minutes": trainer.minutes, **metrics}
     trainer.metrics.write(record, replace=True)
     text = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-    trainer.log(f"averaged last {count}: {text} -> {averaged}")
-    return averaged
+    what = why if why else f"last {count}"
+    trainer.log(f"averaged {what}: {text} -> {averaged}")
 
 
 def _other_data(run_dir: Path, data_dir: Path) -> None:

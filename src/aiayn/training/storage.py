@@ -103,8 +103,8 @@ def _full(path: Path, what: str, needed: int, in_run: bool = True) -> RunDirecto
         return RunDirectoryError(f"{start}, or write it elsewhere")
     return RunDirectoryError(
         f"{start}, or keep fewer checkpoints (train.keep_last; train.average_last of them "
-        "are kept at least, and best.pt besides), then run the same command again: the run "
-        "resumes from its last checkpoint"
+        "are kept at least, or with train.average_from those it averages, and best.pt "
+        "besides), then run the same command again: the run resumes from its last checkpoint"
     )
 
 

@@ -34,6 +34,7 @@ from aiayn.data.collate import Batch, LabelBatch, TokenBatch
 from aiayn.errors import ConfigError, ResumeMismatch, UserError
 from aiayn.inference import loading
 from aiayn.model.transformer import set_activation_checkpointing
+from aiayn.progress import counted
 from aiayn.training import checkpoint as ckpt
 from aiayn.training.distributed import (
     DistInfo,
@@ -43,7 +44,13 @@ from aiayn.training.distributed import (
     reduce_device,
 )
 from aiayn.training.metrics import MetricsLog, Progress, perplexity
-from aiayn.training.optim import build_optimizer, build_schedule
+from aiayn.training.optim import (
+    LinearTimeLR,
+    build_optimizer,
+    build_schedule,
+    describe_schedule,
+    schedule_progress,
+)
 from aiayn.training.tasks import TextValidSet, batch_loss, evaluate_text
 from aiayn.training.validation import Indices, ValidSet, autocast, evaluate
 
@@ -213,6 +220,9 @@ class Trainer:
         self.skipped = 0
         self.tokens_seen = 0
         self.minutes_before = 0.0
+        # The schedule's progress (optim.schedule_progress) when each step checkpoint was
+        # saved: train.average_from chooses by it.
+        self.checkpoint_progress: dict[int, float] = {}
         self.last_metrics: dict[str, float] = {}
         self._bad_in_row = 0
         self._batches: Iterator[Indices] | None = None
@@ -274,6 +284,9 @@ class Trainer:
             )
         elif reason is None:
             self.log(f"resuming at update {self.step} (epoch {self.epoch})")
+        if reason is None:
+            self.log(f"learning rate: {self.schedule_description}")
+            self.log(f"averaging at the end: {self.average_description}")
         interrupted = False
         # Updates after this one that a dead process logged are redone: one record per step.
         self.metrics.drop_after(self.step)
@@ -328,6 +341,7 @@ class Trainer:
         path = self.save() if self._saved_step != self.step else None
         if path is None and self.info.is_main:
             path = loading.step_checkpoint_path(self.run_dir, self.step)
+        self.log(f"learning rate {self.lr:.3g} after update {self.step}, minute {self.minutes:.1f}")
         self.log(f"{reason} at update {self.step}, epoch {self.epoch}; checkpoint {path}")
         return TrainResult(
             step=self.step,
@@ -380,6 +394,9 @@ class Trainer:
             float(self._signal is not None),
             float(self.info.is_main and self._time_to_save()),
             float(self.info.is_main and self._out_of_time()),
+            # The first process's clock: every process sets the same time-fitted rate. Last:
+            # the schedule reads it as stats[-1].
+            self.minutes if self.info.is_main else 0.0,
         ]
         local = [*sums.double().cpu().tolist(), float(src_tokens)]
         stats = torch.tensor(local + flags, dtype=torch.float64)
@@ -406,6 +423,8 @@ class Trainer:
                 self.optimizer.step()
                 stepped = True
             if stepped:
+                if isinstance(self.schedule, LinearTimeLR):
+                    self.schedule.record(float(stats[-1]))  # rank 0's clock, the last flag
                 self.schedule.step()
                 self.step += 1
             self._bad_in_row = 0
@@ -541,11 +560,16 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Write a step checkpoint (rank 0) and prune old ones; collective under DDP."""
+        progress = schedule_progress(self.train_cfg, self.step, self.minutes)
+        if progress is not None:
+            self.checkpoint_progress[self.step] = progress
         state = self.state_dict()
         path = None
         if self.info.is_main:
             path = loading.step_checkpoint_path(self.run_dir, self.step)
-            keep = max(self.train_cfg.keep_last, self.train_cfg.average_last, 1)
+            cfg = self.train_cfg
+            # With train.average_from, the checkpoints it averages are kept besides (_prune).
+            keep = max(cfg.keep_last, 1 if cfg.average_from > 0 else cfg.average_last, 1)
             # Room first for the new file, beyond the newest keep - 1 (a lowered keep_last
             # frees space before the save); never the newest one, which a failed save needs.
             self._prune(max(keep - 1, 1), exclude=path)
@@ -553,6 +577,7 @@ class Trainer:
             self._prune(keep)
             if self.interruption is not None and self.interruption != path:
                 self.interruption.unlink(missing_ok=True)
+                self.checkpoint_progress.pop(_step_of(self.interruption), None)
                 self.interruption = None
         barrier(self.info)
         self._saved_step = self.step
@@ -561,14 +586,74 @@ class Trainer:
 
     def _prune(self, keep: int, exclude: Path | None = None) -> None:
         """Delete this run's step checkpoints beyond the newest ``keep`` (those passed over at
-        resume are not the run's: never counted, never deleted)."""
+        resume are not the run's: never counted, never deleted), except those that
+        ``train.average_from`` averages."""
         mine = [
             p
             for p in loading.list_step_checkpoints(self.run_dir)
             if p not in self.passed_over and p != exclude and p != self.interruption
         ]
         for old in mine[:-keep]:
-            old.unlink(missing_ok=True)
+            if not self._averaged_from(old):
+                old.unlink(missing_ok=True)
+                self.checkpoint_progress.pop(_step_of(old), None)
+
+    def _averaged_from(self, path: Path) -> bool:
+        """Whether ``train.average_from`` averages the step checkpoint ``path``: saved at or
+        after that fraction of the schedule's progress (as recorded when it was saved; for
+        the step-counted "linear" schedule, its step tells)."""
+        cfg = self.train_cfg
+        if cfg.average_from <= 0:
+            return False
+        step = _step_of(path)
+        progress = self.checkpoint_progress.get(step)
+        if progress is None and cfg.lr_schedule == "linear":
+            progress = schedule_progress(cfg, step, 0.0)
+        return progress is not None and progress >= cfg.average_from
+
+    def average_span(self) -> tuple[list[Path], str]:
+        """The step checkpoints that ``train.average_from`` averages, oldest first, and in
+        words why those (rank 0: the files are its)."""
+        chosen = [
+            p
+            for p in loading.list_step_checkpoints(self.run_dir)
+            if p not in self.passed_over and p != self.interruption and self._averaged_from(p)
+        ]
+        rule = f"saved at or after {self._average_point()}"
+        if not chosen:
+            return [], f"no checkpoint was {rule}"
+        first, last = _step_of(chosen[0]), _step_of(chosen[-1])
+        updates = f"update {last}" if first == last else f"updates {first}-{last}"
+        return chosen, f"{counted(len(chosen), 'checkpoint')} {rule}: {updates}"
+
+    def _average_point(self) -> str:
+        """Where ``train.average_from``'s span begins, in words."""
+        cfg = self.train_cfg
+        given = f"train.average_from={cfg.average_from:g}"
+        if cfg.lr_schedule == "linear_time":
+            minute = cfg.average_from * cfg.max_minutes
+            budget = f"train.max_minutes={cfg.max_minutes:g}"
+            return f"{cfg.average_from:.0%} of {budget} (minute {minute:.1f}, {given})"
+        update = math.ceil(cfg.average_from * cfg.max_steps)
+        return (
+            f"{cfg.average_from:.0%} of train.max_steps={cfg.max_steps} (update {update}, {given})"
+        )
+
+    @property
+    def schedule_description(self) -> str:
+        """The learning-rate schedule in words (optim.describe_schedule)."""
+        return describe_schedule(self.config.model.d_model, self.train_cfg)
+
+    @property
+    def average_description(self) -> str:
+        """Which checkpoints the run averages at its end, in words."""
+        cfg = self.train_cfg
+        if cfg.average_from > 0:
+            point = self._average_point()
+            return f"every checkpoint saved at or after {point}, kept whatever train.keep_last"
+        if cfg.average_last > 0:
+            return f"the last {counted(cfg.average_last, 'checkpoint')} (train.average_last)"
+        return "none (train.average_last=0)"
 
     def state_dict(self) -> dict[str, Any]:
         """The full resumable state (collective under DDP: every rank must call it)."""
@@ -595,6 +680,7 @@ class Trainer:
                 "best_step": self.best_step,
                 "bad_evals": self.bad_evals,
                 "minutes": self.minutes,
+                "checkpoint_progress": dict(self.checkpoint_progress),
                 "tokens": self.tokens_seen,
                 "skipped": self.skipped,
                 "interval": {
@@ -645,6 +731,8 @@ class Trainer:
         self.best_step = int(progress["best_step"])
         self.bad_evals = int(progress["bad_evals"])
         self.minutes_before = float(progress["minutes"])
+        saved = progress.get("checkpoint_progress", {})  # absent from older checkpoints
+        self.checkpoint_progress = {int(k): float(v) for k, v in saved.items()}
         self.tokens_seen = int(progress["tokens"])
         self.skipped = int(progress["skipped"])
         interval = progress.get("interval", {})  # absent from older checkpoints
@@ -749,3 +837,9 @@ class Trainer:
         self.metrics.close()
         if self.acceleration is not None:
             self.acceleration.undo()
+
+
+def _step_of(path: Path) -> int:
+    """The update count in a step checkpoint's file name (-1 for another file)."""
+    match = loading.STEP_FILE.match(path.name)
+    return int(match.group(1)) if match else -1
