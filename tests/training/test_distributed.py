@@ -31,6 +31,22 @@ LENGTH, BATCH, N_BATCHES, STEPS = 5, 4, 8, 3
 TOKENS = BATCH * (LENGTH + 1)
 
 
+def _rank_trainer(
+    config: Any, model: Any, corpus: Any, sampler: Any, run_dir: Any, rank: int, world_size: int
+) -> Trainer:
+    """A quiet Trainer for process ``rank`` of ``world_size`` on the CPU."""
+    return Trainer(
+        config,
+        model,
+        corpus,
+        sampler,
+        run_dir,
+        dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")),
+        show_progress=False,
+        tensorboard=False,
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -69,16 +85,7 @@ def _run(rank: int, world_size: int, run_dir: str, port: int, task: str = "trans
     batches = [list(range(i, i + BATCH)) for i in range(0, BATCH * N_BATCHES, BATCH)]
     # One process reads batches 0, 1, 2, ... two at a time; rank r of two reads r, r+2, ...
     sampler = FixedSampler(batches, shuffle=False, rank=rank, world_size=world_size)
-    trainer = Trainer(
-        config,
-        model,
-        corpus,
-        sampler,
-        run_dir,
-        dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")),
-        show_progress=False,
-        tensorboard=False,
-    )
+    trainer = _rank_trainer(config, model, corpus, sampler, run_dir, rank, world_size)
     trainer.train()
     if world_size > 1:
         dist.destroy_process_group()
@@ -171,16 +178,8 @@ def _run_timed(rank: int, world_size: int, run_dir: str, port: int) -> None:
     torch.manual_seed(config.train.seed)
     batches = [list(range(i, i + BATCH)) for i in range(0, BATCH * N_BATCHES, BATCH)]
     sampler = FixedSampler(batches, shuffle=False, rank=rank, world_size=world_size)
-    trainer = Trainer(
-        config,
-        build_model(config.model),
-        corpus,
-        sampler,
-        run_dir,
-        dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")),
-        show_progress=False,
-        tensorboard=False,
-    )
+    model = build_model(config.model)
+    trainer = _rank_trainer(config, model, corpus, sampler, run_dir, rank, world_size)
     rates = []
     update = trainer._update
 
