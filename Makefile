@@ -54,7 +54,7 @@ bench-paired: venv
 	.venv/bin/python benchmarks/paired_decode.py --write
 
 # Each lever of aiayn.accel on and off on the headline figures, SMALL and BASE, 3 rounds
-# (benchmarks/results/levers-<host>.md, shown by docs/performance.md): about 25 minutes on 2
-# cores. `.venv/bin/python -m benchmarks.lever_table --quick` takes a few.
+# (benchmarks/results/levers-<host>.md, shown by docs/performance.md): about 35 minutes on 2
+# cores with a bf16 CPU. `.venv/bin/python -m benchmarks.lever_table --quick` takes a few.
 bench-levers: venv
 	.venv/bin/python -m benchmarks.lever_table
