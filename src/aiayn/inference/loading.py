@@ -86,17 +86,19 @@ def step_checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}.pt"
 
 
+def step_of(path: Path) -> int:
+    """The update count in a step checkpoint's file name (-1 for another file)."""
+    match = STEP_FILE.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
 def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     """The run's step checkpoints, oldest first (by step number, not by file time)."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     if not folder.is_dir():
         return []
-    found = []
-    for path in folder.iterdir():
-        match = STEP_FILE.match(path.name)
-        if match:
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+    found = [(step_of(path), path) for path in folder.iterdir()]
+    return [path for step, path in sorted(found) if step >= 0]
 
 
 _ZIP_MAGIC = b"PK\x03\x04"

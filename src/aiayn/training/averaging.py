@@ -18,6 +18,7 @@ from aiayn.inference.loading import (
     CheckpointError,
     list_step_checkpoints,
     load_checkpoint,
+    step_of,
 )
 from aiayn.training.checkpoint import model_checkpoint, save_atomic, storage_key
 
@@ -160,7 +161,7 @@ def average_files(
     oldest first."""
     run_dir = _run_directory(Path(run_dir), out)
     target = Path(out) if out is not None else run_dir / AVERAGED_NAME
-    chosen = _average_into(target, sorted(paths, key=_step_of, reverse=True), None, in_run)
+    chosen = _average_into(target, sorted(paths, key=step_of, reverse=True), None, in_run)
     if not chosen:
         raise CheckpointError(f"none of the {len(paths)} checkpoint(s) to average could be read")
     return chosen[::-1]
@@ -216,13 +217,8 @@ def _average_into(
         newest["tokenizer"],
         newest["step"],
         newest["epoch"],
-        {"averaged": float(len(chosen)), "first_step": float(_step_of(chosen[-1]))},
+        {"averaged": float(len(chosen)), "first_step": float(step_of(chosen[-1]))},
         labels=newest["labels"],
     )
     save_atomic(payload, target, in_run=in_run)
     return chosen
-
-
-def _step_of(path: Path) -> int:
-    match = STEP_FILE.match(path.name)
-    return int(match.group(1)) if match else -1

@@ -349,7 +349,7 @@ def _average_from(trainer: Trainer) -> tuple[Path | None, dict[str, Any]]:
             chosen = average_files(trainer.run_dir, paths, in_run=True)
             if len(chosen) < len(paths):  # some could not be read
                 why = f"{why}; {len(chosen)} of them readable"
-            steps = [int(m.group(1)) for p in chosen if (m := loading.STEP_FILE.match(p.name))]
+            steps = [loading.step_of(p) for p in chosen]
             averaged = trainer.run_dir / loading.AVERAGED_NAME
         else:
             trainer.log(f"{why}: nothing averaged")

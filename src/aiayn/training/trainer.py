@@ -577,7 +577,7 @@ class Trainer:
             self._prune(keep)
             if self.interruption is not None and self.interruption != path:
                 self.interruption.unlink(missing_ok=True)
-                self.checkpoint_progress.pop(_step_of(self.interruption), None)
+                self.checkpoint_progress.pop(loading.step_of(self.interruption), None)
                 self.interruption = None
         barrier(self.info)
         self._saved_step = self.step
@@ -596,7 +596,7 @@ class Trainer:
         for old in mine[:-keep]:
             if not self._averaged_from(old):
                 old.unlink(missing_ok=True)
-                self.checkpoint_progress.pop(_step_of(old), None)
+                self.checkpoint_progress.pop(loading.step_of(old), None)
 
     def _averaged_from(self, path: Path) -> bool:
         """Whether ``train.average_from`` averages the step checkpoint ``path``: saved at or
@@ -605,7 +605,7 @@ class Trainer:
         cfg = self.train_cfg
         if cfg.average_from <= 0:
             return False
-        step = _step_of(path)
+        step = loading.step_of(path)
         progress = self.checkpoint_progress.get(step)
         if progress is None and cfg.lr_schedule == "linear":
             progress = schedule_progress(cfg, step, 0.0)
@@ -622,7 +622,7 @@ class Trainer:
         rule = f"saved at or after {self._average_point()}"
         if not chosen:
             return [], f"no checkpoint was {rule}"
-        first, last = _step_of(chosen[0]), _step_of(chosen[-1])
+        first, last = loading.step_of(chosen[0]), loading.step_of(chosen[-1])
         updates = f"update {last}" if first == last else f"updates {first}-{last}"
         return chosen, f"{counted(len(chosen), 'checkpoint')} {rule}: {updates}"
 
@@ -837,9 +837,3 @@ class Trainer:
         self.metrics.close()
         if self.acceleration is not None:
             self.acceleration.undo()
-
-
-def _step_of(path: Path) -> int:
-    """The update count in a step checkpoint's file name (-1 for another file)."""
-    match = loading.STEP_FILE.match(path.name)
-    return int(match.group(1)) if match else -1
