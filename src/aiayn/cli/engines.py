@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 from aiayn.errors import CLIError
 
 if TYPE_CHECKING:
+    from aiayn.config import RunConfig
     from aiayn.inference.translator import TextTranslator
+    from aiayn.interop.ct2_translator import Ct2Translator
 
 ENGINES = ("torch", "ctranslate2")
 
@@ -153,6 +155,29 @@ def _require_ctranslate2() -> None:
         ) from None
 
 
+def open_ct2(
+    args: argparse.Namespace, decode_overrides: Mapping[str, Any], nbest: int = 1
+) -> tuple[Ct2Translator, RunConfig, str]:
+    """CTranslate2's translator of the ``--engine ctranslate2`` options (through the export
+    cached beside the checkpoint, made now where missing or stale), the run's config, and
+    where it runs: the device and the compute type."""
+    from aiayn.interop.ct2_translator import Ct2Translator
+    from aiayn.progress import stderr_report
+
+    device = ct2_device(args.device)
+    ct2, config = Ct2Translator.from_checkpoint(
+        args.checkpoint,
+        device=device,
+        decode_overrides=decode_overrides,
+        nbest=nbest,
+        quantize=args.quantize,
+        precision=args.precision,
+        threads=args.threads or 0,
+        log=stderr_report(),
+    )
+    return ct2, config, f"{device} (CTranslate2, {ct2.compute_type})"
+
+
 def open_translator(
     args: argparse.Namespace, decode_overrides: Mapping[str, Any], nbest: int = 1
 ) -> tuple[TextTranslator, str]:
@@ -160,23 +185,9 @@ def open_translator(
     checkpoint; PyTorch's with the process settings an aiayn command asks for) with
     ``decode_overrides`` and ``nbest``, and where it runs: the device, and CTranslate2's
     compute type. ValueError for settings an engine refuses."""
-    from aiayn.progress import stderr_report
-
     if args.engine == "ctranslate2":
-        from aiayn.interop.ct2_translator import Ct2Translator
-
-        device = ct2_device(args.device)
-        ct2, _ = Ct2Translator.from_checkpoint(
-            args.checkpoint,
-            device=device,
-            decode_overrides=decode_overrides,
-            nbest=nbest,
-            quantize=args.quantize,
-            precision=args.precision,
-            threads=args.threads or 0,
-            log=stderr_report(),
-        )
-        return ct2, f"{device} (CTranslate2, {ct2.compute_type})"
+        ct2, _, where = open_ct2(args, decode_overrides, nbest)
+        return ct2, where
     from aiayn.devices import pick_device
     from aiayn.inference.translator import Translator
 

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from aiayn.cli.engines import add_engine_arguments, check_engine_options, ct2_device
+from aiayn.cli.engines import add_engine_arguments, check_engine_options, open_ct2
 from aiayn.cli.paths import add_checkpoint_argument
 from aiayn.cli.process import PROCESS_SETTINGS
 from aiayn.errors import CLIError
@@ -146,22 +146,11 @@ def _torch_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[
 def _ct2_engine(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Engine, str]:
     """The CTranslate2 engine (through the export cached beside the checkpoint, as
     ``translate --engine ctranslate2``) and where it runs."""
-    from aiayn.interop.ct2_translator import Ct2Translator
-    from aiayn.progress import stderr_report
     from aiayn.serving.engine import Engine
 
-    device = ct2_device(args.device)
-    translator, config = Ct2Translator.from_checkpoint(
-        args.checkpoint,
-        device=device,
-        decode_overrides=overrides,
-        quantize=args.quantize,
-        precision=args.precision,
-        threads=args.threads or 0,
-        log=stderr_report(),
-    )
+    translator, config, where = open_ct2(args, overrides)
     engine = Engine(translator, config, source=args.checkpoint, threads=args.threads)
-    return engine, f"{device} (CTranslate2, {translator.compute_type})"
+    return engine, where
 
 
 def run(args: argparse.Namespace) -> int:
