@@ -71,33 +71,49 @@ def levers(
     translator, _ = Translator.from_checkpoint(paths[-1])
     settings = translator.decode
     grid = []
-    for n in averages:
+    for n in sorted({min(n, len(paths)) for n in averages}):
         translator.model.load_state_dict(averaging.average_checkpoints(paths[-n:]))
+        since = round(times[len(paths) - n], 2)  # when the oldest averaged was saved
         for beam, alpha in itertools.product(beams, alphas):
             translator.decode = replace(settings, beam_size=beam, alpha=alpha)
             scores = _score(translator, sources, references)
-            grid.append({"average": n, "beam": beam, "alpha": alpha, "bleu": scores["bleu"]})
+            grid.append({"average": n, "since": since, "beam": beam, "alpha": alpha,
+                         "bleu": scores["bleu"]})  # fmt: skip
             print(f"  {run.name} {minutes:g} min, last {n}, beam {beam}, α {alpha}: "
                   f"BLEU {scores['bleu']}", file=sys.stderr, flush=True)  # fmt: skip
     return {"minutes": minutes, "last_update": steps[upto[-1]], "grid": grid}
 
 
 def _recipe(run: Path) -> dict[str, Any]:
-    """What the run trained and decodes with: from its config.toml and its last checkpoint."""
+    """What the run trained and decodes with: from its config.toml, its last checkpoint and,
+    for the number of checkpoints averaged, the ``end`` its run.json records (a run that
+    averages by ``train.average_from`` chooses how many only as it ends)."""
     import tomllib
 
     from aiayn.inference import loading
 
     config = tomllib.loads((run / "config.toml").read_text())
     ran = loading.load_checkpoint(loading.list_step_checkpoints(run)[-1])["config"]["train"]
+    info = run / "run.json"
+    end = json.loads(info.read_text()).get("end", {}) if info.exists() else {}
+    averaged = end.get("averaged", {}).get("steps", [])
     return {
         "dropout": config["model"]["dropout"],
         "precision": config["train"]["precision"],
         "precision_ran": ran["precision"],
-        "average_last": config["train"]["average_last"],
+        "schedule": config["train"].get("lr_schedule", "inverse_sqrt"),
+        "average_from": config["train"].get("average_from", 0.0) if averaged else 0.0,
+        "average_last": len(averaged) or config["train"]["average_last"],
         "beam": config["decode"]["beam_size"],
         "alpha": config["decode"]["alpha"],
     }
+
+
+def _averaged(recipe: dict[str, Any]) -> str:
+    """Which checkpoints a run averaged, as the table says it."""
+    frac = recipe.get("average_from", 0.0)
+    last = f"last {recipe['average_last']}"
+    return f"{last} (from {frac:.0%} of the run)" if frac else last
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -123,7 +139,7 @@ def _markdown(result: dict[str, Any]) -> str:
             precision += f" ({r['precision_ran']})"
         lines.append(
             f"| {label} | {precision} | {r['dropout']} | {t['updates']:,} | "
-            f"{t['tokens_per_s']:,.0f} ({low:,.0f}–{high:,.0f}) | last {r['average_last']} | "
+            f"{t['tokens_per_s']:,.0f} ({low:,.0f}–{high:,.0f}) | {_averaged(r)} | "
             f"{r['beam']}, {r['alpha']} | {f['bleu']:.2f} | {f['chrf']:.2f} |"
         )
     lines += [
@@ -145,8 +161,12 @@ def _markdown(result: dict[str, Any]) -> str:
                 "|---:|" + "---:|" * len(columns),
             ]
             for n in sorted({g["average"] for g in grid}):
-                row = {(g["beam"], g["alpha"]): g["bleu"] for g in grid if g["average"] == n}
-                lines.append(f"| last {n} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
+                cells = [g for g in grid if g["average"] == n]
+                row = {(g["beam"], g["alpha"]): g["bleu"] for g in cells}
+                since = f" (from minute {cells[0]['since']:.1f})" if "since" in cells[0] else ""
+                lines.append(
+                    f"| last {n}{since} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -173,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="LABEL=N",
-        help="score run LABEL with the average of its last N checkpoints instead of its "
-        "config's train.average_last (a run trained before the recipe's N was chosen)",
+        help="score run LABEL with the average of its last N checkpoints instead of the "
+        "number the run averaged (from its run.json, else its config's train.average_last)",
     )
     parser.add_argument("--points", default="5,10,15,20,30,45,60", help="curve minutes")
     parser.add_argument("--levers-at", default="45,60", help="minutes to measure the levers at")
