@@ -91,12 +91,11 @@ def _recipe(run: Path) -> dict[str, Any]:
     import tomllib
 
     from aiayn.inference import loading
+    from aiayn.training.launch import saved_run_info
 
     config = tomllib.loads((run / "config.toml").read_text())
     ran = loading.load_checkpoint(loading.list_step_checkpoints(run)[-1])["config"]["train"]
-    info = run / "run.json"
-    end = json.loads(info.read_text()).get("end", {}) if info.exists() else {}
-    averaged = end.get("averaged", {}).get("steps", [])
+    averaged = saved_run_info(run).get("end", {}).get("averaged", {}).get("steps", [])
     return {
         "dropout": config["model"]["dropout"],
         "precision": config["train"]["precision"],
