@@ -12,9 +12,9 @@ def onednn_rows_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = linear_module._onednn_linear
 
-    def spy(x: Tensor, packed: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
+    def spy(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         calls.append(x.numel() // x.shape[-1])
-        return real(x, packed, bias, activation)
+        return real(x, packed, bias)
 
     monkeypatch.setattr(linear_module, "_onednn_linear", spy)
     return calls

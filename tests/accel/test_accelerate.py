@@ -150,9 +150,9 @@ def test_a_packed_projection_frees_the_last_steps_log_probabilities_first() -> N
         assert isinstance(projection, CpuLinear) and projection.pack_serves()
         product = projection.product_through  # what the decoder step's projection calls
 
-        def watched(pack: Pack, x: Tensor, relu: bool = False) -> Tensor:
+        def watched(pack: Pack, x: Tensor) -> Tensor:
             assert all(ref() is None for ref in made)
-            out = product(pack, x, relu)
+            out = product(pack, x)
             assert out is not None
             made.append(weakref.ref(out))
             return out

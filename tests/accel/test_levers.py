@@ -93,7 +93,7 @@ def test_the_levers_that_need_another_go_with_it() -> None:
     assert "compiled decoder step" in disabled_levers({"one buffer per decode"})
     # and what needs what needs it
     assert "aiayn's AVX2 panels" in disabled_levers({"one buffer per decode"})
-    assert {"aiayn's AVX2 panels", "ReLU in the product"} <= disabled_levers({"packed weights"})
+    assert "aiayn's AVX2 panels" in disabled_levers({"packed weights"})
     assert disabled_levers("grid dropout") == {"grid dropout"}  # one name, not its letters
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from aiayn.accel import compiled, memory, panels
@@ -42,7 +41,6 @@ from aiayn.accel.dropout import GridDropout, GridResidual
 from aiayn.accel.levers import LEVERS, disabled_levers
 from aiayn.accel.linear import (
     CpuLinear,
-    ReluInProduct,
     fp32_pack_library,
     onednn_for_float32,
     pack,
@@ -50,7 +48,6 @@ from aiayn.accel.linear import (
     watch_optimizer_steps,
 )
 from aiayn.model.attention import MultiHeadAttention
-from aiayn.model.feedforward import PositionwiseFeedForward
 from aiayn.model.layers import Residual
 from aiayn.model.transformer import Transformer
 
@@ -327,8 +324,6 @@ def accelerate(
                 acceleration.use("packed weights", f"{library}, {len(made)}")
                 if "panels" in made:
                     acceleration.use("aiayn's AVX2 panels", str(made.count("panels")))
-            if wants("ReLU in the product"):
-                _relu_in_products(model, acceleration)
     if process_settings and wants("malloc thresholds"):
         acceleration._memory = memory.hold(memory.TRAIN if mode == "train" else memory.DECODE)
         if acceleration._memory is not None:
@@ -370,15 +365,3 @@ def _say_once(reason: str | None) -> None:
     if reason is not None and reason not in _said:
         _said.add(reason)
         warnings.warn(reason, RuntimeWarning, stacklevel=3)
-
-
-def _relu_in_products(model: nn.Module, acceleration: Acceleration) -> None:
-    """The feed-forward layers whose first product goes through a oneDNN pack take their
-    ReLU in it (:class:`~aiayn.accel.linear.ReluInProduct`)."""
-    acceleration._swap(
-        model,
-        [PositionwiseFeedForward],
-        "ReLU in the product",
-        ReluInProduct,
-        lambda m: m.activation is F.relu and isinstance(m.w1, CpuLinear) and m.w1.fully_packed(),
-    )

@@ -65,13 +65,12 @@ import aiayn
 from aiayn.accel import panels
 from aiayn.accel.cpu import cpu_flags, unverified
 from aiayn.accel.library_constants import index_path, map_constants, write_index
-from aiayn.accel.linear import LogitsBuffer, ReluInProduct, logits_into
+from aiayn.accel.linear import LogitsBuffer, logits_into
 from aiayn.accel.memory import release_file_pages
 from aiayn.accel.store import compiled_dir, require_trusted, trusted
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, attention_mask
 from aiayn.model.cache import DecoderCache, LayerCache, keep_rows, row_moves
-from aiayn.model.feedforward import PositionwiseFeedForward
 from aiayn.model.layers import DecoderLayer
 from aiayn.model.transformer import Transformer, check_cache_size
 
@@ -950,13 +949,6 @@ def _one_query(attention: MultiHeadAttention, through_kernel: bool) -> OneQueryA
     return new
 
 
-def _relu_in_product(ffn: PositionwiseFeedForward) -> ReluInProduct:
-    """A :class:`~aiayn.accel.linear.ReluInProduct` of ``ffn``'s own products."""
-    new = ReluInProduct(ffn.w1.in_features, ffn.w1.out_features)
-    new.w1, new.w2, new.dropout, new.activation = ffn.w1, ffn.w2, ffn.dropout, ffn.activation
-    return new
-
-
 # Without autograd: freezing packs a product's weight for oneDNN only where the weight needs
 # no gradient (with it, every product of the 64-row library is an unpacked addmm that packs
 # its weight again at every call, and slower: docs/performance.md).
@@ -979,8 +971,8 @@ def _export_and_compile(model: Transformer, path: Path, rows: int) -> None:
     def compiled_form(module: nn.Module) -> nn.Module | None:
         if isinstance(module, MultiHeadAttention):  # not the accelerated one: not traced
             return _one_query(module, kernel)
-        if use_panels and type(module) is PositionwiseFeedForward:  # ReLU in the product
-            return _relu_in_product(module)
+        if use_panels and (ffn := panels.PanelFeedForward.of(module)) is not None:
+            return ffn
         if use_panels and id(module) in products:
             assert isinstance(module, nn.Linear)
             return panels.to_panels(module)

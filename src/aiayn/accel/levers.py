@@ -123,14 +123,6 @@ LEVERS: tuple[Lever, ...] = (
         needs=("packed weights", "compiled decoder step"),
     ),
     Lever(
-        "ReLU in the product",
-        "decode",
-        "feed-forward layers whose first product has a oneDNN pack",
-        "PositionwiseFeedForward → ReluInProduct",
-        _CLASS_BACK,
-        needs=("packed weights",),
-    ),
-    Lever(
         "malloc thresholds",
         "train, decode",
         "process_settings=True (aiayn's commands), glibc",

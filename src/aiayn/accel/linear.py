@@ -44,7 +44,6 @@ from torch.utils.hooks import RemovableHandle
 
 from aiayn.accel import memory, panels
 from aiayn.accel.cpu import cpu_vendor, private_ops_unverified
-from aiayn.model.feedforward import PositionwiseFeedForward
 
 # Float32 products over this many rows use an MKL pack: a decoder step over 1 to 32 sentences
 # with beam 4, or 4 to 128 greedily. Fewer and more rows are as fast or faster unpacked.
@@ -176,10 +175,8 @@ class Pack:
         )
 
 
-def _onednn_linear(
-    x: Tensor, packed: Tensor, bias: Tensor | None, activation: str = "none"
-) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
+def _onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @torch.no_grad()
@@ -339,16 +336,10 @@ class CpuLinear(nn.Linear):
         """Whether the layer has a pack of its current weight."""
         return self.pack is not None and self.pack.matches(self.weight)
 
-    def fully_packed(self) -> bool:
-        """Whether every product of the layer goes through a pack of its current weight
-        (oneDNN's or the panels; an MKL pack serves some row counts only)."""
-        return self.pack is not None and self.pack.whole and self.pack.matches(self.weight)
-
-    def serving_pack(self, x: Tensor, relu: bool = False) -> Pack | None:
-        """:attr:`pack` where it serves the product of ``x`` (and its ReLU, with ``relu``: an
-        MKL pack cannot), else None."""
+    def serving_pack(self, x: Tensor) -> Pack | None:
+        """:attr:`pack` where it serves the product of ``x``, else None."""
         pack = self.pack
-        if pack is None or not x.dim() or (relu and not pack.whole):
+        if pack is None or not x.dim():
             return None
         width = x.shape[-1]
         if width != self.in_features or torch.is_grad_enabled():
@@ -369,23 +360,21 @@ class CpuLinear(nn.Linear):
             return None
         return pack
 
-    def packed_product(self, x: Tensor, relu: bool = False) -> Tensor | None:
+    def packed_product(self, x: Tensor) -> Tensor | None:
         """The product through :attr:`pack`, or None where the pack does not serve ``x``
-        (:meth:`serving_pack`). ``relu``: and its ReLU, applied by oneDNN as it writes the
-        product."""
-        pack = self.serving_pack(x, relu)
-        return None if pack is None else self.product_through(pack, x, relu)
+        (:meth:`serving_pack`)."""
+        pack = self.serving_pack(x)
+        return None if pack is None else self.product_through(pack, x)
 
-    def product_through(self, pack: Pack, x: Tensor, relu: bool = False) -> Tensor:
+    def product_through(self, pack: Pack, x: Tensor) -> Tensor:
         """The product of ``x`` through ``pack``, one :meth:`serving_pack` has returned."""
         parameters = self._parameters
         weight, bias = parameters["weight"], parameters["bias"]
         rows = rows_of(x)
         if pack.kind == "panels":
-            return panels.linear(x, pack.packed, self.out_features, bias, relu)
+            return panels.linear(x, pack.packed, self.out_features, bias)
         if pack.kind == "onednn":
-            activation = "relu" if relu else "none"
-            product = partial(_onednn_linear, packed=pack.packed, bias=bias, activation=activation)
+            product = partial(_onednn_linear, packed=pack.packed, bias=bias)
             return on_padded_rows(product, x, onednn_rows(rows))
         return torch.ops.mkl._mkl_linear(x, pack.packed, weight, bias, rows)
 
@@ -469,24 +458,3 @@ def logits_into(out_proj: nn.Module, hidden: Tensor, owner: LogitsBuffer) -> Ten
         buffer = owner.rows_buffer(hidden.size(0), weight.size(0), hidden.device)
         return torch.mm(hidden, weight.t(), out=buffer)
     return out_proj(hidden)
-
-
-class ReluInProduct(PositionwiseFeedForward):
-    """:class:`~aiayn.model.feedforward.PositionwiseFeedForward` whose ReLU is applied by
-    oneDNN as it writes the first product, where that product goes through a oneDNN pack, or
-    by aiayn's own product (a :class:`~aiayn.accel.panels.PanelLinear`, in the compiled
-    step): the same values (max(0, x) of the same sums) without a pass over the (rows, d_ff)
-    activations (figures: docs/performance.md). Otherwise, the parent's path.
-
-    One difference: oneDNN's ReLU makes a NaN of the product 0, where ``torch.relu`` keeps
-    it. A NaN in a row's input still makes the layer's output row NaN, through the residual
-    connection around this sublayer; only a NaN the product itself makes (inf − inf, after
-    an overflow) would not reach the output."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        w1 = self.w1
-        if self.activation is F.relu and isinstance(w1, CpuLinear | panels.PanelLinear):
-            hidden = w1.packed_product(x, relu=True)
-            if hidden is not None:
-                return self.w2(self.dropout(hidden))
-        return super().forward(x)

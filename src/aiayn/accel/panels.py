@@ -40,11 +40,13 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import native as native_kernels
 from aiayn.accel.cpu import cpu_flags
 from aiayn.accel.store import compiled_dir, require_trusted
+from aiayn.model.feedforward import PositionwiseFeedForward
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -216,10 +218,32 @@ class PanelLinear(nn.Linear):
         return self.packed_product(x)
 
     def packed_product(self, x: Tensor, relu: bool = False) -> Tensor:
-        """The product (and its ReLU, with ``relu``, applied as it writes): what
-        :meth:`aiayn.accel.linear.CpuLinear.packed_product` gives, for
-        :class:`~aiayn.accel.linear.ReluInProduct`."""
+        """The product (and its ReLU, with ``relu``, applied as it writes)."""
         return linear(x, self.panels, self.out_features, self.bias, relu)
+
+
+class PanelFeedForward(PositionwiseFeedForward):
+    """A :class:`~aiayn.model.feedforward.PositionwiseFeedForward` of :class:`PanelLinear`
+    products, in the compiled step's copy of the model, whose ReLU the first product applies
+    as it writes (the same values, without a pass over the (rows, d_ff) activations)."""
+
+    w1: PanelLinear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.dropout(self.w1.packed_product(x, relu=True)))
+
+    @classmethod
+    def of(cls, ffn: nn.Module) -> PanelFeedForward | None:
+        """The layer of ``ffn``'s own products and dropout, where ``ffn`` is a plain
+        feed-forward layer with a ReLU whose first product is a :class:`PanelLinear`; else
+        None."""
+        if type(ffn) is not PositionwiseFeedForward or ffn.activation is not F.relu:
+            return None
+        if not isinstance(ffn.w1, PanelLinear):
+            return None
+        new = cls(ffn.w1.in_features, ffn.w1.out_features)
+        new.w1, new.w2, new.dropout, new.activation = ffn.w1, ffn.w2, ffn.dropout, ffn.activation
+        return new
 
 
 def to_panels(layer: nn.Linear) -> PanelLinear:
