@@ -987,3 +987,25 @@ def test_reorder_moves_the_decoded_positions_of_the_rows_that_change(one_buffer:
         expected[:, :, :, :, :length] = expected[:, :, order, :, :length]
         got = torch.stack([torch.stack(cache.self_k), torch.stack(cache.self_v)])
         assert torch.equal(got, expected)  # the positions after `length` never move
+
+
+def test_the_steps_copy_takes_the_relu_in_the_panels_product_where_it_can() -> None:
+    """panels.PanelFeedForward.of: a plain ReLU feed-forward layer whose first product is a
+    PanelLinear becomes one over the same sublayers; any other layer stays as it is."""
+    from aiayn.accel.panels import PanelFeedForward, PanelLinear
+    from aiayn.model.feedforward import PositionwiseFeedForward
+
+    def ffn(activation: str = "relu", panel: bool = True) -> PositionwiseFeedForward:
+        layer = PositionwiseFeedForward(8, 32, relu_dropout=0.1, activation=activation)
+        if panel:
+            layer.w1 = PanelLinear(8, 32, True, "meta")
+        return layer
+
+    plain = ffn()
+    made = PanelFeedForward.of(plain)
+    assert type(made) is PanelFeedForward
+    assert (made.w1, made.w2, made.dropout) == (plain.w1, plain.w2, plain.dropout)
+    assert PanelFeedForward.of(ffn("gelu")) is None
+    assert PanelFeedForward.of(ffn(panel=False)) is None
+    assert PanelFeedForward.of(made) is None  # a subclass: not a plain layer
+    assert PanelFeedForward.of(torch.nn.Linear(8, 8)) is None

@@ -162,8 +162,8 @@ class Pack:
 
     @property
     def whole(self) -> bool:
-        """Whether the pack serves every product of its layer, at any row count and with a
-        ReLU (oneDNN's, the panels), not some row counts only (MKL's)."""
+        """Whether the pack serves every row count (oneDNN's, the panels), not some only
+        (MKL's)."""
         return self.kind != "mkl"
 
     def matches(self, weight: Tensor) -> bool:

@@ -225,7 +225,9 @@ class PanelLinear(nn.Linear):
 class PanelFeedForward(PositionwiseFeedForward):
     """A :class:`~aiayn.model.feedforward.PositionwiseFeedForward` of :class:`PanelLinear`
     products, in the compiled step's copy of the model, whose ReLU the first product applies
-    as it writes (the same values, without a pass over the (rows, d_ff) activations)."""
+    as it writes: the same values without a pass over the (rows, d_ff) activations, but for a
+    NaN of the product, which becomes 0 (the layer's output row is still NaN where its input
+    row has one, through the residual connection)."""
 
     w1: PanelLinear
 
