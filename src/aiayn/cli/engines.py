@@ -72,9 +72,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="map the checkpoint's weights from its file rather than read them (the default): "
-        "pages are read as they are used, and those of weights packed for oneDNN are given "
-        "back; --no-mmap reads the file, for a checkpoint that may be written over in place "
-        "(not replaced by a rename) while it is loaded",
+        "pages are read as they are used; --no-mmap reads the file, for a checkpoint that may "
+        "be written over in place (not replaced by a rename) while it is loaded",
     )
     parser.add_argument(
         "--precision",
